@@ -1,0 +1,39 @@
+# tidefeed — two commands set everything up from nothing: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: test demo lint typecheck pytest bench java-check clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[spark,dev]'
+	touch $(STAMP)
+
+java-check:
+	@$(BIN)/python -m feed._java
+
+lint: $(STAMP)
+	$(BIN)/ruff check protocol feed tests benchmarks
+	$(BIN)/ruff format --check protocol feed tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy protocol feed
+
+pytest: $(STAMP) java-check
+	$(BIN)/python -m pytest
+
+test: lint typecheck pytest
+
+demo: $(STAMP) java-check
+	$(BIN)/tidefeed demo
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_codecs.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,187 @@
+"""The ``tidefeed`` command line (DESIGN §9).
+
+Every option also reads ``TIDEFEED_<OPTION>`` from the environment (``--on-bad-record`` from
+``TIDEFEED_ON_BAD_RECORD``); a flag given on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+import orjson
+
+from protocol import CODECS, CodecError, FeedChecker, TidefeedError, get_codec
+
+__all__ = ["build_parser", "main"]
+
+FORMATS = tuple(CODECS)
+
+
+def _env_name(flag: str) -> str:
+    return "TIDEFEED_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _option(p: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
+    """Add ``flag``, defaulting to ``TIDEFEED_<FLAG>`` from the environment when set."""
+    env = os.environ.get(_env_name(flag))
+    if env is not None:
+        if kw.get("action") == "store_true":
+            kw["default"] = env.strip().lower() not in ("", "0", "false", "no")
+        else:
+            kw["default"] = env
+            kw.pop("required", None)
+        kw["help"] = (kw.get("help") or "") + f" [from ${_env_name(flag)}]"
+    p.add_argument(flag, **kw)
+
+
+def sniff_format(head: bytes) -> str:
+    """Guess a stream's format from its first bytes: Avro and Arrow have magic numbers."""
+    if head.startswith(b"Obj\x01"):
+        return "avro"
+    if head.startswith(b"\xff\xff\xff\xff"):
+        return "arrow"
+    return "ndjson"
+
+
+def _peek(stream: IO[bytes]) -> bytes:
+    """The first bytes of a buffered binary stream, without consuming them."""
+    peek = getattr(stream, "peek", None)
+    return bytes(peek(8)[:8]) if peek is not None else b""
+
+
+def _open_in(path: str) -> IO[bytes]:
+    if path == "-":
+        return sys.stdin.buffer
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise SystemExit(f"tidefeed: cannot open {path}: {e.strerror}") from e
+
+
+def _load_schema(path: str | None) -> Any:
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return orjson.loads(f.read())
+    except OSError as e:
+        raise SystemExit(f"tidefeed: cannot read schema {path}: {e.strerror}") from e
+    except orjson.JSONDecodeError as e:
+        raise SystemExit(f"tidefeed: schema {path} is not JSON: {e}") from e
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    src = _open_in(args.file)
+    fmt = args.format or sniff_format(_peek(src))
+    decoder = get_codec(fmt).decoder(src)
+    key = [c for c in args.key.split(",") if c] if args.key else None
+    checker = FeedChecker(non_negative=args.non_negative, key=key)
+    name = "stdin" if args.file == "-" else args.file
+    try:
+        for message in decoder:
+            checker.check(message, position=decoder.position)
+    except CodecError as e:
+        for v in checker.violations:
+            print(f"{name}: {v}")
+        print(f"{name}: malformed {fmt}: {e}")
+        return 1
+    violations = checker.finish()
+    for v in violations:
+        print(f"{name}: {v}")
+    summary = (
+        f"{name}: {checker.messages} messages, {checker.updates} updates, "
+        f"frontier {checker.frontier}"
+    )
+    if violations:
+        print(f"{summary}: INVALID ({len(violations)} violation(s))", file=sys.stderr)
+        return 1
+    print(f"{summary}: valid", file=sys.stderr)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    src = _open_in(args.input)
+    schema = _load_schema(args.schema)
+    decoder = get_codec(args.from_).decoder(src, schema=schema)
+    out = sys.stdout.buffer if args.output == "-" else open(args.output, "wb")  # noqa: SIM115
+    encoder = None
+    try:
+        for message in decoder:
+            if encoder is None:
+                # Avro and Arrow inputs know their record schema once the header is read
+                encoder = get_codec(args.to).encoder(out, schema=schema or decoder.record_schema)
+            encoder.write(message)
+        if encoder is None:
+            encoder = get_codec(args.to).encoder(out, schema=schema or decoder.record_schema)
+        encoder.close()
+    finally:
+        out.flush()
+        if out is not sys.stdout.buffer:
+            out.close()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(workdir=args.workdir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tidefeed",
+        description="A differential change feed: consolidated (record, time, diff) updates "
+        "with progress, delivered exactly once.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+    p = sub.add_parser("check", help="validate a feed stream (exit 0 valid, 1 invalid)")
+    _option(p, "--format", choices=FORMATS, help="input format (default: detect)")
+    _option(
+        p,
+        "--non-negative",
+        action="store_true",
+        help="also require non-negative accumulated multiplicities (§2.6)",
+    )
+    _option(p, "--key", help="key columns, comma-separated: at most one live row per key")
+    p.add_argument("file", nargs="?", default="-", metavar="FILE|-")
+    commands["check"] = cmd_check
+
+    p = sub.add_parser("convert", help="convert a feed stream between formats")
+    _option(p, "--from", dest="from_", choices=FORMATS, required=True, help="input format")
+    _option(p, "--to", choices=FORMATS, required=True, help="output format")
+    _option(p, "--schema", help="record schema (Avro JSON, .avsc)")
+    p.add_argument("input", nargs="?", default="-", metavar="IN|-")
+    p.add_argument("output", nargs="?", default="-", metavar="OUT|-")
+    commands["convert"] = cmd_convert
+
+    p = sub.add_parser("demo", help="run the demo end to end")
+    _option(p, "--workdir", help="where the demo writes (default: a fresh temporary folder)")
+    commands["demo"] = cmd_demo
+
+    parser.set_defaults(_commands=commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        command: Callable[[argparse.Namespace], int] = args._commands[args.command]
+        return command(args)
+    except TidefeedError as e:
+        print(f"tidefeed {args.command}: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

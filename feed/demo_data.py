@@ -1,0 +1,173 @@
+"""A realistic change stream for demos and tests: a small bank as Debezium events.
+
+Accounts open (``c``), take deposits and transfers (``u``, two rows in one database
+transaction), close (``d``), get no-op updates and changes undone within the same
+transaction. Events carry ``source.lsn`` (growing), ``source.txId`` (one per database
+transaction) and ``ts_ms`` like the Debezium PostgreSQL connector's, with and without the
+``{"schema", "payload"}`` wrapper. The generator also returns the table's final state, the
+ground truth a feed must accumulate to.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+__all__ = ["ACCOUNTS_SCHEMA", "BankStream", "generate_bank"]
+
+#: Avro record schema of the accounts table.
+ACCOUNTS_SCHEMA: dict[str, Any] = {
+    "type": "record",
+    "name": "accounts",
+    "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "owner", "type": "string"},
+        {"name": "balance", "type": "long"},
+        {"name": "active", "type": ["null", "boolean"], "default": None},
+        {"name": "note", "type": ["null", "string"], "default": None},
+    ],
+}
+
+_CONNECT_FIELDS = [
+    {"type": "int64", "optional": False, "field": "id"},
+    {"type": "string", "optional": False, "field": "owner"},
+    {"type": "int64", "optional": False, "field": "balance"},
+    {"type": "boolean", "optional": True, "field": "active"},
+    {"type": "string", "optional": True, "field": "note"},
+]
+_CONNECT_SCHEMA = {
+    "type": "struct",
+    "name": "pg.public.accounts.Envelope",
+    "optional": False,
+    "fields": [
+        {
+            "type": "struct",
+            "optional": True,
+            "fields": _CONNECT_FIELDS,
+            "field": "before",
+            "name": "pg.public.accounts.Value",
+        },
+        {
+            "type": "struct",
+            "optional": True,
+            "fields": _CONNECT_FIELDS,
+            "field": "after",
+            "name": "pg.public.accounts.Value",
+        },
+        {"type": "struct", "field": "source", "optional": False, "fields": []},
+        {"type": "string", "field": "op", "optional": False},
+        {"type": "int64", "field": "ts_ms", "optional": True},
+    ],
+}
+_OWNERS = ["ada", "björn", "chen", "dolores", "émile", "fatima", "grace", "hiro", "ines", "jo"]
+
+
+@dataclass
+class BankStream:
+    """Events (one JSON line each), grouped into database transactions, and the final table."""
+
+    events: list[bytes] = field(default_factory=list)
+    final: dict[int, dict[str, Any]] = field(default_factory=dict)
+    transactions: int = 0
+
+    def lines(self) -> bytes:
+        return b"".join(e + b"\n" for e in self.events)
+
+
+def generate_bank(
+    *,
+    transactions: int = 50,
+    seed: int = 7,
+    start_ms: int = 1_700_000_000_000,
+    wrapped_every: int = 3,
+) -> BankStream:
+    """Generate ``transactions`` database transactions of bank activity, deterministically."""
+    rng = random.Random(seed)
+    out = BankStream()
+    table: dict[int, dict[str, Any]] = {}
+    lsn = 1000
+    next_id = 1
+    ts = start_ms
+    for tx in range(transactions):
+        tx_id = 5000 + tx
+        ts += rng.randint(1, 50)
+        changes: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None]] = []
+        kind = rng.random()
+        if kind < 0.25 or len(table) < 3:
+            for _ in range(rng.randint(1, 3)):
+                row: dict[str, Any] = {
+                    "id": next_id,
+                    "owner": rng.choice(_OWNERS),
+                    "balance": rng.randint(0, 10_000),
+                    "active": True,
+                    "note": rng.choice([None, "", "vip", "línea\nnueva"]),
+                }
+                next_id += 1
+                changes.append(("c", None, row))
+                table[next_id - 1] = row
+        elif kind < 0.55:
+            a, b = rng.sample(sorted(table), 2)
+            amount = rng.randint(1, 500)
+            for acct, delta in ((a, -amount), (b, amount)):
+                before = table[acct]
+                after = dict(before, balance=before["balance"] + delta)
+                changes.append(("u", before, after))
+                table[acct] = after
+        elif kind < 0.7:
+            acct = rng.choice(sorted(table))
+            before = table[acct]
+            changes.append(("u", before, dict(before)))  # a no-op update
+        elif kind < 0.8:
+            # changed and changed back in one transaction: the updates cancel
+            acct = rng.choice(sorted(table))
+            before = table[acct]
+            mid = dict(before, note="pending")
+            changes.append(("u", before, mid))
+            changes.append(("u", mid, before))
+        elif kind < 0.9:
+            acct = rng.choice(sorted(table))
+            changes.append(("d", table.pop(acct), None))
+        else:
+            acct = rng.choice(sorted(table))
+            before = table[acct]
+            after = dict(
+                before,
+                balance=before["balance"] + rng.randint(-100, 1000),
+                active=rng.choice([True, False, None]),
+            )
+            changes.append(("u", before, after))
+            table[acct] = after
+        for op, old, new in changes:
+            lsn += rng.randint(1, 9)
+            payload = {
+                "before": old,
+                "after": new,
+                "source": {
+                    "version": "2.7.0.Final",
+                    "connector": "postgresql",
+                    "name": "pg",
+                    "ts_ms": ts,
+                    "snapshot": "false",
+                    "db": "bank",
+                    "schema": "public",
+                    "table": "accounts",
+                    "txId": tx_id,
+                    "lsn": lsn,
+                    "xmin": None,
+                },
+                "op": op,
+                "ts_ms": ts + 3,
+                "transaction": None,
+            }
+            event = (
+                {"schema": _CONNECT_SCHEMA, "payload": payload}
+                if wrapped_every and len(out.events) % wrapped_every == 0
+                else payload
+            )
+            out.events.append(orjson.dumps(event))
+        out.transactions += 1
+    out.final = table
+    return out

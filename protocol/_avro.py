@@ -1,0 +1,109 @@
+"""Avro codec: an object container file with Materialize's CDCv2 message schema (fastavro)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import IO, Any
+
+import fastavro
+import fastavro.write
+
+from .codecs import MAX_UPDATES_PER_MESSAGE, Codec, Decoder, Encoder
+from .errors import CodecError
+from .messages import Message, Progress, Updates
+from .schema import CDC_NAMESPACE, cdcv2_schema, record_schema_of
+
+__all__ = ["AvroCodec"]
+
+
+class AvroEncoder(Encoder):
+    _writer: fastavro.write.Writer
+
+    @property
+    def needs_schema(self) -> bool:
+        return True
+
+    def _start(self) -> None:
+        try:
+            parsed = fastavro.parse_schema(cdcv2_schema(self._schema))
+        except (fastavro.schema.SchemaParseException, KeyError, TypeError, ValueError) as e:
+            raise CodecError(f"invalid record schema: {e}", fmt="avro") from e
+        self._writer = fastavro.write.Writer(self._out, parsed)
+
+    def _datum(self, datum: Any) -> None:
+        try:
+            self._writer.write(datum)
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
+            raise CodecError(
+                f"message {self.written} does not fit the record schema: {e}", fmt="avro"
+            ) from e
+
+    def _write_updates(self, updates: Updates) -> None:
+        self._datum(updates.rows())
+
+    def _write_progress(self, p: Progress) -> None:
+        self._datum(p.to_wire())
+
+    def _finish(self) -> None:
+        self._writer.flush()
+
+
+def _check_cdcv2(schema: Any) -> None:
+    ok = (
+        isinstance(schema, list)
+        and len(schema) == 2
+        and isinstance(schema[0], dict)
+        and schema[0].get("type") == "array"
+        and isinstance(schema[1], dict)
+        and schema[1].get("name") in ("progress", f"{CDC_NAMESPACE}.progress")
+    )
+    if not ok:
+        raise CodecError(
+            "the container's writer schema is not the CDCv2 message schema "
+            "(a union of an update array and a progress record)",
+            fmt="avro",
+            position="header",
+        )
+
+
+class AvroDecoder(Decoder):
+    def __iter__(self) -> Iterator[Message]:
+        self.position = "header"
+        try:
+            reader = fastavro.reader(self._stream)
+        except (ValueError, TypeError, KeyError, EOFError, StopIteration) as e:
+            raise CodecError(
+                f"not an Avro object container: {e}", fmt="avro", position=self.position
+            ) from e
+        _check_cdcv2(reader.writer_schema)
+        self._schema = record_schema_of(reader.writer_schema)
+        index = 0
+        it = iter(reader)
+        while True:
+            self.position = f"datum {index}"
+            try:
+                datum = next(it)
+            except StopIteration:
+                return
+            except (ValueError, TypeError, KeyError, EOFError, IndexError) as e:
+                raise CodecError(
+                    f"cannot read datum: {e!r}", fmt="avro", position=self.position
+                ) from e
+            if isinstance(datum, list):
+                yield Updates.from_rows(datum)
+            else:
+                yield Progress.from_wire(datum, fmt="avro", position=self.position)
+            index += 1
+
+
+class AvroCodec(Codec):
+    name = "avro"
+    content_type = "application/vnd.tidefeed.cdcv2+avro"
+
+    def encoder(
+        self, out: IO[bytes], *, schema: Any = None, max_updates: int = MAX_UPDATES_PER_MESSAGE
+    ) -> Encoder:
+        return AvroEncoder(out, schema=schema, max_updates=max_updates)
+
+    def decoder(self, stream: IO[bytes], *, schema: Any = None) -> Decoder:
+        return AvroDecoder(stream, schema=schema)

@@ -1,0 +1,148 @@
+"""`tidefeed check` and `tidefeed convert` as a user runs them: real processes, real files."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import fastavro
+import orjson
+import pytest
+
+from feed.demo_data import ACCOUNTS_SCHEMA
+from protocol import Progress, Update, Updates, announcement, cdcv2_schema, get_codec
+
+TIDEFEED = [sys.executable, "-m", "feed.cli"]
+
+
+def run(*args, stdin=None, env=None):
+    return subprocess.run(
+        [*TIDEFEED, *args], input=stdin, capture_output=True, env=env, timeout=120
+    )
+
+
+ROW = {"id": 1, "owner": "ada", "balance": 10, "active": None, "note": "é"}
+FEED = [
+    announcement(0),
+    Updates.of([Update(ROW, 5, 1)]),
+    Progress(0, 6, ((5, 1),)),
+    Updates.of([Update(ROW, 7, -1), Update(dict(ROW, balance=20), 7, 1)]),
+    Progress(6, 8, ((7, 2),)),
+]
+
+
+@pytest.fixture
+def feed_files(tmp_path) -> dict[str, Path]:
+    files = {}
+    for fmt in ("ndjson", "avro", "arrow"):
+        path = tmp_path / f"feed.{fmt}"
+        path.write_bytes(get_codec(fmt).encode(FEED, schema=ACCOUNTS_SCHEMA))
+        files[fmt] = path
+    return files
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "avro", "arrow"])
+def test_check_accepts_a_valid_feed_in_each_format(feed_files, fmt):
+    out = run("check", str(feed_files[fmt]))  # format detected from the bytes
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert b"5 messages, 3 updates, frontier 8: valid" in out.stderr
+
+
+def test_check_reports_each_violation_on_its_own_line(tmp_path):
+    bad = [
+        announcement(0),
+        Updates.of([Update(ROW, 5, 1), Update(ROW, 5, 1)]),
+        Progress(0, 6, ((5, 2),)),
+        Progress(9, 10, ()),
+    ]
+    path = tmp_path / "bad.ndjson"
+    path.write_bytes(get_codec("ndjson").encode(bad))
+    out = run("check", "--format", "ndjson", str(path))
+    assert out.returncode == 1
+    lines = out.stdout.decode().splitlines()
+    assert len(lines) == 3, lines
+    assert "line 2 (message 1): consolidated at time 5" in lines[0]
+    assert "line 3 (message 2): exact-counts" in lines[1]
+    assert "line 4 (message 3): chained at time 9" in lines[2]
+    assert b"INVALID (3 violation(s))" in out.stderr
+
+
+def test_check_reads_stdin_and_reports_malformed_input():
+    out = run(
+        "check", "-", stdin=b'{"progress": {"lower": [0], "upper": [0], "counts": []}}\n{oops\n'
+    )
+    assert out.returncode == 1
+    assert b"stdin: malformed ndjson: ndjson at line 2: invalid JSON" in out.stdout
+
+
+def test_check_non_negative_and_key_flags(tmp_path):
+    feed = [
+        announcement(0),
+        Updates.of([Update(ROW, 1, 1), Update(dict(ROW, note="x"), 1, 1)]),
+        Progress(0, 2, ((1, 2),)),
+    ]
+    path = tmp_path / "two.ndjson"
+    path.write_bytes(get_codec("ndjson").encode(feed))
+    assert run("check", str(path)).returncode == 0
+    out = run("check", "--key", "id", str(path))
+    assert out.returncode == 1 and b"one-row-per-key" in out.stdout
+    env = dict(os.environ, TIDEFEED_KEY="id")
+    assert run("check", str(path), env=env).returncode == 1
+
+
+def test_convert_ndjson_to_avro_is_plain_cdcv2(feed_files, tmp_path):
+    schema = tmp_path / "accounts.avsc"
+    schema.write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
+    out = run(
+        "convert",
+        "--from",
+        "ndjson",
+        "--to",
+        "avro",
+        "--schema",
+        str(schema),
+        str(feed_files["ndjson"]),
+        "-",
+    )
+    assert out.returncode == 0, out.stderr
+    datums = list(
+        fastavro.reader(io.BytesIO(out.stdout), reader_schema=cdcv2_schema(ACCOUNTS_SCHEMA))
+    )
+    assert datums[1] == [{"data": ROW, "time": 5, "diff": 1}]
+    assert datums[4] == {"lower": [6], "upper": [8], "counts": [{"time": 7, "count": 2}]}
+
+
+def test_convert_chain_returns_to_the_same_feed(feed_files, tmp_path):
+    arrow = tmp_path / "x.arrow"
+    assert (
+        run(
+            "convert", "--from", "avro", "--to", "arrow", str(feed_files["avro"]), str(arrow)
+        ).returncode
+        == 0
+    )
+    back = run("convert", "--from", "arrow", "--to", "ndjson", str(arrow))
+    assert back.returncode == 0, back.stderr
+    assert back.stdout == feed_files["ndjson"].read_bytes()
+
+
+def test_convert_bad_input_fails_clearly(tmp_path):
+    path = tmp_path / "x.avro"
+    path.write_bytes(b"not avro at all")
+    out = run("convert", "--from", "avro", "--to", "ndjson", str(path))
+    assert out.returncode == 1
+    assert b"tidefeed convert: avro at header: not an Avro object container" in out.stderr
+
+
+def test_unknown_option_value_is_a_usage_error():
+    out = run("check", "--format", "csv")
+    assert out.returncode == 2 and b"invalid choice" in out.stderr
+
+
+def test_demo_runs_and_verifies(tmp_path):
+    out = run("demo", "--workdir", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert b"OK: the feed accumulates to the bank's final table" in out.stdout
+    assert run("check", "--key", "id", str(tmp_path / "bank.feed.ndjson")).returncode == 0

@@ -1,0 +1,229 @@
+"""Codec round trips, streaming, errors, and CDCv2 compatibility with plain fastavro."""
+
+from __future__ import annotations
+
+import io
+
+import fastavro
+import pyarrow as pa
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocol import (
+    CODECS,
+    CodecError,
+    Progress,
+    Update,
+    Updates,
+    announcement,
+    cdcv2_schema,
+    codec_for_content_type,
+    get_codec,
+    progress,
+)
+from protocol.schema import arrow_to_avro, avro_to_arrow
+
+from ..strategies import RICH_SCHEMA, json_records, rich_records, updates_of
+
+FORMATS = sorted(CODECS)
+
+
+def _normalise(messages):
+    out = []
+    for m in messages:
+        if isinstance(m, Updates):
+            out.append(("u", [(u.record, u.time, u.diff) for u in m]))
+        else:
+            out.append(("p", m))
+    return out
+
+
+def _merge_updates(messages):
+    """Consecutive update messages as one (encoders may split big batches)."""
+    out = []
+    for kind, v in _normalise(messages):
+        if kind == "u" and out and out[-1][0] == "u":
+            out[-1] = ("u", out[-1][1] + v)
+        else:
+            out.append((kind, v))
+    return out
+
+
+def _stream(ups: list[Update]):
+    return [announcement(0), Updates.of(ups), progress(5, 1), Progress(6, 9, ((7, 2), (8, 1)))]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@given(ups=updates_of(json_records))
+def test_round_trip_json_records(fmt, ups):
+    codec = get_codec(fmt)
+    messages = _stream(ups)
+    body = codec.encode(messages)
+    assert _normalise(codec.decode(body)) == _normalise(messages)
+
+
+@pytest.mark.parametrize("fmt", ["avro", "arrow"])
+@given(ups=updates_of(rich_records))
+def test_round_trip_logical_types(fmt, ups):
+    codec = get_codec(fmt)
+    messages = _stream(ups)
+    body = codec.encode(messages, schema=RICH_SCHEMA)
+    assert _normalise(codec.decode(body)) == _normalise(messages)
+
+
+@pytest.mark.parametrize(("src", "dst"), [(a, b) for a in FORMATS for b in FORMATS if a != b])
+@given(ups=updates_of(rich_records))
+def test_convert_between_typed_formats_keeps_values(src, dst, ups):
+    """Avro <-> Arrow keep logical types; NDJSON legs are checked on the JSON rendering."""
+    if "ndjson" in (src, dst):
+        ups = [
+            Update(
+                {k: v for k, v in u.record.items() if k in ("id", "name", "tags")}, u.time, u.diff
+            )
+            for u in ups
+        ]
+        schema = {
+            "type": "record",
+            "name": "r",
+            "fields": [
+                {"name": "id", "type": "long"},
+                {"name": "name", "type": "string"},
+                {"name": "tags", "type": {"type": "array", "items": "string"}},
+            ],
+        }
+    else:
+        schema = RICH_SCHEMA
+    messages = _stream(ups)
+    first = get_codec(src).encode(messages, schema=schema)
+    decoder = get_codec(src).decoder(io.BytesIO(first), schema=schema)
+    decoded = list(decoder)
+    second = get_codec(dst).encode(decoded, schema=decoder.record_schema)
+    assert _merge_updates(get_codec(dst).decode(second, schema=schema)) == _merge_updates(messages)
+
+
+@given(ups=updates_of(rich_records))
+def test_avro_is_readable_by_plain_fastavro_with_the_cdcv2_schema(ups):
+    body = get_codec("avro").encode(_stream(ups), schema=RICH_SCHEMA)
+    reader = fastavro.reader(io.BytesIO(body), reader_schema=cdcv2_schema(RICH_SCHEMA))
+    datums = list(reader)
+    assert datums[0] == {"lower": [0], "upper": [0], "counts": []}
+    assert [(d["data"], d["time"], d["diff"]) for d in datums[1]] == [
+        (u.record, u.time, u.diff) for u in ups
+    ]
+    assert datums[2] == {"lower": [5], "upper": [6], "counts": [{"time": 5, "count": 1}]}
+
+
+def test_avro_writer_schema_is_exactly_cdcv2():
+    body = get_codec("avro").encode([progress(1, 0)], schema=RICH_SCHEMA)
+    schema = fastavro.reader(io.BytesIO(body)).writer_schema
+    update = schema[0]["items"]
+    assert update["name"] == "com.materialize.cdc.update"
+    data = update["fields"][0]["type"]
+    assert data["name"] == "com.materialize.cdc.data"
+    assert [f["name"] for f in update["fields"]] == ["data", "time", "diff"]
+    assert schema[1]["name"] == "com.materialize.cdc.progress"
+    assert [f["name"] for f in schema[1]["fields"]] == ["lower", "upper", "counts"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_large_batches_are_split_into_bounded_messages(fmt):
+    ups = [Update({"k": i}, 1, 1) for i in range(25)]
+    buf = io.BytesIO()
+    enc = get_codec(fmt).encoder(buf, max_updates=10)
+    enc.write(Updates.of(ups))
+    enc.write(progress(1, 25))
+    enc.close()
+    decoded = get_codec(fmt).decode(buf.getvalue())
+    sizes = [len(m) for m in decoded if isinstance(m, Updates)]
+    assert sizes == [10, 10, 5]
+    assert [u.record["k"] for m in decoded if isinstance(m, Updates) for u in m] == list(range(25))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decoder_streams_message_by_message(fmt):
+    """The first messages come out before the decoder reaches a broken tail."""
+    codec = get_codec(fmt)
+    good = codec.encode([announcement(0), Updates.of([Update({"k": 1}, 3, 1)]), progress(3, 1)])
+    broken = good[:-7] if fmt != "ndjson" else good + b"{not json\n"
+    decoder = codec.decoder(io.BytesIO(broken))
+    it = iter(decoder)
+    assert next(it) == announcement(0)
+    assert [u.record for u in next(it)] == [{"k": 1}]
+    with pytest.raises(CodecError) as e:
+        list(it)
+    assert fmt in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        (b"{not json", "invalid JSON"),
+        (b'{"updates": [], "progress": {}}', "exactly one"),
+        (b'{"update": []}', "unknown message kind"),
+        (b'{"updates": {}}', "must be a list"),
+        (b'{"updates": [{"data": {}, "time": -1, "diff": 1}]}', "outside the 64-bit range"),
+        (b'{"updates": [{"data": {}, "time": 1}]}', "integer 'time' and 'diff'"),
+        (b'{"updates": [{"data": 5, "time": 1, "diff": 1}]}', "object 'data'"),
+        (b'{"progress": {"lower": [0], "upper": [1, 2], "counts": []}}', "one-element list"),
+        (b'{"progress": {"lower": [0], "upper": [1]}}', "missing field"),
+        (b'{"progress": {"lower": [0], "upper": [1], "counts": [{"time": 0}]}}', "counts[0]"),
+    ],
+)
+def test_malformed_ndjson_names_line_and_reason(line, why):
+    body = b'{"progress": {"lower": [0], "upper": [0], "counts": []}}\n' + line + b"\n"
+    with pytest.raises(CodecError) as e:
+        get_codec("ndjson").decode(body)
+    assert "line 2" in str(e.value)
+    assert why in str(e.value)
+
+
+def test_avro_with_another_schema_is_rejected():
+    buf = io.BytesIO()
+    fastavro.writer(
+        buf, {"type": "record", "name": "x", "fields": [{"name": "a", "type": "int"}]}, [{"a": 1}]
+    )
+    with pytest.raises(CodecError, match="not the CDCv2 message schema"):
+        get_codec("avro").decode(buf.getvalue())
+
+
+def test_arrow_with_another_schema_is_rejected():
+    buf = io.BytesIO()
+    with pa.ipc.new_stream(buf, pa.schema([("x", pa.int64())])) as w:
+        w.write_batch(pa.record_batch([pa.array([1])], names=["x"]))
+    with pytest.raises(CodecError, match="data \\(struct\\)"):
+        get_codec("arrow").decode(buf.getvalue())
+
+
+@pytest.mark.parametrize("body", [b"", b"garbage!", b"Obj\x01\x00"])
+@pytest.mark.parametrize("fmt", ["avro", "arrow"])
+def test_binary_garbage_is_a_codec_error(fmt, body):
+    with pytest.raises(CodecError):
+        get_codec(fmt).decode(body)
+
+
+def test_avro_datum_that_does_not_fit_the_schema_is_a_codec_error():
+    schema = {"type": "record", "name": "r", "fields": [{"name": "n", "type": "long"}]}
+    with pytest.raises(CodecError, match="does not fit"):
+        get_codec("avro").encode([Updates.of([Update({"n": "text"}, 1, 1)])], schema=schema)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_stream_without_updates_encodes(fmt):
+    messages = [announcement(4), Progress(4, 9, ())]
+    assert get_codec(fmt).decode(get_codec(fmt).encode(messages)) == messages
+
+
+def test_content_types_and_names():
+    assert codec_for_content_type("application/x-ndjson; charset=utf-8").name == "ndjson"
+    assert codec_for_content_type("application/vnd.tidefeed.cdcv2+avro").name == "avro"
+    assert codec_for_content_type("application/vnd.apache.arrow.stream").name == "arrow"
+    assert codec_for_content_type("text/plain") is None
+    with pytest.raises(CodecError, match="known formats: ndjson, avro, arrow"):
+        get_codec("csv")
+
+
+@given(st.sampled_from([RICH_SCHEMA]))
+def test_avro_arrow_schema_round_trip(schema):
+    t = avro_to_arrow(schema)
+    assert avro_to_arrow(arrow_to_avro(t)) == t

@@ -1,0 +1,62 @@
+"""The public surface is deliberate: __all__ lists what the packages export, nothing else."""
+
+import importlib
+import pkgutil
+
+import protocol
+
+EXPECTED_PROTOCOL = {
+    "CODECS",
+    "ApplyResult",
+    "CheckpointError",
+    "Codec",
+    "CodecError",
+    "CommitConflict",
+    "Conflict",
+    "Consumer",
+    "CountMismatch",
+    "Decoder",
+    "Encoder",
+    "FeedChecker",
+    "Gap",
+    "MemoryStore",
+    "Message",
+    "Progress",
+    "ProtocolError",
+    "SourceError",
+    "StaleEpoch",
+    "Store",
+    "StoreState",
+    "TidefeedError",
+    "Update",
+    "Updates",
+    "Violation",
+    "announcement",
+    "arrow_to_avro",
+    "avro_to_arrow",
+    "cdcv2_schema",
+    "check_messages",
+    "codec_for_content_type",
+    "consolidate",
+    "fingerprint",
+    "get_codec",
+    "progress",
+    "record_key",
+}
+
+
+def test_protocol_exports_exactly_the_curated_api():
+    assert set(protocol.__all__) == EXPECTED_PROTOCOL
+    for name in protocol.__all__:
+        assert getattr(protocol, name) is not None
+
+
+def test_every_module_declares_all():
+    import feed
+
+    for pkg in (protocol, feed):
+        for info in pkgutil.iter_modules(pkg.__path__):
+            module = importlib.import_module(f"{pkg.__name__}.{info.name}")
+            assert hasattr(module, "__all__"), f"{module.__name__} lacks __all__"
+            for name in module.__all__:
+                assert hasattr(module, name), f"{module.__name__}.__all__ names missing {name}"
