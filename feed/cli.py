@@ -125,6 +125,76 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_source(spec: str) -> tuple[str, str]:
+    from .sources import SOURCE_KINDS
+
+    kind, sep, path = spec.partition(":")
+    if not sep or not path:
+        raise SystemExit(f"tidefeed emit: --source must be KIND:PATH, got {spec!r}")
+    if kind not in SOURCE_KINDS:
+        raise SystemExit(
+            f"tidefeed emit: unknown source kind {kind!r}; known kinds: {', '.join(SOURCE_KINDS)}"
+        )
+    return kind, path
+
+
+def cmd_emit(args: argparse.Namespace) -> int:
+    import logging
+
+    from .emitter import Emitter, EmitterConfig, load_schema_file
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr
+    )
+    kind, path = _parse_source(args.source)
+    if args.push or args.eager:
+        raise SystemExit("tidefeed emit: --push/--eager delivery is not available yet")
+    config = EmitterConfig(
+        source_kind=kind,
+        source_path=path,
+        feed=args.feed,
+        log=args.log,
+        key=tuple(c for c in (args.key or "").split(",") if c),
+        schema=load_schema_file(args.schema) if args.schema else None,
+        clock=args.clock,
+        granularity=args.granularity,
+        follow=args.follow,
+        trigger=float(args.trigger),
+        master=args.master,
+        on_bad_record=args.on_bad_record,
+        max_files_per_txn=int(args.max_files_per_txn),
+    )
+    emitter = Emitter(config)
+    emitter.open()
+    try:
+        reports = emitter.run()
+    finally:
+        emitter.close()
+    cp = emitter.cp
+    assert cp is not None
+    updates = sum(r.updates for r in reports)
+    bad = sum(r.bad_rows for r in reports)
+    print(
+        f"feed {config.feed}: {len(reports)} transaction(s), {updates} updates, "
+        f"{bad} quarantined row(s); frontier {cp.frontier}, epoch {cp.epoch}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .inspect import inspect_feed
+
+    return inspect_feed(
+        log=args.log,
+        feed=args.feed,
+        after=args.after,
+        at=args.at,
+        fmt=args.format,
+        out=sys.stdout,
+    )
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -159,6 +229,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", nargs="?", default="-", metavar="IN|-")
     p.add_argument("output", nargs="?", default="-", metavar="OUT|-")
     commands["convert"] = cmd_convert
+
+    p = sub.add_parser("emit", help="turn row changes into a consolidated feed (Spark)")
+    _option(p, "--source", required=True, help="KIND:PATH; kinds: debezium, weighted")
+    _option(p, "--feed", required=True, help="feed name")
+    _option(p, "--log", required=True, help="feed log URI (a local path or s3://…)")
+    _option(p, "--key", help="key columns, comma-separated (keeps per-key state)")
+    _option(p, "--schema", help="record schema (Avro JSON, .avsc); default: inferred")
+    _option(p, "--clock", choices=("wallclock", "logical"), default="wallclock")
+    _option(p, "--granularity", choices=("batch", "transaction"), default="batch")
+    _option(p, "--follow", action="store_true", help="keep picking up new files")
+    _option(p, "--trigger", default="5", help="seconds between polls in --follow mode")
+    _option(p, "--push", help="push the feed to this receiver URL")
+    _option(p, "--eager", action="store_true", help="push before the commit (with --push)")
+    _option(p, "--format", choices=FORMATS, default="ndjson", help="push format")
+    _option(p, "--master", default=None, help="Spark master (default local[*])")
+    _option(p, "--on-bad-record", choices=("quarantine", "fail"), default="quarantine")
+    _option(p, "--max-files-per-txn", default="1000", help="input files per transaction")
+    commands["emit"] = cmd_emit
+
+    p = sub.add_parser("inspect", help="print a committed feed from its log (no Spark)")
+    _option(p, "--log", required=True, help="feed log URI")
+    _option(p, "--feed", required=True, help="feed name")
+    _option(p, "--after", type=int, help="only times >= T")
+    _option(p, "--at", type=int, help="the collection at complete time T")
+    _option(p, "--format", choices=("table", *FORMATS), default="table")
+    commands["inspect"] = cmd_inspect
 
     p = sub.add_parser("demo", help="run the demo end to end")
     _option(p, "--workdir", help="where the demo writes (default: a fresh temporary folder)")

@@ -1,0 +1,182 @@
+"""The checkpoint store: a sequence of immutable commit files, the emitter's single commit point.
+
+Contract (DESIGN §4):
+
+* A checkpoint is the JSON object ``{"format": 1, "feed", "epoch", "seq", "progress":
+  {"lower", "upper", "counts"}, "next", "source", "schema", "since", "writers", "state"}``,
+  stored as ``<feed>/_commits/<seq:020d>.json``. The latest checkpoint is the one with the
+  highest ``seq``.
+* :meth:`CheckpointStore.commit` writes ``seq`` with an exclusive create: on a local disk
+  ``O_CREAT | O_EXCL`` then fsync of the file and of the folder, so after it returns the
+  commit survives a power cut, and of two writers racing for the same ``seq`` exactly one
+  wins. The loser gets :class:`~protocol.errors.CommitConflict` and must stop: it is stale.
+  Other filesystems (object stores) get a check-then-write, which narrows but does not close
+  the race; see ``docs/operations.md``.
+* A commit file is never changed after it is written. Readers may read any of the last
+  :data:`KEEP_COMMITS` commits; older ones are pruned after each commit.
+* ``progress`` is an intention: the updates it counts are all in the feed log before the
+  commit file exists, so once the file exists they must be delivered.
+
+Extensions to the DESIGN fields: ``since`` (the compaction point, 0 until compacted),
+``writers`` (``[[from_time, epoch], …]``: which epoch's files hold the times from
+``from_time`` on, so files left by a fenced-out writer are never read) and ``state`` (the
+folder of the keyed-state snapshot this commit goes with, or null).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import orjson
+import pyarrow.fs as pafs
+
+from protocol import CheckpointError, CommitConflict, Progress
+
+from .log import FeedLog
+
+__all__ = ["FORMAT", "KEEP_COMMITS", "Checkpoint", "CheckpointStore"]
+
+FORMAT = 1
+KEEP_COMMITS = 5
+_COMMIT_NAME = re.compile(r"^(\d{20})\.json$")
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """One committed checkpoint (see the module docstring for the fields)."""
+
+    feed: str
+    epoch: int
+    seq: int
+    progress: Progress
+    next: int
+    source: Any = None
+    schema: str = ""
+    since: int = 0
+    writers: tuple[tuple[int, int], ...] = ()
+    state: str | None = None
+    format: int = FORMAT
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def frontier(self) -> int:
+        return self.progress.upper
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        d["progress"] = {
+            "lower": self.progress.lower,
+            "upper": self.progress.upper,
+            "counts": [[t, n] for t, n in self.progress.counts],
+        }
+        d["writers"] = [list(w) for w in self.writers]
+        extra = d.pop("extra")
+        d.update(extra)
+        return orjson.dumps(d, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+
+    @classmethod
+    def from_json(cls, raw: bytes, *, where: str) -> Checkpoint:
+        try:
+            d = orjson.loads(raw)
+            if d.get("format") != FORMAT:
+                raise CheckpointError(f"{where}: unknown checkpoint format {d.get('format')!r}")
+            p = d.pop("progress")
+            known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+            extra = {k: d.pop(k) for k in list(d) if k not in known}
+            return cls(
+                **{k: v for k, v in d.items() if k not in ("progress", "writers")},
+                progress=Progress(p["lower"], p["upper"], tuple(map(tuple, p["counts"]))),
+                writers=tuple((int(a), int(b)) for a, b in d.get("writers", [])),
+                extra=extra,
+            )
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: unreadable checkpoint: {e}") from e
+
+    def successor(self, **changes: Any) -> Checkpoint:
+        return replace(self, seq=self.seq + 1, **changes)
+
+    def epoch_for(self, time: int) -> int:
+        """The epoch whose files hold ``time`` (the writer of the range that contains it)."""
+        chosen = self.writers[0][1] if self.writers else self.epoch
+        for start, epoch in self.writers:
+            if start <= time:
+                chosen = epoch
+        return chosen
+
+
+class CheckpointStore:
+    """Reads and writes the commit files of one feed."""
+
+    def __init__(self, log: FeedLog) -> None:
+        self.log = log
+        self.dir = log.path("_commits")
+
+    def _seqs(self) -> list[int]:
+        infos = self.log.list_dir(self.dir)
+        return sorted(
+            int(m.group(1)) for i in infos if (m := _COMMIT_NAME.match(i.base_name)) is not None
+        )
+
+    def latest(self) -> Checkpoint | None:
+        """The checkpoint with the highest seq, or ``None`` for a feed never committed."""
+        seqs = self._seqs()
+        if not seqs:
+            return None
+        return self.read(seqs[-1])
+
+    def read(self, seq: int) -> Checkpoint:
+        path = f"{self.dir}/{seq:020d}.json"
+        try:
+            with self.log.fs.open_input_stream(path) as f:
+                raw = f.read()
+        except (OSError, FileNotFoundError) as e:
+            raise CheckpointError(f"feed {self.log.feed!r}: cannot read {path}: {e}") from e
+        return Checkpoint.from_json(raw, where=f"feed {self.log.feed!r} commit {seq}")
+
+    def commit(self, cp: Checkpoint) -> None:
+        """Write ``cp`` as commit ``cp.seq``, exclusively; raise CommitConflict if it exists."""
+        path = f"{self.dir}/{cp.seq:020d}.json"
+        data = cp.to_json()
+        if self.log.local_root is not None:
+            self._commit_local(path, data, cp)
+        else:
+            if self.log.fs.get_file_info(path).type != pafs.FileType.NotFound:
+                raise self._conflict(cp)
+            with self.log.fs.open_output_stream(path) as f:
+                f.write(data)
+        self._prune(cp.seq)
+
+    def _conflict(self, cp: Checkpoint) -> CommitConflict:
+        return CommitConflict(
+            f"feed {self.log.feed!r}: commit {cp.seq} already exists: another emitter (epoch > "
+            f"{cp.epoch}) has taken over this feed; this one is stale and stops"
+        )
+
+    def _commit_local(self, path: str, data: bytes, cp: Checkpoint) -> None:
+        self.log.fs.create_dir(self.dir, recursive=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            raise self._conflict(cp) from None
+        except OSError as e:
+            raise CheckpointError(f"feed {self.log.feed!r}: cannot create {path}: {e}") from e
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dfd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def _prune(self, seq: int) -> None:
+        for old in self._seqs():
+            if old <= seq - KEEP_COMMITS:
+                self.log.delete_file(f"{self.dir}/{old:020d}.json")

@@ -1,0 +1,466 @@
+"""The transaction driver (DESIGN §4): exactly-once turning of input files into a feed.
+
+Start-up (:meth:`Emitter.open`): load the latest checkpoint, claim a new epoch by committing
+``seq + 1`` (a racing emitter loses with CommitConflict), delete every time folder at or
+above the committed ``upper`` and every staged, quarantined or state folder no commit names
+(the rollback of a transaction that did not commit).
+
+One transaction (:meth:`Emitter.step`):
+
+1. list input files not yet consumed (``source.files``) in name order; read them into
+   changes; drop Debezium events at or below the committed position (redelivery);
+2. turn changes into diffs (keyed state where needed), assign times from ``next``,
+   consolidate per time;
+3. write each time's updates to ``_staging`` and move them to ``times/<t>`` (a redo of the
+   same time replaces them: idempotent), write the keyed-state snapshot and quarantined rows;
+4. **commit** the checkpoint (progress, ``next``, ``source``) — the single commit point;
+5. hand the committed progress to the publisher, if any.
+
+A crash before 4 leaves the old checkpoint, so the next start rolls back and redoes the
+transaction at the same times (``next`` is fixed by the previous commit). A crash after 4
+finds everything committed: the files are in ``source.files`` and are never read twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import orjson
+import pyarrow.parquet as pq
+
+from protocol import CheckpointError, Progress, SourceError, fingerprint
+
+from .checkpoint import Checkpoint, CheckpointStore
+from .log import FeedLog
+
+__all__ = ["Emitter", "EmitterConfig", "TxnReport", "load_schema_file"]
+
+log = logging.getLogger("tidefeed.emit")
+
+DEFAULT_TRIGGER = 5.0
+DEFAULT_MAX_FILES = 1000
+KILL_ENV = "TIDEFEED_TEST_KILL_AT"  # fault injection for crash tests: SIGKILL at a step
+RESERVED = ("time", "diff")
+
+
+class State(Enum):
+    UNOPENED = "unopened"
+    OPENED = "opened"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EmitterConfig:
+    source_kind: str
+    source_path: str
+    feed: str
+    log: str
+    key: tuple[str, ...] = ()
+    schema: dict[str, Any] | None = None
+    clock: str = "wallclock"
+    granularity: str = "batch"
+    follow: bool = False
+    trigger: float = DEFAULT_TRIGGER
+    master: str | None = None
+    on_bad_record: str = "quarantine"
+    max_files_per_txn: int = DEFAULT_MAX_FILES
+
+
+@dataclass(slots=True)
+class TxnReport:
+    """What one transaction did (also the content of its log line)."""
+
+    seq: int
+    progress: Progress
+    files: int
+    input_rows: int
+    updates: int
+    bad_rows: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def line(self) -> str:
+        secs = " ".join(f"{k}={v:.2f}s" for k, v in self.seconds.items())
+        times = f"[{self.progress.lower}, {self.progress.upper})"
+        return (
+            f"txn {self.seq}: times {times} files={self.files} input_rows={self.input_rows} "
+            f"updates={self.updates} bad_rows={self.bad_rows} {secs}"
+        )
+
+
+def _maybe_die(step: str) -> None:
+    if os.environ.get(KILL_ENV) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Emitter:
+    """Runs the transactions of one feed: ``open()``, ``step()`` or ``run()``, ``close()``."""
+
+    def __init__(
+        self,
+        config: EmitterConfig,
+        *,
+        spark: Any = None,
+        logger: logging.Logger | None = None,
+        on_commit: Callable[[Checkpoint], None] | None = None,
+        clock: Callable[[], int] = now_ms,
+    ) -> None:
+        self.config = config
+        self._spark = spark
+        self.log = logger or log
+        self.on_commit = on_commit
+        self._clock = clock
+        self.feedlog = FeedLog(config.log, config.feed)
+        self.store = CheckpointStore(self.feedlog)
+        self.state = State.UNOPENED
+        self.cp: Checkpoint | None = None
+        self.info: Any = None
+        self._record_type: Any = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+    @property
+    def spark(self) -> Any:
+        if self._spark is None:
+            from .session import get_spark
+
+            self._spark = get_spark(self.config.master)
+        return self._spark
+
+    def _require(self, state: State) -> None:
+        if self.state is not state:
+            raise CheckpointError(
+                f"feed {self.config.feed!r}: emitter is {self.state.value}, needs {state.value}"
+            )
+
+    def open(self) -> Checkpoint:
+        """Load or create the feed, claim a new epoch, roll back uncommitted work."""
+        self._require(State.UNOPENED)
+        cfg = self.config
+        self.info = self.feedlog.info()
+        if self.info is None:
+            self.info = self._create_feed()
+        else:
+            self._check_feed_matches()
+        from .sources import spark_record_type
+
+        self._record_type = spark_record_type(self.info.schema)
+        latest = self.store.latest()
+        if latest is None:
+            start = self._clock() if self.info.clock == "wallclock" else 1
+            latest = Checkpoint(
+                feed=cfg.feed,
+                epoch=0,
+                seq=0,
+                progress=Progress(0, 0, ()),
+                next=start,
+                source={"files": [], "pos": [0, 0]},
+                schema=self.info.fingerprint,
+            )
+        claimed = latest.successor(epoch=latest.epoch + 1)
+        self.store.commit(claimed)
+        self.cp = claimed
+        gone = self.feedlog.delete_times_from(claimed.progress.upper)
+        self.feedlog.delete_dir(self.feedlog.path("_staging"))
+        for name in ("quarantine", "state"):
+            for n in self.feedlog.numbered_dirs(name):
+                if n > latest.seq and f"{name}/{n}" != claimed.state:
+                    self.feedlog.delete_dir(self.feedlog.path(name, str(n)))
+        if gone:
+            self.log.info("feed %s: rolled back uncommitted times %s", cfg.feed, gone)
+        self.log.info(
+            "feed %s: epoch %d claimed at seq %d; frontier %d, next time %d",
+            cfg.feed,
+            claimed.epoch,
+            claimed.seq,
+            claimed.frontier,
+            claimed.next,
+        )
+        self.state = State.OPENED
+        return claimed
+
+    def close(self) -> None:
+        self.state = State.CLOSED
+
+    def _create_feed(self) -> Any:
+        cfg = self.config
+        schema = cfg.schema
+        if schema is None:
+            from .sources import infer_record_schema
+
+            schema = infer_record_schema(self.spark, cfg.source_kind, self._all_files()[:5])
+        names = {f["name"] for f in schema.get("fields", [])}
+        clash = [n for n in RESERVED if n in names]
+        if clash:
+            raise SourceError(
+                f"feed {cfg.feed!r}: record columns {clash} clash with the feed log's own "
+                "'time' and 'diff' columns; rename them"
+            )
+        missing = [k for k in cfg.key if k not in names]
+        if missing:
+            raise SourceError(
+                f"feed {cfg.feed!r}: key column(s) {missing} are not in the record "
+                f"schema (columns: {sorted(names)})"
+            )
+        fingerprint(schema)  # validates
+        return self.feedlog.create(schema=schema, key=cfg.key, clock=cfg.clock)
+
+    def _check_feed_matches(self) -> None:
+        cfg, info = self.config, self.info
+        if cfg.schema is not None and fingerprint(cfg.schema) != info.fingerprint:
+            raise SourceError(
+                f"feed {cfg.feed!r}: --schema differs from the feed's record schema "
+                f"(fingerprint {info.fingerprint[:12]}…)"
+            )
+        if cfg.key and tuple(cfg.key) != info.key:
+            raise SourceError(
+                f"feed {cfg.feed!r} is keyed by {list(info.key)}, not {list(cfg.key)}"
+            )
+        if cfg.clock != info.clock:
+            raise SourceError(f"feed {cfg.feed!r} uses the {info.clock} clock, not {cfg.clock}")
+
+    # ---- input -----------------------------------------------------------------------
+    def _all_files(self) -> list[str]:
+        path = os.path.abspath(self.config.source_path)
+        if os.path.isfile(path):
+            return [path]
+        if not os.path.isdir(path):
+            raise SourceError(f"source path {self.config.source_path!r} does not exist")
+        return sorted(
+            os.path.join(path, n)
+            for n in os.listdir(path)
+            if not n.startswith((".", "_")) and os.path.isfile(os.path.join(path, n))
+        )
+
+    def pending_files(self) -> list[str]:
+        assert self.cp is not None
+        done = set(self.cp.source.get("files", []))
+        return [f for f in self._all_files() if os.path.basename(f) not in done]
+
+    # ---- one transaction -------------------------------------------------------------
+    def step(self) -> TxnReport | None:
+        """Run one transaction over the pending input; ``None`` when there was none."""
+        self._require(State.OPENED)
+        files = self.pending_files()[: self.config.max_files_per_txn]
+        if not files:
+            return None
+        return self._txn(files)
+
+    def heartbeat(self) -> Checkpoint | None:
+        """Commit an empty progress up to now (wallclock feeds) so consumers can close times."""
+        self._require(State.OPENED)
+        assert self.cp is not None
+        if self.info.clock != "wallclock":
+            return None
+        upper = max(self._clock(), self.cp.next)
+        if upper <= self.cp.frontier:
+            return None
+        cp = self.cp.successor(progress=Progress(self.cp.frontier, upper, ()), next=upper)
+        self.store.commit(cp)
+        self.cp = cp
+        if self.on_commit:
+            self.on_commit(cp)
+        return cp
+
+    def _txn(self, files: list[str]) -> TxnReport:
+        from pyspark.sql import functions as F
+
+        from .diffs import assign_units, consolidate_diffs, keyed_diffs, unkeyed_diffs
+        from .sources import read_changes
+
+        assert self.cp is not None
+        cfg, cp, fl = self.config, self.cp, self.feedlog
+        seq = cp.seq + 1
+        secs: dict[str, float] = {}
+        t0 = time.perf_counter()
+        changes = read_changes(
+            self.spark, cfg.source_kind, files, self._record_type, self.info.key
+        ).persist()
+        input_rows = changes.count()
+        bad = changes.where(F.col("_error").isNotNull()).select("_file", "_raw", "_error")
+        good = changes.where(F.col("_error").isNull())
+        if cfg.source_kind == "debezium":
+            hi, lo = cp.source.get("pos", [0, 0])
+            good = good.where(
+                (F.col("pos_hi") > hi) | ((F.col("pos_hi") == hi) & (F.col("pos_lo") > lo))
+            ).dropDuplicates(["pos_hi", "pos_lo", "op"])
+        secs["read"] = time.perf_counter() - t0
+        _maybe_die("after_read")
+
+        t1 = time.perf_counter()
+        good, units = assign_units(good, cfg.granularity)
+        new_state = None
+        cached = None
+        if self.info.key:
+            state_df = self._load_state(cp)
+            d = keyed_diffs(good, state_df, self.info.key)
+            diffs, new_state, cached = d.diffs, d.state, d.cached
+            assert d.bad is not None
+            bad = bad.unionByName(d.bad)
+        else:
+            diffs = unkeyed_diffs(good)
+        t_next = cp.next
+        updates = consolidate_diffs(diffs, t_next)
+        bad = bad.persist()
+        bad_rows = bad.count()
+        if bad_rows and cfg.on_bad_record == "fail":
+            sample = bad.limit(3).collect()
+            reasons = "; ".join(f"{os.path.basename(r['_file'])}: {r['_error']}" for r in sample)
+            changes.unpersist()
+            raise SourceError(
+                f"feed {cfg.feed!r}: {bad_rows} bad input row(s), e.g. {reasons}; "
+                "nothing was committed (--on-bad-record fail)"
+            )
+        max_pos = good.agg(F.max(F.struct("pos_hi", "pos_lo")).alias("m")).collect()[0]["m"]
+        secs["compute"] = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        staging = fl.path("_staging", f"{seq}-{uuid.uuid4().hex[:8]}")
+        flat = updates.select("time", "data.*", "diff")
+        flat.write.partitionBy("time").parquet(self._spark_path(staging))
+        counts = self._install(staging, cp.epoch)
+        if new_state is not None:
+            new_state.select("data.*").write.parquet(self._spark_path(fl.path("state", str(seq))))
+        if bad_rows:
+            bad.select(
+                F.col("_file").alias("file"),
+                F.col("_raw").alias("raw"),
+                F.col("_error").alias("reason"),
+            ).write.json(self._spark_path(fl.path("quarantine", str(seq))))
+        fl.delete_dir(staging)
+        secs["write"] = time.perf_counter() - t2
+        _maybe_die("after_write")
+
+        t3 = time.perf_counter()
+        upper = t_next + units if units else cp.frontier
+        progress = Progress(cp.frontier, max(upper, cp.frontier), tuple(sorted(counts.items())))
+        next_time = progress.upper
+        if self.info.clock == "wallclock":
+            next_time = max(self._clock(), progress.upper)
+        writers = cp.writers
+        if not writers or writers[-1][1] != cp.epoch:
+            writers = (*writers, (cp.frontier, cp.epoch))
+        source = {
+            "files": [*cp.source.get("files", []), *(os.path.basename(f) for f in files)],
+            "pos": [max_pos["pos_hi"], max_pos["pos_lo"]]
+            if max_pos is not None
+            else cp.source.get("pos", [0, 0]),
+        }
+        new_cp = cp.successor(
+            progress=progress,
+            next=next_time,
+            source=source,
+            writers=writers,
+            state=f"state/{seq}" if new_state is not None else cp.state,
+        )
+        self.store.commit(new_cp)  # the commit point
+        self.cp = new_cp
+        secs["commit"] = time.perf_counter() - t3
+        _maybe_die("after_commit")
+        self._prune_state(new_cp)
+        for df in (changes, bad, cached):
+            if df is not None:
+                df.unpersist()
+        report = TxnReport(
+            seq=seq,
+            progress=progress,
+            files=len(files),
+            input_rows=input_rows,
+            updates=sum(counts.values()),
+            bad_rows=bad_rows,
+            seconds=secs,
+        )
+        self.log.info("feed %s: %s", cfg.feed, report.line())
+        if self.on_commit:
+            self.on_commit(new_cp)
+        return report
+
+    def _spark_path(self, path: str) -> str:
+        fl = self.feedlog
+        return path if fl.local_root is not None else fl.spark_path(path[len(fl.root) + 1 :])
+
+    def _install(self, staging: str, epoch: int) -> dict[int, int]:
+        """Move staged ``time=<t>`` folders to ``times/<t>``; return each time's row count."""
+        fl = self.feedlog
+        counts: dict[int, int] = {}
+        for d in fl.list_dir(staging):
+            if not d.base_name.startswith("time="):
+                continue
+            t = int(d.base_name.split("=", 1)[1])
+            files = [i.path for i in fl.list_dir(d.path) if i.base_name.endswith(".parquet")]
+            n = sum(pq.ParquetFile(fl.fs.open_input_file(f)).metadata.num_rows for f in files)
+            fl.install_time(t, epoch, files)
+            if n:
+                counts[t] = n
+        return counts
+
+    def _load_state(self, cp: Checkpoint) -> Any:
+        from pyspark.sql import functions as F
+
+        if not cp.state:
+            return None
+        path = self._spark_path(self.feedlog.path(cp.state))
+        df = self.spark.read.schema(self._record_type).parquet(path)
+        return df.select(F.struct(*[F.col(c) for c in df.columns]).alias("data"))
+
+    def _prune_state(self, cp: Checkpoint) -> None:
+        keep = {cp.state}
+        older = self.store._seqs()
+        for s in older:
+            if s != cp.seq:
+                with contextlib.suppress(CheckpointError):
+                    keep.add(self.store.read(s).state)
+        for n in self.feedlog.numbered_dirs("state"):
+            if f"state/{n}" not in keep:
+                self.feedlog.delete_dir(self.feedlog.path("state", str(n)))
+
+    # ---- loops -------------------------------------------------------------------------
+    def run(self, *, stop: Callable[[], bool] | None = None) -> list[TxnReport]:
+        """Batch: transactions until the input is consumed. Follow: forever (or until ``stop``)."""
+        self._require(State.OPENED)
+        reports: list[TxnReport] = []
+        total = len(self.pending_files())
+        while True:
+            report = self.step()
+            if report is not None:
+                reports.append(report)
+                if not self.config.follow and total > self.config.max_files_per_txn:
+                    done = sum(r.files for r in reports)
+                    self.log.info(
+                        "feed %s: %d/%d input files (%.0f%%)",
+                        self.config.feed,
+                        done,
+                        total,
+                        100 * done / total,
+                    )
+                continue
+            if not self.config.follow or (stop is not None and stop()):
+                return reports
+            self.heartbeat()
+            time.sleep(self.config.trigger)
+            if stop is not None and stop():
+                return reports
+
+
+def load_schema_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            schema = orjson.loads(f.read())
+    except OSError as e:
+        raise SourceError(f"cannot read schema file {path}: {e.strerror}") from e
+    except orjson.JSONDecodeError as e:
+        raise SourceError(f"schema file {path} is not JSON: {e}") from e
+    if not isinstance(schema, dict) or schema.get("type") != "record":
+        raise SourceError(f"schema file {path} must hold an Avro record schema")
+    return schema

@@ -1,0 +1,206 @@
+"""The feed log (DESIGN §5) on any pyarrow filesystem: a local path or an ``s3://`` URI.
+
+::
+
+    <log>/<feed>/feed.json               name, record schema (Avro), key, clock, created
+    <log>/<feed>/_commits/<seq>.json     checkpoints (feed/checkpoint.py)
+    <log>/<feed>/times/<time>/*.parquet  consolidated updates at <time>: record columns + diff
+    <log>/<feed>/compacted/<c>/*.parquet all updates at times <= c consolidated to time c
+    <log>/<feed>/quarantine/<seq>/…      bad input rows with raw text and reason
+    <log>/<feed>/state/<seq>/…           keyed-state snapshot that commit <seq> goes with
+    <log>/<feed>/_staging/…              a transaction's output before it is moved in place
+
+Update files are named ``part-e<epoch>-<n>.parquet``: a time's files come from the epoch
+the checkpoint's ``writers`` names for it, so a fenced-out writer's late files are ignored.
+This module only moves bytes; what is committed is decided by the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from protocol import CheckpointError, fingerprint
+
+__all__ = ["FeedInfo", "FeedLog", "valid_feed_name"]
+
+_FEED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_PART = re.compile(r"^part-e(\d+)-(\d+)\.parquet$")
+
+
+def valid_feed_name(name: str) -> bool:
+    """Feed names are path segments: letters, digits, ``_ . -``; no ``..``, no slashes."""
+    return bool(_FEED_NAME.match(name)) and ".." not in name
+
+
+@dataclass(frozen=True, slots=True)
+class FeedInfo:
+    """The contents of ``feed.json``."""
+
+    name: str
+    schema: dict[str, Any]
+    key: tuple[str, ...]
+    clock: str
+    created: str
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.schema)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(
+            {
+                "name": self.name,
+                "schema": self.schema,
+                "key": list(self.key),
+                "clock": self.clock,
+                "created": self.created,
+                "fingerprint": self.fingerprint,
+            },
+            option=orjson.OPT_INDENT_2,
+        )
+
+
+class FeedLog:
+    """Paths and file operations of one feed in a log."""
+
+    def __init__(self, uri: str, feed: str) -> None:
+        if not valid_feed_name(feed):
+            raise CheckpointError(
+                f"invalid feed name {feed!r}: use letters, digits, '_', '.', '-' (no '..')"
+            )
+        self.uri = uri
+        self.feed = feed
+        try:
+            if "://" in uri:
+                fs, root = pafs.FileSystem.from_uri(uri)
+            else:
+                import os
+
+                fs, root = pafs.LocalFileSystem(), os.path.abspath(uri)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise CheckpointError(f"cannot open log {uri!r}: {e}") from e
+        self.fs: pafs.FileSystem = fs
+        self.root = f"{root.rstrip('/')}/{feed}"
+        self.local_root = self.root if isinstance(fs, pafs.LocalFileSystem) else None
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def spark_path(self, *parts: str) -> str:
+        """The same path as Spark wants it (a URI for object stores)."""
+        p = self.path(*parts)
+        if self.local_root is not None:
+            return p
+        scheme = self.uri.split("://", 1)[0]
+        return f"{'s3a' if scheme == 's3' else scheme}://{p}"
+
+    # ---- generic file operations -------------------------------------------------------
+    def list_dir(self, path: str) -> list[pafs.FileInfo]:
+        try:
+            return list(self.fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)))
+        except OSError as e:
+            raise CheckpointError(f"feed {self.feed!r}: cannot list {path}: {e}") from e
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.get_file_info(path).type != pafs.FileType.NotFound)
+
+    def delete_dir(self, path: str) -> None:
+        if self.exists(path):
+            self.fs.delete_dir(path)
+
+    def delete_file(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.delete_file(path)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write a whole small file: to a temporary name, then renamed into place."""
+        parent = path.rsplit("/", 1)[0]
+        self.fs.create_dir(parent, recursive=True)
+        tmp = f"{path}.tmp"
+        with self.fs.open_output_stream(tmp) as f:
+            f.write(data)
+        self.fs.move(tmp, path)
+
+    def read_bytes(self, path: str) -> bytes:
+        with self.fs.open_input_stream(path) as f:
+            return bytes(f.read())
+
+    # ---- feed.json ---------------------------------------------------------------------
+    def info(self) -> FeedInfo | None:
+        path = self.path("feed.json")
+        if not self.exists(path):
+            return None
+        d = orjson.loads(self.read_bytes(path))
+        return FeedInfo(
+            name=d["name"],
+            schema=d["schema"],
+            key=tuple(d.get("key") or ()),
+            clock=d["clock"],
+            created=d["created"],
+        )
+
+    def create(self, *, schema: dict[str, Any], key: tuple[str, ...], clock: str) -> FeedInfo:
+        info = FeedInfo(
+            name=self.feed,
+            schema=schema,
+            key=key,
+            clock=clock,
+            created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        )
+        self.write_bytes(self.path("feed.json"), info.to_json())
+        return info
+
+    # ---- times -------------------------------------------------------------------------
+    def time_dirs(self) -> list[int]:
+        out = []
+        for i in self.list_dir(self.path("times")):
+            if i.type == pafs.FileType.Directory and i.base_name.isdigit():
+                out.append(int(i.base_name))
+        return sorted(out)
+
+    def time_files(self, time: int, epoch: int) -> list[str]:
+        """The update files of ``time`` written by ``epoch``, in order."""
+        files = []
+        for i in self.list_dir(self.path("times", str(time))):
+            m = _PART.match(i.base_name)
+            if m and int(m.group(1)) == epoch:
+                files.append((int(m.group(2)), i.path))
+        return [p for _, p in sorted(files)]
+
+    def read_time(self, time: int, epoch: int) -> pa.Table | None:
+        files = self.time_files(time, epoch)
+        if not files:
+            return None
+        return pa.concat_tables([pq.read_table(f, filesystem=self.fs) for f in files])
+
+    def delete_times_from(self, lowest: int) -> list[int]:
+        """Delete every time folder at ``lowest`` or above (rollback of uncommitted work)."""
+        gone = [t for t in self.time_dirs() if t >= lowest]
+        for t in gone:
+            self.fs.delete_dir(self.path("times", str(t)))
+        return gone
+
+    def install_time(self, time: int, epoch: int, staged_files: list[str]) -> None:
+        """Move a transaction's staged files for ``time`` into place, replacing this epoch's."""
+        target = self.path("times", str(time))
+        self.fs.create_dir(target, recursive=True)
+        for old in self.time_files(time, epoch):
+            self.fs.delete_file(old)
+        for n, src in enumerate(sorted(staged_files)):
+            self.fs.move(src, f"{target}/part-e{epoch}-{n:05d}.parquet")
+
+    def numbered_dirs(self, name: str) -> list[int]:
+        return sorted(
+            int(i.base_name)
+            for i in self.list_dir(self.path(name))
+            if i.type == pafs.FileType.Directory and i.base_name.isdigit()
+        )

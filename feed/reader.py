@@ -1,0 +1,153 @@
+"""Reading a committed feed straight from the log, without Spark.
+
+:class:`FeedReader` is the public reading API used by ``tidefeed inspect``, the notebooks
+and the feed server. It only ever shows committed times (below the latest checkpoint's
+``upper``), each from the files of the epoch that committed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from protocol import CheckpointError, Message, Progress, Updates, announcement, consolidate
+
+from .checkpoint import Checkpoint, CheckpointStore
+from .log import FeedInfo, FeedLog
+
+__all__ = ["FeedReader"]
+
+
+class FeedReader:
+    """A committed feed in a log: its info, times, updates, messages and snapshots."""
+
+    def __init__(self, log: str, feed: str) -> None:
+        self.log = FeedLog(log, feed)
+        info = self.log.info()
+        if info is None:
+            raise CheckpointError(f"no feed {feed!r} in log {log!r}")
+        self.info: FeedInfo = info
+        self.refresh()
+
+    def refresh(self) -> Checkpoint | None:
+        """Re-read the latest checkpoint (a running emitter may have committed more)."""
+        self.checkpoint = CheckpointStore(self.log).latest()
+        return self.checkpoint
+
+    @property
+    def name(self) -> str:
+        return self.log.feed
+
+    @property
+    def frontier(self) -> int:
+        return self.checkpoint.frontier if self.checkpoint else 0
+
+    @property
+    def since(self) -> int:
+        return self.checkpoint.since if self.checkpoint else 0
+
+    def times(self, after: int | None = None, until: int | None = None) -> list[int]:
+        """Committed times with updates, ``>= after`` and ``< until`` (default: the frontier)."""
+        cp = self.checkpoint
+        if cp is None:
+            return []
+        lo = max(after or 0, cp.since)
+        hi = min(until if until is not None else cp.frontier, cp.frontier)
+        return [t for t in self.log.time_dirs() if lo <= t < hi]
+
+    def counts(self) -> dict[int, int]:
+        """Update count of every committed time (read from Parquet footers, not the data)."""
+        import pyarrow.parquet as pq
+
+        assert self.checkpoint is not None or not self.times()
+        out = {}
+        for t in self.times():
+            files = self.log.time_files(t, self.checkpoint.epoch_for(t))  # type: ignore[union-attr]
+            n = sum(pq.ParquetFile(self.log.fs.open_input_file(f)).metadata.num_rows for f in files)
+            if n:
+                out[t] = n
+        return out
+
+    def table(self, time: int) -> pa.Table:
+        """The updates at a committed ``time``: record columns and ``diff``."""
+        assert self.checkpoint is not None
+        t = self.log.read_time(time, self.checkpoint.epoch_for(time))
+        if t is None:
+            return pa.table({"diff": pa.array([], pa.int64())})
+        return t
+
+    def updates(self, time: int) -> Updates:
+        """The updates at a committed ``time`` as a message (columns data, time, diff)."""
+        return _as_updates(self.table(time), time, self.record_type)
+
+    @property
+    def record_type(self) -> pa.DataType:
+        from protocol import avro_to_arrow
+
+        return avro_to_arrow(self.info.schema)
+
+    def messages(self, after: int | None = None) -> Iterator[Message]:
+        """The committed feed from ``after`` (default: since): announcement, then each time's
+        updates and progress, then a last progress up to the frontier."""
+        start = max(after or 0, self.since)
+        yield announcement(start)
+        lower = start
+        for t in self.times(after=start):
+            batch = self.updates(t)
+            n = len(batch)
+            if n:
+                yield batch
+            yield Progress(lower, t + 1, ((t, n),) if n else ())
+            lower = t + 1
+        if lower < self.frontier:
+            yield Progress(lower, self.frontier, ())
+
+    def snapshot(self, at: int | None = None) -> pa.Table:
+        """The collection at a complete time ``at`` (default: the frontier - 1): the record
+        columns and ``count``, every record with a non-zero multiplicity."""
+        hi = self.frontier if at is None else at + 1
+        if at is not None and not self.since <= at < self.frontier:
+            raise CheckpointError(
+                f"feed {self.name!r}: time {at} is not a kept complete time "
+                f"(since {self.since}, frontier {self.frontier})"
+            )
+        parts = [self.updates(t) for t in self.times(until=hi)]
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            fields = [pa.field(f.name, f.type) for f in self.record_type]
+            return pa.schema([*fields, pa.field("count", pa.int64())]).empty_table()
+        merged = pa.concat_tables([p.table(self.record_type) for p in parts])
+        merged = merged.set_column(1, "time", pa.array([0] * merged.num_rows, pa.int64()))
+        snap = consolidate(Updates.from_arrow(merged)).table()
+        data = snap.column("data").combine_chunks()
+        cols = {f.name: data.field(i) for i, f in enumerate(data.type)}
+        return pa.table({**cols, "count": snap.column("diff")})
+
+
+def _as_updates(table: pa.Table, time: int, record_type: pa.DataType) -> Updates:
+    n = table.num_rows
+    fields = list(record_type)
+    arrays = []
+    for f in fields:
+        if f.name in table.column_names:
+            col = table.column(f.name).combine_chunks()
+            arrays.append(col.cast(f.type) if col.type != f.type else col)
+        else:
+            arrays.append(pa.nulls(n, f.type))
+    data = (
+        pa.StructArray.from_arrays(arrays, fields=fields)
+        if fields
+        else pa.array([{}] * n, pa.struct([]))
+    )
+    diff = table.column("diff").combine_chunks() if n else pa.array([], pa.int64())
+    return Updates.from_arrow(
+        pa.table(
+            {
+                "data": data,
+                "time": pc.cast(pa.array([time] * n), pa.int64()),
+                "diff": diff.cast(pa.int64()),
+            }
+        )
+    )

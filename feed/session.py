@@ -1,0 +1,42 @@
+"""The Spark session the emitter runs in: local by default, any master by flag."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["DEFAULT_MASTER", "get_spark"]
+
+DEFAULT_MASTER = "local[*]"
+
+
+def get_spark(
+    master: str | None = None, *, app: str = "tidefeed", conf: dict[str, Any] | None = None
+) -> Any:
+    """Get (or create) the SparkSession; an existing active session is reused as it is.
+
+    Binds the driver to 127.0.0.1 unless ``SPARK_LOCAL_IP`` says otherwise, turns the UI off
+    and uses a few shuffle partitions: tidefeed's transactions are many and small.
+    """
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active
+    host = os.environ.get("SPARK_LOCAL_IP", "127.0.0.1")
+    builder = (
+        SparkSession.builder.master(master or DEFAULT_MASTER)
+        .appName(app)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.driver.host", host)
+        .config("spark.driver.bindAddress", host)
+        .config("spark.sql.files.maxPartitionBytes", str(1 << 30))
+        .config("spark.sql.session.timeZone", "UTC")
+    )
+    for k, v in (conf or {}).items():
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark

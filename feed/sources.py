@@ -1,0 +1,318 @@
+"""Sources: input files of a given kind -> one canonical change shape (a Spark DataFrame).
+
+Every input row becomes one row of :data:`CHANGE_COLUMNS`:
+
+========== ================================================================================
+column     meaning
+========== ================================================================================
+op         ``c`` insert, ``u`` update, ``d`` delete, ``r`` snapshot read, ``w`` weighted
+before     the row before the change (a record struct), or null
+after      the row after the change, or null
+weight     the multiplicity of the change (1, or a weighted row's delta)
+pos_hi     position in the source, major part (Debezium: commit LSN of ``source.sequence``)
+pos_lo     position in the source, minor part (Debezium: ``source.lsn``)
+txn        the source transaction the change belongs to (as a string)
+ord_file   index of the input file in name order  } together: delivery order, which is
+ord_row    increasing row id within the file      } the source's commit order
+_file      the input file
+_raw       the raw input text of the row
+_error     why the row is bad, or null
+========== ================================================================================
+
+Bad rows are kept with a reason so the transaction driver can quarantine them (DESIGN §10):
+nothing is silently dropped. Spark's native expressions do all the parsing and checking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+from pyspark.sql.pandas.types import from_arrow_type
+
+from protocol import SourceError, avro_to_arrow
+
+__all__ = [
+    "CHANGE_COLUMNS",
+    "SOURCE_KINDS",
+    "infer_record_schema",
+    "read_changes",
+    "spark_record_type",
+]
+
+SOURCE_KINDS = ("debezium", "weighted")
+CHANGE_COLUMNS = (
+    "op",
+    "before",
+    "after",
+    "weight",
+    "pos_hi",
+    "pos_lo",
+    "txn",
+    "ord_file",
+    "ord_row",
+    "_file",
+    "_raw",
+    "_error",
+)
+
+_CONNECT_TYPES = {
+    "int8": "int",
+    "int16": "int",
+    "int32": "int",
+    "int64": "long",
+    "float32": "float",
+    "float64": "double",
+    "boolean": "boolean",
+    "string": "string",
+    "bytes": "bytes",
+}
+
+
+def spark_record_type(avro_schema: dict[str, Any]) -> T.StructType:
+    """The Spark struct type of a feed's record schema."""
+    t = from_arrow_type(avro_to_arrow(avro_schema))
+    assert isinstance(t, T.StructType)
+    return t
+
+
+def _connect_to_avro(fields: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    out = []
+    for f in fields:
+        kind = f.get("type")
+        if kind == "struct":
+            avro: Any = _connect_to_avro(f.get("fields", []), f"{name}_{f['field']}")
+        elif kind == "array":
+            items = f.get("items", {}).get("type", "string")
+            avro = {"type": "array", "items": _CONNECT_TYPES.get(items, "string")}
+        else:
+            avro = _CONNECT_TYPES.get(str(kind), "string")
+        entry: dict[str, Any] = {"name": f["field"], "type": avro}
+        if f.get("optional"):
+            entry = {"name": f["field"], "type": ["null", avro], "default": None}
+        out.append(entry)
+    return {"type": "record", "name": name, "fields": out}
+
+
+def infer_record_schema(spark: SparkSession, kind: str, files: Sequence[str]) -> dict[str, Any]:
+    """The record schema of a new feed, read from its first input.
+
+    Debezium: the Kafka Connect schema of the first wrapped event, else Spark's JSON
+    inference over the before/after images. Weighted: JSON inference over ``record``.
+    """
+    if not files:
+        raise SourceError(f"no input files to infer the {kind} record schema from")
+    if kind == "debezium":
+        for path in files[:5]:
+            with open(path, "rb") as f:
+                for n, line in enumerate(f):
+                    if n > 1000:
+                        break
+                    try:
+                        e = orjson.loads(line)
+                    except orjson.JSONDecodeError:
+                        continue
+                    if isinstance(e, dict) and isinstance(e.get("schema"), dict):
+                        for fld in e["schema"].get("fields", []):
+                            if fld.get("field") in ("after", "before") and fld.get("fields"):
+                                return _connect_to_avro(fld["fields"], "record")
+        images = ["payload.after", "after", "payload.before", "before"]
+    else:
+        images = ["record"]
+    df = spark.read.json(list(files))
+    for path in images:
+        head, _, rest = path.partition(".")
+        if head in df.columns:
+            t = df.schema[head].dataType
+            if rest and isinstance(t, T.StructType) and rest in t.fieldNames():
+                t = t[rest].dataType
+            elif rest:
+                continue
+            if isinstance(t, T.StructType):
+                from pyspark.sql.pandas.types import to_arrow_type
+
+                from protocol import arrow_to_avro
+
+                schema: dict[str, Any] = arrow_to_avro(to_arrow_type(t), name="record")
+                return schema
+    raise SourceError(
+        f"cannot infer a record schema from {kind} input {files[0]}: "
+        "give --schema FILE (an Avro record schema)"
+    )
+
+
+def _read_text(spark: SparkSession, files: Sequence[str]) -> DataFrame:
+    """Lines of ``files`` with their file, the file's index in ``files`` and a row id that
+    grows with the line within each file (files are never split: see feed/session.py)."""
+    index = F.create_map(*[x for i, p in enumerate(files) for x in (F.lit(_local(p)), F.lit(i))])
+    df = spark.read.text(list(files)).select(
+        F.col("value").alias("_raw"), F.col("_metadata.file_path").alias("_file")
+    )
+    local = F.regexp_replace(F.col("_file"), r"^file:(//)?", "")
+    df = df.select(
+        "*",
+        index[local].cast("long").alias("ord_file"),
+        F.monotonically_increasing_id().alias("ord_row"),
+    ).where(F.length(F.trim("_raw")) > 0)
+    return df
+
+
+def _local(path: str) -> str:
+    """A local path as Spark's ``file_path`` shows it without its ``file:`` scheme."""
+    import urllib.parse
+
+    if "://" in path:
+        return path
+    return urllib.parse.quote(path, safe="/")
+
+
+def _first_error(*checks: tuple[Column, Column | str]) -> Column:
+    expr: Column = F.lit(None).cast("string")
+    for cond, msg in reversed(checks):
+        expr = F.when(cond, msg if isinstance(msg, Column) else F.lit(msg)).otherwise(expr)
+    return expr
+
+
+def _mismatches(
+    raw: Column, parsed: Column, side: str, prefixes: Sequence[str], record: T.StructType
+) -> list[Column]:
+    """One column per record field: its name when the raw JSON has a value the type rejected."""
+    out = []
+    for f in record.fields:
+        raw_vals = [F.get_json_object(raw, f"{p}.{side}.{f.name}") for p in prefixes]
+        has_raw = (F.coalesce(*raw_vals) if len(raw_vals) > 1 else raw_vals[0]).isNotNull()
+        out.append(F.when(has_raw & parsed[side][f.name].isNull(), F.lit(f"{side}.{f.name}")))
+    return out
+
+
+def _read_debezium(
+    spark: SparkSession, files: Sequence[str], record: T.StructType, key: Sequence[str]
+) -> DataFrame:
+    source = T.StructType(
+        [
+            T.StructField("lsn", T.LongType()),
+            T.StructField("txId", T.LongType()),
+            T.StructField("ts_ms", T.LongType()),
+            T.StructField("sequence", T.StringType()),
+        ]
+    )
+    envelope = T.StructType(
+        [
+            T.StructField("before", record),
+            T.StructField("after", record),
+            T.StructField("source", source),
+            T.StructField("op", T.StringType()),
+        ]
+    )
+    wrapped = T.StructType([T.StructField("payload", envelope)])
+    text = _read_text(spark, files)
+    w = F.from_json("_raw", wrapped)
+    e = F.from_json("_raw", envelope)
+    is_wrapped = F.get_json_object("_raw", "$.payload").isNotNull()
+    ev = F.when(is_wrapped, w["payload"]).otherwise(e)
+    df = text.select("*", ev.alias("ev"), F.get_json_object("_raw", "$").isNull().alias("bad"))
+    seq = F.from_json(F.col("ev.source.sequence"), T.ArrayType(T.StringType()))
+    op = F.col("ev.op")
+    mism = _mismatches(F.col("_raw"), F.col("ev"), "before", ["$.payload", "$"], record)
+    mism += _mismatches(F.col("_raw"), F.col("ev"), "after", ["$.payload", "$"], record)
+    mism_list = F.concat_ws(", ", *mism)
+    key_cols = list(key)
+    image = F.when(op == "d", F.col("ev.before")).otherwise(F.col("ev.after"))
+    missing_key = (
+        F.concat_ws(", ", *[F.when(image[k].isNull(), F.lit(k)) for k in key_cols])
+        if key_cols
+        else F.lit("")
+    )
+    error = _first_error(
+        (F.col("ord_file").isNull(), "input file could not be placed in order"),
+        (F.col("bad"), "malformed JSON"),
+        (op.isNull(), "missing 'op'"),
+        (op == "t", "truncate events are not supported: re-snapshot the table into a new feed"),
+        (~op.isin("c", "u", "d", "r"), F.concat(F.lit("unknown op '"), op, F.lit("'"))),
+        (
+            mism_list != "",
+            F.concat(
+                F.lit("type mismatch in "), mism_list, F.lit(" (does not fit the record schema)")
+            ),
+        ),
+        (F.col("ev.source.lsn").isNull(), "missing source.lsn"),
+        (
+            op.isin("c", "u", "r") & F.col("ev.after").isNull(),
+            F.concat(F.lit("op '"), op, F.lit("' without an after-image")),
+        ),
+        ((op == "d") & F.col("ev.before").isNull(), "delete without a before-image"),
+        (missing_key != "", F.concat(F.lit("missing key column(s) "), missing_key)),
+        (
+            (op == "u") & F.col("ev.before").isNull() & F.lit(not key_cols),
+            "update without a before-image: give --key so the emitter keeps state",
+        ),
+    )
+    # Debezium/Postgres puts ["<last commit LSN>", "<LSN>"] in source.sequence; the commit
+    # LSN orders changes across concurrent transactions, so it is the major position.
+    pos_hi = F.coalesce(seq.getItem(0).cast("long"), F.lit(0))
+    return df.select(
+        op.alias("op"),
+        F.col("ev.before").alias("before"),
+        F.col("ev.after").alias("after"),
+        F.lit(1).cast("long").alias("weight"),
+        pos_hi.alias("pos_hi"),
+        F.col("ev.source.lsn").alias("pos_lo"),
+        F.coalesce(
+            F.col("ev.source.txId").cast("string"),
+            F.concat(F.lit("lsn:"), F.col("ev.source.lsn").cast("string")),
+        ).alias("txn"),
+        "ord_file",
+        "ord_row",
+        "_file",
+        "_raw",
+        error.alias("_error"),
+    )
+
+
+def _read_weighted(spark: SparkSession, files: Sequence[str], record: T.StructType) -> DataFrame:
+    row = T.StructType([T.StructField("record", record), T.StructField("delta", T.LongType())])
+    text = _read_text(spark, files)
+    parsed = F.from_json("_raw", row)
+    df = text.select("*", parsed.alias("w"), F.get_json_object("_raw", "$").isNull().alias("bad"))
+    mism = F.concat_ws(", ", *_mismatches(F.col("_raw"), F.col("w"), "record", ["$"], record))
+    raw_delta = F.get_json_object("_raw", "$.delta")
+    error = _first_error(
+        (F.col("bad"), "malformed JSON"),
+        (F.col("w.record").isNull(), "missing 'record'"),
+        (raw_delta.isNull(), "missing 'delta'"),
+        (F.col("w.delta").isNull(), "'delta' is not a 64-bit integer"),
+        (F.col("w.delta") == 0, "'delta' is 0"),
+        (
+            mism != "",
+            F.concat(F.lit("type mismatch in "), mism, F.lit(" (does not fit the record schema)")),
+        ),
+    )
+    return df.select(
+        F.lit("w").alias("op"),
+        F.lit(None).cast(record).alias("before"),
+        F.col("w.record").alias("after"),
+        F.col("w.delta").alias("weight"),
+        F.lit(0).cast("long").alias("pos_hi"),
+        F.lit(0).cast("long").alias("pos_lo"),
+        F.concat(F.lit("file:"), F.col("ord_file").cast("string")).alias("txn"),
+        "ord_file",
+        "ord_row",
+        "_file",
+        "_raw",
+        error.alias("_error"),
+    )
+
+
+def read_changes(
+    spark: SparkSession, kind: str, files: Sequence[str], record: T.StructType, key: Sequence[str]
+) -> DataFrame:
+    """Read ``files`` of source ``kind`` into the canonical change shape (bad rows marked)."""
+    if kind == "debezium":
+        return _read_debezium(spark, files, record, key)
+    if kind == "weighted":
+        return _read_weighted(spark, files, record)
+    raise SourceError(f"unknown source kind {kind!r}; known kinds: {', '.join(SOURCE_KINDS)}")
