@@ -164,10 +164,21 @@ def cmd_emit(args: argparse.Namespace) -> int:
         on_bad_record=args.on_bad_record,
         max_files_per_txn=int(args.max_files_per_txn),
     )
+    import signal
+
+    stopping: list[int] = []
+
+    def request_stop(signum: int, _frame: Any) -> None:
+        # finish the transaction under way, then stop: nothing half-done is left behind
+        stopping.append(signum)
+        print("tidefeed emit: stopping after the current transaction", file=sys.stderr)
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
     emitter = Emitter(config)
     emitter.open()
     try:
-        reports = emitter.run()
+        reports = emitter.run(stop=lambda: bool(stopping))
     finally:
         emitter.close()
     cp = emitter.cp

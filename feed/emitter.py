@@ -96,8 +96,19 @@ class TxnReport:
         )
 
 
+_steps_seen: dict[str, int] = {}
+
+
 def _maybe_die(step: str) -> None:
-    if os.environ.get(KILL_ENV) == step:
+    """Crash tests set ``TIDEFEED_TEST_KILL_AT=STEP[:N]``: SIGKILL at the N-th such step."""
+    want = os.environ.get(KILL_ENV)
+    if not want:
+        return
+    name, _, nth = want.partition(":")
+    if name != step:
+        return
+    _steps_seen[step] = _steps_seen.get(step, 0) + 1
+    if _steps_seen[step] == int(nth or 1):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -435,6 +446,8 @@ class Emitter:
             report = self.step()
             if report is not None:
                 reports.append(report)
+                if stop is not None and stop():
+                    return reports
                 if not self.config.follow and total > self.config.max_files_per_txn:
                     done = sum(r.files for r in reports)
                     self.log.info(
@@ -448,9 +461,11 @@ class Emitter:
             if not self.config.follow or (stop is not None and stop()):
                 return reports
             self.heartbeat()
-            time.sleep(self.config.trigger)
-            if stop is not None and stop():
-                return reports
+            deadline = time.monotonic() + self.config.trigger
+            while time.monotonic() < deadline:
+                if stop is not None and stop():
+                    return reports
+                time.sleep(min(0.1, self.config.trigger))
 
 
 def load_schema_file(path: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -17,3 +18,13 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.large_base_example],
 )
 settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One SparkSession for the whole test session (starting one takes 6-15 s)."""
+    from feed.session import get_spark
+
+    session = get_spark("local[2]", app="tidefeed-tests")
+    yield session
+    session.stop()
