@@ -1,0 +1,154 @@
+"""The emitter runs unchanged on a real Spark standalone cluster (master + worker processes).
+
+Executors are separate JVMs started by the worker; the feed must equal the one a local[2]
+run makes from the same input.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pyspark
+import pytest
+
+from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+
+from .helpers import tidefeed, write_parts
+
+pytestmark = pytest.mark.slow
+
+SPARK_HOME = Path(pyspark.__file__).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("cluster")
+    env = dict(
+        os.environ,
+        SPARK_HOME=str(SPARK_HOME),
+        SPARK_LOCAL_IP="127.0.0.1",
+        SPARK_MASTER_HOST="127.0.0.1",
+        PYSPARK_PYTHON=sys.executable,
+        SPARK_WORKER_DIR=str(logs / "work"),
+        SPARK_LOG_DIR=str(logs),
+    )
+    spark_class = str(SPARK_HOME / "bin" / "spark-class")
+    port, ui, wui = free_port(), free_port(), free_port()
+    procs = []
+    with open(logs / "master.log", "wb") as m_out, open(logs / "worker.log", "wb") as w_out:
+        procs.append(
+            subprocess.Popen(
+                [
+                    spark_class,
+                    "org.apache.spark.deploy.master.Master",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--webui-port",
+                    str(ui),
+                ],
+                env=env,
+                stdout=m_out,
+                stderr=subprocess.STDOUT,
+            )
+        )
+        try:
+            wait_for_port(port)
+            procs.append(
+                subprocess.Popen(
+                    [
+                        spark_class,
+                        "org.apache.spark.deploy.worker.Worker",
+                        f"spark://127.0.0.1:{port}",
+                        "--host",
+                        "127.0.0.1",
+                        "--cores",
+                        "2",
+                        "--memory",
+                        "2g",
+                        "--webui-port",
+                        str(wui),
+                    ],
+                    env=env,
+                    stdout=w_out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            deadline = time.monotonic() + 90
+            while b"Successfully registered with master" not in (logs / "worker.log").read_bytes():
+                if time.monotonic() > deadline:
+                    raise TimeoutError((logs / "worker.log").read_text()[-2000:])
+                time.sleep(0.5)
+            yield f"spark://127.0.0.1:{port}", env
+        finally:
+            for p in reversed(procs):
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+def test_emit_on_a_standalone_cluster_equals_local(cluster, tmp_path):
+    master, env = cluster
+    bank = generate_bank(transactions=40, seed=21)
+    src = tmp_path / "in"
+    write_parts(src, bank.events, 2)
+    schema = tmp_path / "accounts.avsc"
+    schema.write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
+    outputs = []
+    for name, m in (("cluster", master), ("local", "local[2]")):
+        log = tmp_path / name
+        run = tidefeed(
+            "emit",
+            "--source",
+            f"debezium:{src}",
+            "--feed",
+            "bank",
+            "--log",
+            str(log),
+            "--key",
+            "id",
+            "--clock",
+            "logical",
+            "--granularity",
+            "transaction",
+            "--schema",
+            str(schema),
+            "--master",
+            m,
+            env={"SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable},
+        )
+        assert run.returncode == 0, run.stderr.decode()[-3000:]
+        inspected = tidefeed("inspect", "--log", str(log), "--feed", "bank", "--format", "ndjson")
+        assert inspected.returncode == 0
+        outputs.append(inspected.stdout)
+    assert outputs[0] == outputs[1]
+    assert tidefeed("check", "--key", "id", "-", stdin=outputs[0]).returncode == 0
+    # executors really were separate processes started by the worker
+    work = Path(env["SPARK_WORKER_DIR"])
+    assert any(work.rglob("stderr")), "no executor ran on the worker"
