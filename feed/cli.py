@@ -163,6 +163,8 @@ def cmd_emit(args: argparse.Namespace) -> int:
         master=args.master,
         on_bad_record=args.on_bad_record,
         max_files_per_txn=int(args.max_files_per_txn),
+        order=args.order,
+        deleted=args.deleted,
     )
     import signal
 
@@ -242,7 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands["convert"] = cmd_convert
 
     p = sub.add_parser("emit", help="turn row changes into a consolidated feed (Spark)")
-    _option(p, "--source", required=True, help="KIND:PATH; kinds: debezium, weighted")
+    _option(
+        p,
+        "--source",
+        required=True,
+        help="KIND:PATH; kinds: debezium, cdf, upsert, snapshot, weighted",
+    )
     _option(p, "--feed", required=True, help="feed name")
     _option(p, "--log", required=True, help="feed log URI (a local path or s3://…)")
     _option(p, "--key", help="key columns, comma-separated (keeps per-key state)")
@@ -257,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     _option(p, "--master", default=None, help="Spark master (default local[*])")
     _option(p, "--on-bad-record", choices=("quarantine", "fail"), default="quarantine")
     _option(p, "--max-files-per-txn", default="1000", help="input files per transaction")
+    _option(p, "--order", help="upsert source: the column that orders the upserts")
+    _option(p, "--deleted", help="upsert source: the boolean column that marks a delete")
     commands["emit"] = cmd_emit
 
     p = sub.add_parser("inspect", help="print a committed feed from its log (no Spark)")

@@ -88,6 +88,20 @@ def generate_bank(
     rng = random.Random(seed)
     out = BankStream()
     table: dict[int, dict[str, Any]] = {}
+    ids: list[int] = []  # the live ids, for O(1) random picks
+    where: dict[int, int] = {}  # id -> its index in ids
+
+    def add(acct: int) -> None:
+        where[acct] = len(ids)
+        ids.append(acct)
+
+    def remove(acct: int) -> None:
+        i = where.pop(acct)
+        last = ids.pop()
+        if last != acct:
+            ids[i] = last
+            where[last] = i
+
     lsn = 1000
     next_id = 1
     ts = start_ms
@@ -108,8 +122,9 @@ def generate_bank(
                 next_id += 1
                 changes.append(("c", None, row))
                 table[next_id - 1] = row
+                add(next_id - 1)
         elif kind < 0.55:
-            a, b = rng.sample(sorted(table), 2)
+            a, b = rng.sample(ids, 2)
             amount = rng.randint(1, 500)
             for acct, delta in ((a, -amount), (b, amount)):
                 before = table[acct]
@@ -117,21 +132,22 @@ def generate_bank(
                 changes.append(("u", before, after))
                 table[acct] = after
         elif kind < 0.7:
-            acct = rng.choice(sorted(table))
+            acct = rng.choice(ids)
             before = table[acct]
             changes.append(("u", before, dict(before)))  # a no-op update
         elif kind < 0.8:
             # changed and changed back in one transaction: the updates cancel
-            acct = rng.choice(sorted(table))
+            acct = rng.choice(ids)
             before = table[acct]
             mid = dict(before, note="pending")
             changes.append(("u", before, mid))
             changes.append(("u", mid, before))
         elif kind < 0.9:
-            acct = rng.choice(sorted(table))
+            acct = rng.choice(ids)
             changes.append(("d", table.pop(acct), None))
+            remove(acct)
         else:
-            acct = rng.choice(sorted(table))
+            acct = rng.choice(ids)
             before = table[acct]
             after = dict(
                 before,

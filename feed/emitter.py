@@ -73,6 +73,8 @@ class EmitterConfig:
     master: str | None = None
     on_bad_record: str = "quarantine"
     max_files_per_txn: int = DEFAULT_MAX_FILES
+    order: str | None = None  # upsert: the column that orders upserts
+    deleted: str | None = None  # upsert: the boolean column that marks deletes
 
 
 @dataclass(slots=True)
@@ -210,7 +212,12 @@ class Emitter:
         if schema is None:
             from .sources import infer_record_schema
 
-            schema = infer_record_schema(self.spark, cfg.source_kind, self._all_files()[:5])
+            schema = infer_record_schema(
+                self.spark,
+                cfg.source_kind,
+                self._all_files()[:5],
+                exclude=tuple(c for c in (cfg.order, cfg.deleted) if c),
+            )
         names = {f["name"] for f in schema.get("fields", [])}
         clash = [n for n in RESERVED if n in names]
         if clash:
@@ -287,7 +294,13 @@ class Emitter:
     def _txn(self, files: list[str]) -> TxnReport:
         from pyspark.sql import functions as F
 
-        from .diffs import assign_units, consolidate_diffs, keyed_diffs, unkeyed_diffs
+        from .diffs import (
+            assign_units,
+            consolidate_diffs,
+            keyed_diffs,
+            snapshot_diffs,
+            unkeyed_diffs,
+        )
         from .sources import read_changes
 
         assert self.cp is not None
@@ -295,8 +308,9 @@ class Emitter:
         seq = cp.seq + 1
         secs: dict[str, float] = {}
         t0 = time.perf_counter()
+        options = {k: v for k, v in (("order", cfg.order), ("deleted", cfg.deleted)) if v}
         changes = read_changes(
-            self.spark, cfg.source_kind, files, self._record_type, self.info.key
+            self.spark, cfg.source_kind, files, self._record_type, self.info.key, options
         ).persist()
         input_rows = changes.count()
         bad = changes.where(F.col("_error").isNotNull()).select("_file", "_raw", "_error")
@@ -313,9 +327,15 @@ class Emitter:
         good, units = assign_units(good, cfg.granularity)
         new_state = None
         cached = None
-        if self.info.key:
+        if cfg.source_kind == "snapshot":
+            d = snapshot_diffs(good, self._load_state(cp), self.info.key, cfg.granularity)
+            diffs, new_state, cached = d.diffs, d.state, d.cached
+            if d.bad is not None:
+                bad = bad.unionByName(d.bad)
+        elif self.info.key:
             state_df = self._load_state(cp)
-            d = keyed_diffs(good, state_df, self.info.key)
+            # a Delta update pre-image says nothing the keyed state does not know already
+            d = keyed_diffs(good.where(F.col("op") != "p"), state_df, self.info.key)
             diffs, new_state, cached = d.diffs, d.state, d.cached
             assert d.bad is not None
             bad = bad.unionByName(d.bad)

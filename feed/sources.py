@@ -5,7 +5,8 @@ Every input row becomes one row of :data:`CHANGE_COLUMNS`:
 ========== ================================================================================
 column     meaning
 ========== ================================================================================
-op         ``c`` insert, ``u`` update, ``d`` delete, ``r`` snapshot read, ``w`` weighted
+op         ``c`` insert, ``u`` update, ``d`` delete, ``r`` snapshot read, ``w`` weighted,
+           ``s`` a row of a full snapshot, ``p`` a Delta update pre-image
 before     the row before the change (a record struct), or null
 after      the row after the change, or null
 weight     the multiplicity of the change (1, or a weighted row's delta)
@@ -44,7 +45,7 @@ __all__ = [
     "spark_record_type",
 ]
 
-SOURCE_KINDS = ("debezium", "weighted")
+SOURCE_KINDS = ("debezium", "cdf", "upsert", "snapshot", "weighted")
 CHANGE_COLUMNS = (
     "op",
     "before",
@@ -98,51 +99,76 @@ def _connect_to_avro(fields: list[dict[str, Any]], name: str) -> dict[str, Any]:
     return {"type": "record", "name": name, "fields": out}
 
 
-def infer_record_schema(spark: SparkSession, kind: str, files: Sequence[str]) -> dict[str, Any]:
+_META_COLUMNS = ("_change_type", "_commit_version", "_commit_timestamp")
+
+
+def infer_record_schema(
+    spark: SparkSession, kind: str, files: Sequence[str], exclude: Sequence[str] = ()
+) -> dict[str, Any]:
     """The record schema of a new feed, read from its first input.
 
     Debezium: the Kafka Connect schema of the first wrapped event, else Spark's JSON
     inference over the before/after images. Weighted: JSON inference over ``record``.
+    Table-shaped kinds (cdf, upsert, snapshot): the columns of the input (Parquet's own
+    schema, or JSON inference), less Delta's metadata columns and ``exclude``.
     """
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    from protocol import arrow_to_avro
+
     if not files:
         raise SourceError(f"no input files to infer the {kind} record schema from")
     if kind == "debezium":
-        for path in files[:5]:
-            with open(path, "rb") as f:
-                for n, line in enumerate(f):
-                    if n > 1000:
-                        break
-                    try:
-                        e = orjson.loads(line)
-                    except orjson.JSONDecodeError:
-                        continue
-                    if isinstance(e, dict) and isinstance(e.get("schema"), dict):
-                        for fld in e["schema"].get("fields", []):
-                            if fld.get("field") in ("after", "before") and fld.get("fields"):
-                                return _connect_to_avro(fld["fields"], "record")
+        found = _connect_schema(files)
+        if found is not None:
+            return found
         images = ["payload.after", "after", "payload.before", "before"]
-    else:
+    elif kind == "weighted":
         images = ["record"]
+    else:
+        parquet = [f for f in files if f.endswith(".parquet")]
+        df = spark.read.parquet(*parquet) if parquet else spark.read.json(list(files))
+        drop = set(_META_COLUMNS) | set(exclude) | {"_corrupt_record"}
+        fields = [f for f in df.schema.fields if f.name not in drop]
+        if not fields:
+            raise SourceError(f"no record columns in {kind} input {files[0]}")
+        schema: dict[str, Any] = arrow_to_avro(to_arrow_type(T.StructType(fields)), name="record")
+        return schema
     df = spark.read.json(list(files))
     for path in images:
         head, _, rest = path.partition(".")
-        if head in df.columns:
-            t = df.schema[head].dataType
-            if rest and isinstance(t, T.StructType) and rest in t.fieldNames():
-                t = t[rest].dataType
-            elif rest:
+        if head not in df.columns:
+            continue
+        t = df.schema[head].dataType
+        if rest:
+            if not isinstance(t, T.StructType) or rest not in t.fieldNames():
                 continue
-            if isinstance(t, T.StructType):
-                from pyspark.sql.pandas.types import to_arrow_type
-
-                from protocol import arrow_to_avro
-
-                schema: dict[str, Any] = arrow_to_avro(to_arrow_type(t), name="record")
-                return schema
+            t = t[rest].dataType
+        if isinstance(t, T.StructType):
+            schema = arrow_to_avro(to_arrow_type(t), name="record")
+            return schema
     raise SourceError(
         f"cannot infer a record schema from {kind} input {files[0]}: "
         "give --schema FILE (an Avro record schema)"
     )
+
+
+def _connect_schema(files: Sequence[str]) -> dict[str, Any] | None:
+    """The record schema from the Kafka Connect schema of a wrapped Debezium event, if any."""
+    for path in files[:5]:
+        with open(path, "rb") as f:
+            for n, line in enumerate(f):
+                if n > 1000:
+                    break
+                try:
+                    e = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    continue
+                if isinstance(e, dict) and isinstance(e.get("schema"), dict):
+                    for fld in e["schema"].get("fields", []):
+                        if fld.get("field") in ("after", "before") and fld.get("fields"):
+                            return _connect_to_avro(fld["fields"], "record")
+    return None
 
 
 def _read_text(spark: SparkSession, files: Sequence[str]) -> DataFrame:
@@ -307,12 +333,230 @@ def _read_weighted(spark: SparkSession, files: Sequence[str], record: T.StructTy
     )
 
 
+def _read_rows(spark: SparkSession, files: Sequence[str], columns: T.StructType) -> DataFrame:
+    """Table-shaped input (JSON lines, or Parquet for ``*.parquet``) as a struct column ``r``,
+    with ``_mism`` naming the columns whose values do not fit their type."""
+    json_files = [f for f in files if not f.endswith(".parquet")]
+    parquet_files = [f for f in files if f.endswith(".parquet")]
+    parts = []
+    if parquet_files:
+        index = F.create_map(
+            *[x for i, p in enumerate(parquet_files) for x in (F.lit(_local(p)), F.lit(i))]
+        )
+        raw = spark.read.parquet(*parquet_files)
+        present = set(raw.columns)
+        cols, checks = [], []
+        for f in columns.fields:
+            if f.name in present:
+                cast = F.col(f.name).try_cast(f.dataType)
+                cols.append(cast.alias(f.name))
+                checks.append(F.when(F.col(f.name).isNotNull() & cast.isNull(), F.lit(f.name)))
+            else:
+                cols.append(F.lit(None).cast(f.dataType).alias(f.name))
+        local = F.regexp_replace(F.col("_metadata.file_path"), r"^file:(//)?", "")
+        parts.append(
+            raw.select(
+                F.to_json(F.struct(*[F.col(c) for c in raw.columns])).alias("_raw"),
+                F.col("_metadata.file_path").alias("_file"),
+                index[local].cast("long").alias("ord_file"),
+                F.monotonically_increasing_id().alias("ord_row"),
+                F.struct(*cols).alias("r"),
+                F.lit(False).alias("bad"),
+                F.concat_ws(", ", *checks).alias("_mism"),
+            )
+        )
+    if json_files:
+        text = _read_text(spark, json_files)
+        df = text.select(
+            "*",
+            F.from_json("_raw", columns).alias("r"),
+            F.get_json_object("_raw", "$").isNull().alias("bad"),
+        )
+        mism = [
+            F.when(
+                F.get_json_object("_raw", f"$.{f.name}").isNotNull() & F.col("r")[f.name].isNull(),
+                F.lit(f.name),
+            )
+            for f in columns.fields
+        ]
+        parts.append(
+            df.select("*", F.concat_ws(", ", *mism).alias("_mism")).withColumn(
+                "ord_file", F.col("ord_file") + F.lit(len(parquet_files))
+            )
+        )
+    out = parts[0]
+    for p in parts[1:]:
+        out = out.unionByName(p)
+    return out
+
+
+def _record_of(row: Column, record: T.StructType) -> Column:
+    return F.struct(*[row[f.name].alias(f.name) for f in record.fields])
+
+
+def _table_errors(key: Sequence[str], image: Column, *extra: tuple[Column, Column | str]) -> Column:
+    missing_key = (
+        F.concat_ws(", ", *[F.when(image[k].isNull(), F.lit(k)) for k in key]) if key else F.lit("")
+    )
+    return _first_error(
+        (F.col("ord_file").isNull(), "input file could not be placed in order"),
+        (F.col("bad"), "malformed JSON"),
+        (
+            F.col("_mism") != "",
+            F.concat(
+                F.lit("type mismatch in "),
+                F.col("_mism"),
+                F.lit(" (does not fit the record schema)"),
+            ),
+        ),
+        *extra,
+        (missing_key != "", F.concat(F.lit("missing key column(s) "), missing_key)),
+    )
+
+
+def _canonical(df: DataFrame, **c: Column) -> DataFrame:
+    return df.select(
+        c["op"].alias("op"),
+        c["before"].alias("before"),
+        c["after"].alias("after"),
+        c["weight"].cast("long").alias("weight"),
+        c["pos_hi"].cast("long").alias("pos_hi"),
+        c["pos_lo"].cast("long").alias("pos_lo"),
+        c["txn"].cast("string").alias("txn"),
+        c["ord_file"].cast("long").alias("ord_file"),
+        c["ord_row"].cast("long").alias("ord_row"),
+        "_file",
+        "_raw",
+        c["error"].alias("_error"),
+    )
+
+
+_CDF_TYPES = ("insert", "update_preimage", "update_postimage", "delete")
+
+
+def _read_cdf(
+    spark: SparkSession, files: Sequence[str], record: T.StructType, key: Sequence[str]
+) -> DataFrame:
+    cols = T.StructType(
+        [
+            *record.fields,
+            T.StructField("_change_type", T.StringType()),
+            T.StructField("_commit_version", T.LongType()),
+        ]
+    )
+    df = _read_rows(spark, files, cols)
+    ct = F.col("r._change_type")
+    rec = _record_of(F.col("r"), record)
+    is_before = ct.isin("update_preimage", "delete")
+    error = _table_errors(
+        key,
+        rec,
+        (ct.isNull(), "missing '_change_type'"),
+        (~ct.isin(*_CDF_TYPES), F.concat(F.lit("unknown _change_type '"), ct, F.lit("'"))),
+        (F.col("r._commit_version").isNull(), "missing '_commit_version'"),
+    )
+    null_rec = F.lit(None).cast(record)
+    return _canonical(
+        df,
+        op=F.when(ct == "insert", "c")
+        .when(ct == "delete", "d")
+        .when(ct == "update_preimage", "p")
+        .otherwise("u"),
+        before=F.when(is_before, rec).otherwise(null_rec),
+        after=F.when(is_before, null_rec).otherwise(rec),
+        weight=F.lit(1),
+        pos_hi=F.col("r._commit_version"),
+        pos_lo=F.lit(0),
+        txn=F.col("r._commit_version"),
+        # a Delta version is one transaction: versions order the feed, whatever the files
+        ord_file=F.col("r._commit_version"),
+        ord_row=F.col("ord_row"),
+        error=error,
+    )
+
+
+def _read_upsert(
+    spark: SparkSession,
+    files: Sequence[str],
+    record: T.StructType,
+    key: Sequence[str],
+    options: dict[str, str],
+) -> DataFrame:
+    order = options.get("order")
+    deleted = options.get("deleted")
+    if not key:
+        raise SourceError("the upsert source needs --key")
+    if not order:
+        raise SourceError("the upsert source needs --order COLUMN (what orders the upserts)")
+    extra = [T.StructField(order, T.StringType())]
+    if deleted:
+        extra.append(T.StructField(deleted, T.BooleanType()))
+    cols = T.StructType([f for f in record.fields if f.name not in (order, deleted)] + extra)
+    df = _read_rows(spark, files, cols)
+    raw_order = F.col(f"r.{order}")
+    # numbers order numerically, timestamps and dates as instants
+    as_long = F.coalesce(raw_order.try_cast("long"), F.unix_micros(F.try_to_timestamp(raw_order)))
+    is_delete = F.coalesce(F.col(f"r.{deleted}"), F.lit(False)) if deleted else F.lit(False)
+    rec = _record_of(F.col("r"), record)
+    error = _table_errors(
+        key,
+        rec,
+        (raw_order.isNull(), F.lit(f"missing order column '{order}'")),
+        (as_long.isNull(), F.lit(f"order column '{order}' is neither a number nor a time")),
+    )
+    null_rec = F.lit(None).cast(record)
+    return _canonical(
+        df,
+        op=F.when(is_delete, "d").otherwise("c"),
+        before=F.when(is_delete, rec).otherwise(null_rec),
+        after=F.when(is_delete, null_rec).otherwise(rec),
+        weight=F.lit(1),
+        pos_hi=as_long,
+        pos_lo=F.lit(0),
+        txn=raw_order,
+        ord_file=as_long,
+        ord_row=F.col("ord_row"),
+        error=error,
+    )
+
+
+def _read_snapshot(
+    spark: SparkSession, files: Sequence[str], record: T.StructType, key: Sequence[str]
+) -> DataFrame:
+    df = _read_rows(spark, files, record)
+    rec = _record_of(F.col("r"), record)
+    return _canonical(
+        df,
+        op=F.lit("s"),
+        before=F.lit(None).cast(record),
+        after=rec,
+        weight=F.lit(1),
+        pos_hi=F.lit(0),
+        pos_lo=F.lit(0),
+        txn=F.concat(F.lit("snapshot:"), F.col("ord_file").cast("string")),
+        ord_file=F.col("ord_file"),
+        ord_row=F.col("ord_row"),
+        error=_table_errors(key, rec),
+    )
+
+
 def read_changes(
-    spark: SparkSession, kind: str, files: Sequence[str], record: T.StructType, key: Sequence[str]
+    spark: SparkSession,
+    kind: str,
+    files: Sequence[str],
+    record: T.StructType,
+    key: Sequence[str],
+    options: dict[str, str] | None = None,
 ) -> DataFrame:
     """Read ``files`` of source ``kind`` into the canonical change shape (bad rows marked)."""
     if kind == "debezium":
         return _read_debezium(spark, files, record, key)
     if kind == "weighted":
         return _read_weighted(spark, files, record)
+    if kind == "cdf":
+        return _read_cdf(spark, files, record, key)
+    if kind == "upsert":
+        return _read_upsert(spark, files, record, key, options or {})
+    if kind == "snapshot":
+        return _read_snapshot(spark, files, record, key)
     raise SourceError(f"unknown source kind {kind!r}; known kinds: {', '.join(SOURCE_KINDS)}")
