@@ -22,7 +22,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank  # noqa: E402
+from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
 
 
 def make_input(folder: Path, events: int, files: int) -> int:
@@ -107,6 +107,8 @@ print(time.perf_counter() - t, n)
     )
     wall = time.perf_counter() - t
     if run.returncode != 0:
+        errors = [x for x in run.stderr.splitlines() if "Error" in x or "Exception" in x]
+        print("\n".join(errors[:20]))
         print(run.stderr[-3000:])
         raise SystemExit(1)
     txn_lines = [line for line in run.stderr.splitlines() if ": txn " in line]

@@ -147,8 +147,11 @@ def cmd_emit(args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr
     )
     kind, path = _parse_source(args.source)
-    if args.push or args.eager:
-        raise SystemExit("tidefeed emit: --push/--eager delivery is not available yet")
+    if args.eager:
+        raise SystemExit(
+            "tidefeed emit: --eager delivery is not available yet; --push delivers committed "
+            "times (the default, safe for every consumer)"
+        )
     config = EmitterConfig(
         source_kind=kind,
         source_path=path,
@@ -177,9 +180,13 @@ def cmd_emit(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    emitter = Emitter(config)
+    deliver = _push_delivery(args, config) if args.push else None
+    emitter = Emitter(config, on_commit=deliver)
     emitter.open()
     try:
+        if deliver is not None:
+            assert emitter.cp is not None
+            deliver(emitter.cp)  # the announcement (and any committed backlog) first
         reports = emitter.run(stop=lambda: bool(stopping))
     finally:
         emitter.close()
@@ -191,6 +198,44 @@ def cmd_emit(args: argparse.Namespace) -> int:
         f"feed {config.feed}: {len(reports)} transaction(s), {updates} updates, "
         f"{bad} quarantined row(s); frontier {cp.frontier}, epoch {cp.epoch}",
         file=sys.stderr,
+    )
+    return 0
+
+
+def _push_delivery(args: argparse.Namespace, config: Any) -> Callable[[Any], None]:
+    """A commit hook that pushes the committed feed to ``--push`` before going on."""
+    import asyncio
+
+    from protocol.push import PushClient
+
+    from .publisher import Publisher
+    from .reader import FeedReader
+
+    reader_box: list[FeedReader] = []
+
+    def deliver(cp: Any) -> None:
+        if not reader_box:
+            reader_box.append(FeedReader(config.log, config.feed))
+        reader = reader_box[0]
+
+        async def go() -> int | None:
+            async with PushClient(
+                args.push, fmt=args.format, schema=reader.info.schema, token=args.token
+            ) as client:
+                pub = Publisher(reader, client, epoch=cp.epoch)
+                return await pub.deliver(give_up_after=float(args.push_timeout))
+
+        acked = asyncio.run(go())
+        print(f"tidefeed emit: {args.push} ACKed frontier {acked}", file=sys.stderr)
+
+    return deliver
+
+
+def cmd_receive(args: argparse.Namespace) -> int:
+    from protocol.receiver import ReceiverConfig, run_receiver
+
+    run_receiver(
+        ReceiverConfig(db=args.db, host=args.host, port=int(args.port), token=args.token or None)
     )
     return 0
 
@@ -261,6 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
     _option(p, "--push", help="push the feed to this receiver URL")
     _option(p, "--eager", action="store_true", help="push before the commit (with --push)")
     _option(p, "--format", choices=FORMATS, default="ndjson", help="push format")
+    _option(p, "--token", help="bearer token for the receiver")
+    _option(
+        p,
+        "--push-timeout",
+        default="300",
+        help="seconds to keep retrying an unreachable receiver before failing",
+    )
     _option(p, "--master", default=None, help="Spark master (default local[*])")
     _option(p, "--on-bad-record", choices=("quarantine", "fail"), default="quarantine")
     _option(p, "--max-files-per-txn", default="1000", help="input files per transaction")
@@ -275,6 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
     _option(p, "--at", type=int, help="the collection at complete time T")
     _option(p, "--format", choices=("table", *FORMATS), default="table")
     commands["inspect"] = cmd_inspect
+
+    p = sub.add_parser("receive", help="run the reference receiver (SQLite)")
+    _option(p, "--db", required=True, help="SQLite database file")
+    _option(p, "--host", default="127.0.0.1")
+    _option(p, "--port", default="9090")
+    _option(p, "--token", help="require this bearer token")
+    commands["receive"] = cmd_receive
 
     p = sub.add_parser("demo", help="run the demo end to end")
     _option(p, "--workdir", help="where the demo writes (default: a fresh temporary folder)")

@@ -1,133 +1,133 @@
-"""``tidefeed demo``: the most complete real path, end to end, with a readable report.
+"""``tidefeed demo``: the main job end to end on the embedded default, with a readable report.
 
-Today: a bank's Debezium events become a consolidated feed (one time per database
-transaction, progress after each), the feed is checked, converted to CDCv2 Avro and read
-back with plain fastavro, and its accumulated collection is compared with the bank's final
-table.
+A small bank's Debezium change events (inserts, updates, deletes, multi-row transactions,
+no-op updates, changes undone inside a transaction) land in three files. The Spark emitter
+(local Spark, local feed log) turns them into a keyed feed with one time per database
+transaction, committing once per file; after each commit the demo shows the consolidated
+deltas and progress statements of the new times. At the end it checks the feed, converts it
+to Materialize's CDCv2 Avro and reads that back with plain fastavro, and compares the
+accumulated collection with the bank's final table.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import tempfile
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import fastavro
-import orjson
 
-from protocol import (
-    FeedChecker,
-    Progress,
-    Update,
-    Updates,
-    announcement,
-    cdcv2_schema,
-    consolidate,
-    get_codec,
-    record_key,
-)
+from protocol import Updates, cdcv2_schema, check_messages, get_codec, record_key
 
+from .checkpoint import Checkpoint
 from .demo_data import ACCOUNTS_SCHEMA, generate_bank
+from .inspect import format_table
 
 __all__ = ["run_demo"]
 
-
-def _model_updates(events: list[bytes]) -> dict[int, list[Update]]:
-    """A plain model: each database transaction's before/after images, at logical times."""
-    by_tx: dict[int, list[Update]] = {}
-    order: dict[int, int] = {}
-    for line in events:
-        e = orjson.loads(line)
-        p = e.get("payload", e)
-        tx = p["source"]["txId"]
-        t = order.setdefault(tx, len(order) + 1)
-        if p["before"] is not None:
-            by_tx.setdefault(t, []).append(Update(p["before"], t, -1))
-        if p["after"] is not None:
-            by_tx.setdefault(t, []).append(Update(p["after"], t, +1))
-    return by_tx
+SHOWN_TIMES = 4  # how many times to print in full per commit
 
 
-def _table(rows: list[dict[str, Any]], title: str) -> str:
-    cols = ["time", "diff", "id", "owner", "balance", "active", "note"]
-    lines = [title, "  " + " ".join(f"{c:>8}" for c in cols)]
-    for r in rows:
-        d = r["data"]
-        vals = [
-            r["time"],
-            f"{r['diff']:+d}",
-            d["id"],
-            d["owner"],
-            d["balance"],
-            d["active"],
-            repr(d["note"]),
-        ]
-        lines.append("  " + " ".join(f"{str(v)[:8]:>8}" for v in vals))
-    return "\n".join(lines)
+def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = None) -> int:
+    """Run the demo; 0 when the feed equals the bank's final table."""
+    from .emitter import Emitter, EmitterConfig
+    from .reader import FeedReader
 
+    def say(s: str = "") -> None:
+        print(s, file=out, flush=True)
 
-def run_demo(*, workdir: str | None = None, transactions: int = 40, out: Any = None) -> int:
-    say = (lambda s: print(s, file=out)) if out is not None else print
+    started = time.monotonic()
     work = Path(workdir or tempfile.mkdtemp(prefix="tidefeed-demo-"))
-    work.mkdir(parents=True, exist_ok=True)
+    src = work / "bank-events"
+    src.mkdir(parents=True, exist_ok=True)
     bank = generate_bank(transactions=transactions)
-    (work / "bank.debezium.json").write_bytes(bank.lines())
+    third = -(-len(bank.events) // 3)
+    for i in range(3):
+        chunk = bank.events[i * third : (i + 1) * third]
+        (src / f"part-{i:04d}.json").write_bytes(b"".join(e + b"\n" for e in chunk))
     say(
-        f"generated {len(bank.events)} Debezium events in {bank.transactions} transactions "
-        f"-> {work / 'bank.debezium.json'}"
+        f"1. generated {len(bank.events)} Debezium events ({bank.transactions} database "
+        f"transactions on an accounts table) in 3 files under {src}"
+    )
+    log = work / "log"
+    say(
+        f"2. tidefeed emit --source debezium:{src} --feed accounts --log {log} --key id "
+        "--granularity transaction --clock logical   (local Spark; starting…)"
     )
 
-    messages: list[Any] = [announcement(0)]
-    frontier = 0  # a new feed's since: the first progress starts there
-    for t, ups in sorted(_model_updates(bank.events).items()):
-        batch = consolidate(ups)
-        if len(batch):
-            messages.append(batch)
-        counts = ((t, len(batch)),) if len(batch) else ()
-        p = Progress(lower=frontier, upper=t + 1, counts=counts)
-        messages.append(p)
-        frontier = p.upper
-        if t <= 4:
-            say(
-                _table(batch.rows(), f"time {t}: {len(batch)} consolidated update(s)")
-                if len(batch)
-                else f"time {t}: no net change"
-            )
-            say(f"  progress lower=[{p.lower}] upper=[{p.upper}] counts={list(p.counts)}")
-    say("  …")
-    ndjson = get_codec("ndjson").encode(messages)
-    (work / "bank.feed.ndjson").write_bytes(ndjson)
+    reader_box: list[Any] = []
 
-    checker = FeedChecker(non_negative=True, key=["id"])
-    for m in get_codec("ndjson").decode(ndjson):
-        checker.check(m)
-    problems = checker.finish()
-    if problems:
-        for v in problems:
-            say(f"violation: {v}")
-        return 1
-    say(
-        f"checked {checker.messages} messages ({checker.updates} updates): valid, "
-        f"frontier {checker.frontier}"
+    def show(cp: Checkpoint) -> None:
+        if not reader_box:
+            reader_box.append(FeedReader(str(log), "accounts"))
+        reader = reader_box[0]
+        reader.refresh()
+        times = [t for t, _ in cp.progress.counts]
+        span = cp.progress.upper - cp.progress.lower
+        say(
+            f"\n-- commit {cp.seq} (epoch {cp.epoch}): progress lower=[{cp.progress.lower}] "
+            f"upper=[{cp.progress.upper}], {sum(n for _, n in cp.progress.counts)} updates "
+            f"at {len(times)} of {span} times"
+        )
+        for t in times[:SHOWN_TIMES]:
+            table = reader.table(t)
+            cols = ["diff", *[c for c in table.column_names if c != "diff"]]
+            say(f"   time {t}: {table.num_rows} consolidated update(s)")
+            say("     " + format_table(table.select(cols)).replace("\n", "\n     "))
+        if len(times) > SHOWN_TIMES:
+            say(f"   … {len(times) - SHOWN_TIMES} more times with updates")
+
+    logging.getLogger("tidefeed.emit").setLevel(logging.WARNING)
+    config = EmitterConfig(
+        source_kind="debezium",
+        source_path=str(src),
+        feed="accounts",
+        log=str(log),
+        key=("id",),
+        schema=ACCOUNTS_SCHEMA,
+        clock="logical",
+        granularity="transaction",
+        max_files_per_txn=1,
     )
+    emitter = Emitter(config, on_commit=show)
+    emitter.open()
+    try:
+        emitter.run()
+    finally:
+        emitter.close()
 
-    avro = get_codec("avro").encode(get_codec("ndjson").decode(ndjson), schema=ACCOUNTS_SCHEMA)
-    (work / "bank.feed.avro").write_bytes(avro)
-    reader = fastavro.reader(io.BytesIO(avro), reader_schema=cdcv2_schema(ACCOUNTS_SCHEMA))
-    datums = list(reader)
-    say(f"converted to CDCv2 Avro ({len(avro)} bytes); plain fastavro reads {len(datums)} messages")
-
-    acc: dict[bytes, list[Any]] = {}
-    for d in datums:
-        if isinstance(d, list):
-            for u in Updates.from_rows(d).rows():
-                slot = acc.setdefault(record_key(u["data"]), [u["data"], 0])
-                slot[1] += u["diff"]
-    collection = {k: v for k, v in acc.items() if v[1]}
-    truth = {record_key(r): [r, 1] for r in bank.final.values()}
-    if collection == truth:
-        say(f"OK: the feed accumulates to the bank's final table ({len(truth)} accounts)")
+    reader = FeedReader(str(log), "accounts")
+    messages = list(reader.messages())
+    problems = check_messages(messages, non_negative=True, key=["id"])
+    n_updates = sum(len(m) for m in messages if isinstance(m, Updates))
+    say(
+        f"\n3. tidefeed check: {len(messages)} messages, {n_updates} updates, frontier "
+        f"{reader.frontier}: {'valid' if not problems else 'INVALID'}"
+    )
+    for v in problems:
+        say(f"   {v}")
+    avro = get_codec("avro").encode(messages, schema=ACCOUNTS_SCHEMA)
+    (work / "accounts.cdcv2.avro").write_bytes(avro)
+    datums = list(fastavro.reader(io.BytesIO(avro), reader_schema=cdcv2_schema(ACCOUNTS_SCHEMA)))
+    say(
+        f"4. CDCv2 Avro: {len(avro)} bytes, read back by plain fastavro as {len(datums)} "
+        f"messages -> {work / 'accounts.cdcv2.avro'}"
+    )
+    got: Counter[bytes] = Counter()
+    for row in reader.snapshot().to_pylist():
+        n = row.pop("count")
+        got[record_key(row)] += n
+    truth = Counter(record_key(r) for r in bank.final.values())
+    elapsed = time.monotonic() - started
+    if got == truth and not problems:
+        say(
+            f"OK: the feed's collection equals the bank's final table ({len(truth)} accounts) "
+            f"[{elapsed:.0f}s]"
+        )
         return 0
-    say(f"MISMATCH: feed has {len(collection)} rows, the table has {len(truth)}")
+    say(f"MISMATCH: the feed has {sum(got.values())} rows, the table {len(truth)}")
     return 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
@@ -105,7 +106,7 @@ def keyed_diffs(changes: DataFrame, state: DataFrame | None, key: Sequence[str])
     last = last.withColumn(
         "prev",
         F.when(F.row_number().over(by_key) == 1, F.col("old")).otherwise(F.lag("img").over(by_key)),
-    ).persist()
+    ).persist(StorageLevel.MEMORY_AND_DISK)
     minus = last.where(F.col("prev").isNotNull()).select(
         F.col("prev").alias("data"), "unit", F.lit(-1).cast("long").alias("diff")
     )
@@ -175,7 +176,7 @@ def snapshot_diffs(
             ).alias("_error"),
         )
         changes = ranked.where(F.col("_n") == 1).drop("_n")
-    changes = changes.persist()
+    changes = changes.persist(StorageLevel.MEMORY_AND_DISK)
     last_row = changes.agg(F.max("ord_file").alias("m")).collect()[0]
     last = last_row["m"]
     parts = []

@@ -52,6 +52,13 @@ KILL_ENV = "TIDEFEED_TEST_KILL_AT"  # fault injection for crash tests: SIGKILL a
 RESERVED = ("time", "diff")
 
 
+def _spillable() -> Any:
+    """Serialized, spilling to disk: cached input never fills the driver's heap."""
+    from pyspark import StorageLevel
+
+    return StorageLevel.MEMORY_AND_DISK
+
+
 class State(Enum):
     UNOPENED = "unopened"
     OPENED = "opened"
@@ -112,6 +119,37 @@ def _maybe_die(step: str) -> None:
     _steps_seen[step] = _steps_seen.get(step, 0) + 1
     if _steps_seen[step] == int(nth or 1):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _edge_txn(kind: str, path: str, *, last: bool) -> str | None:
+    """The source transaction of the first (or last) row of a JSON-lines file, if known."""
+    if kind not in ("debezium", "cdf") or path.endswith(".parquet"):
+        return None
+    try:
+        with open(path, "rb") as f:
+            if last:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - (1 << 20)))
+                lines = [x for x in f.read().splitlines() if x.strip()]
+                line = lines[-1] if lines else b""
+            else:
+                line = b""
+                for raw in f:
+                    if raw.strip():
+                        line = raw
+                        break
+        row = orjson.loads(line)
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    if not isinstance(row, dict):
+        return None
+    if kind == "cdf":
+        v = row.get("_commit_version")
+    else:
+        payload = row.get("payload", row)
+        src = payload.get("source") if isinstance(payload, dict) else None
+        v = src.get("txId") if isinstance(src, dict) else None
+    return None if v is None else str(v)
 
 
 def now_ms() -> int:
@@ -270,9 +308,20 @@ class Emitter:
     def step(self) -> TxnReport | None:
         """Run one transaction over the pending input; ``None`` when there was none."""
         self._require(State.OPENED)
-        files = self.pending_files()[: self.config.max_files_per_txn]
+        pending = self.pending_files()
+        files = pending[: self.config.max_files_per_txn]
         if not files:
             return None
+        if self.config.granularity == "transaction":
+            # never split a source transaction: take the next file too while it goes on
+            # with the transaction the last file ended in
+            while len(files) < len(pending):
+                last = _edge_txn(self.config.source_kind, files[-1], last=True)
+                if last is None or last != _edge_txn(
+                    self.config.source_kind, pending[len(files)], last=False
+                ):
+                    break
+                files.append(pending[len(files)])
         return self._txn(files)
 
     def heartbeat(self) -> Checkpoint | None:
@@ -311,7 +360,7 @@ class Emitter:
         options = {k: v for k, v in (("order", cfg.order), ("deleted", cfg.deleted)) if v}
         changes = read_changes(
             self.spark, cfg.source_kind, files, self._record_type, self.info.key, options
-        ).persist()
+        ).persist(_spillable())
         input_rows = changes.count()
         bad = changes.where(F.col("_error").isNotNull()).select("_file", "_raw", "_error")
         good = changes.where(F.col("_error").isNull())
@@ -343,7 +392,7 @@ class Emitter:
             diffs = unkeyed_diffs(good)
         t_next = cp.next
         updates = consolidate_diffs(diffs, t_next)
-        bad = bad.persist()
+        bad = bad.persist(_spillable())
         bad_rows = bad.count()
         if bad_rows and cfg.on_bad_record == "fail":
             sample = bad.limit(3).collect()

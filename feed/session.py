@@ -8,6 +8,7 @@ from typing import Any
 __all__ = ["DEFAULT_MASTER", "get_spark"]
 
 DEFAULT_MASTER = "local[*]"
+DEFAULT_DRIVER_MEMORY = "4g"
 
 
 def get_spark(
@@ -35,6 +36,11 @@ def get_spark(
         .config("spark.sql.files.maxPartitionBytes", str(1 << 30))
         .config("spark.sql.session.timeZone", "UTC")
     )
+    if (master or DEFAULT_MASTER).startswith("local"):
+        # in local mode the driver does all the work: the JVM's 1 GiB default is too small
+        builder = builder.config(
+            "spark.driver.memory", os.environ.get("TIDEFEED_DRIVER_MEMORY", DEFAULT_DRIVER_MEMORY)
+        )
     for k, v in (conf or {}).items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()

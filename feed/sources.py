@@ -203,51 +203,81 @@ def _first_error(*checks: tuple[Column, Column | str]) -> Column:
     return expr
 
 
-def _mismatches(
-    raw: Column, parsed: Column, side: str, prefixes: Sequence[str], record: T.StructType
-) -> list[Column]:
-    """One column per record field: its name when the raw JSON has a value the type rejected."""
-    out = []
+CORRUPT = "_corrupt"
+_PARSE_OPTIONS = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": CORRUPT}
+
+
+def _as_strings(t: T.StructType) -> T.StructType:
+    """The same fields, all as strings: Spark's JSON reader then keeps each value's raw text
+    (objects and arrays as JSON), so a line is parsed once and typed by casts."""
+    return T.StructType([T.StructField(f.name, T.StringType()) for f in t.fields])
+
+
+def _typed(raw: Column, record: T.StructType, label: str) -> tuple[Column, list[Column]]:
+    """``raw`` (a struct of strings) cast to ``record``, and one column per field naming it
+    (``label`` + name) when its raw value does not fit the field's type."""
+    values, mismatches = [], []
     for f in record.fields:
-        raw_vals = [F.get_json_object(raw, f"{p}.{side}.{f.name}") for p in prefixes]
-        has_raw = (F.coalesce(*raw_vals) if len(raw_vals) > 1 else raw_vals[0]).isNotNull()
-        out.append(F.when(has_raw & parsed[side][f.name].isNull(), F.lit(f"{side}.{f.name}")))
-    return out
+        r = raw[f.name]
+        t = f.dataType
+        if isinstance(t, T.StringType):
+            v = r
+        elif isinstance(t, T.StructType | T.ArrayType | T.MapType):
+            v = F.from_json(r, t)
+        elif isinstance(t, T.BinaryType):
+            v = F.try_to_binary(r, F.lit("base64"))
+        else:
+            v = r.try_cast(t)
+        values.append(v.alias(f.name))
+        mismatches.append(F.when(r.isNotNull() & v.isNull(), F.lit(label + f.name)))
+    typed = F.when(raw.isNull(), F.lit(None).cast(record)).otherwise(F.struct(*values))
+    return typed, mismatches
 
 
 def _read_debezium(
     spark: SparkSession, files: Sequence[str], record: T.StructType, key: Sequence[str]
 ) -> DataFrame:
+    raw_record = _as_strings(record)
     source = T.StructType(
+        [T.StructField(n, T.StringType()) for n in ("lsn", "txId", "ts_ms", "sequence")]
+    )
+    envelope = [
+        T.StructField("before", raw_record),
+        T.StructField("after", raw_record),
+        T.StructField("source", source),
+        T.StructField("op", T.StringType()),
+    ]
+    # one parse reads both shapes: {"schema", "payload": {…}} and the bare envelope
+    line = T.StructType(
         [
-            T.StructField("lsn", T.LongType()),
-            T.StructField("txId", T.LongType()),
-            T.StructField("ts_ms", T.LongType()),
-            T.StructField("sequence", T.StringType()),
+            T.StructField("payload", T.StructType(envelope)),
+            *envelope,
+            T.StructField(CORRUPT, T.StringType()),
         ]
     )
-    envelope = T.StructType(
-        [
-            T.StructField("before", record),
-            T.StructField("after", record),
-            T.StructField("source", source),
-            T.StructField("op", T.StringType()),
-        ]
-    )
-    wrapped = T.StructType([T.StructField("payload", envelope)])
     text = _read_text(spark, files)
-    w = F.from_json("_raw", wrapped)
-    e = F.from_json("_raw", envelope)
-    is_wrapped = F.get_json_object("_raw", "$.payload").isNotNull()
-    ev = F.when(is_wrapped, w["payload"]).otherwise(e)
-    df = text.select("*", ev.alias("ev"), F.get_json_object("_raw", "$").isNull().alias("bad"))
-    seq = F.from_json(F.col("ev.source.sequence"), T.ArrayType(T.StringType()))
-    op = F.col("ev.op")
-    mism = _mismatches(F.col("_raw"), F.col("ev"), "before", ["$.payload", "$"], record)
-    mism += _mismatches(F.col("_raw"), F.col("ev"), "after", ["$.payload", "$"], record)
-    mism_list = F.concat_ws(", ", *mism)
+    parsed = F.from_json("_raw", line, _PARSE_OPTIONS)
+    df = text.select("*", parsed.alias("p"))
+    wrapped = F.col("p.payload").isNotNull()
+
+    def field(name: str) -> Column:
+        return F.when(wrapped, F.col(f"p.payload.{name}")).otherwise(F.col(f"p.{name}"))
+
+    df = df.select(
+        "*",
+        field("before").alias("raw_before"),
+        field("after").alias("raw_after"),
+        field("source").alias("src"),
+        field("op").alias("op"),
+    )
+    before, mism_b = _typed(F.col("raw_before"), record, "before.")
+    after, mism_a = _typed(F.col("raw_after"), record, "after.")
+    lsn = F.col("src.lsn").try_cast("long")
+    seq = F.from_json(F.col("src.sequence"), T.ArrayType(T.StringType()))
+    op = F.col("op")
+    mism_list = F.concat_ws(", ", *mism_b, *mism_a)
     key_cols = list(key)
-    image = F.when(op == "d", F.col("ev.before")).otherwise(F.col("ev.after"))
+    image = F.when(op == "d", before).otherwise(after)
     missing_key = (
         F.concat_ws(", ", *[F.when(image[k].isNull(), F.lit(k)) for k in key_cols])
         if key_cols
@@ -255,7 +285,7 @@ def _read_debezium(
     )
     error = _first_error(
         (F.col("ord_file").isNull(), "input file could not be placed in order"),
-        (F.col("bad"), "malformed JSON"),
+        (F.col("p").isNull() | F.col(f"p.{CORRUPT}").isNotNull(), "malformed JSON"),
         (op.isNull(), "missing 'op'"),
         (op == "t", "truncate events are not supported: re-snapshot the table into a new feed"),
         (~op.isin("c", "u", "d", "r"), F.concat(F.lit("unknown op '"), op, F.lit("'"))),
@@ -265,32 +295,29 @@ def _read_debezium(
                 F.lit("type mismatch in "), mism_list, F.lit(" (does not fit the record schema)")
             ),
         ),
-        (F.col("ev.source.lsn").isNull(), "missing source.lsn"),
+        (lsn.isNull(), "missing source.lsn"),
         (
-            op.isin("c", "u", "r") & F.col("ev.after").isNull(),
+            op.isin("c", "u", "r") & F.col("raw_after").isNull(),
             F.concat(F.lit("op '"), op, F.lit("' without an after-image")),
         ),
-        ((op == "d") & F.col("ev.before").isNull(), "delete without a before-image"),
+        ((op == "d") & F.col("raw_before").isNull(), "delete without a before-image"),
         (missing_key != "", F.concat(F.lit("missing key column(s) "), missing_key)),
         (
-            (op == "u") & F.col("ev.before").isNull() & F.lit(not key_cols),
+            (op == "u") & F.col("raw_before").isNull() & F.lit(not key_cols),
             "update without a before-image: give --key so the emitter keeps state",
         ),
     )
     # Debezium/Postgres puts ["<last commit LSN>", "<LSN>"] in source.sequence; the commit
     # LSN orders changes across concurrent transactions, so it is the major position.
-    pos_hi = F.coalesce(seq.getItem(0).cast("long"), F.lit(0))
+    pos_hi = F.coalesce(seq.getItem(0).try_cast("long"), F.lit(0).cast("long"))
     return df.select(
         op.alias("op"),
-        F.col("ev.before").alias("before"),
-        F.col("ev.after").alias("after"),
+        before.alias("before"),
+        after.alias("after"),
         F.lit(1).cast("long").alias("weight"),
         pos_hi.alias("pos_hi"),
-        F.col("ev.source.lsn").alias("pos_lo"),
-        F.coalesce(
-            F.col("ev.source.txId").cast("string"),
-            F.concat(F.lit("lsn:"), F.col("ev.source.lsn").cast("string")),
-        ).alias("txn"),
+        lsn.alias("pos_lo"),
+        F.coalesce(F.col("src.txId"), F.concat(F.lit("lsn:"), F.col("src.lsn"))).alias("txn"),
         "ord_file",
         "ord_row",
         "_file",
@@ -300,28 +327,36 @@ def _read_debezium(
 
 
 def _read_weighted(spark: SparkSession, files: Sequence[str], record: T.StructType) -> DataFrame:
-    row = T.StructType([T.StructField("record", record), T.StructField("delta", T.LongType())])
+    line = T.StructType(
+        [
+            T.StructField("record", _as_strings(record)),
+            T.StructField("delta", T.StringType()),
+            T.StructField(CORRUPT, T.StringType()),
+        ]
+    )
     text = _read_text(spark, files)
-    parsed = F.from_json("_raw", row)
-    df = text.select("*", parsed.alias("w"), F.get_json_object("_raw", "$").isNull().alias("bad"))
-    mism = F.concat_ws(", ", *_mismatches(F.col("_raw"), F.col("w"), "record", ["$"], record))
-    raw_delta = F.get_json_object("_raw", "$.delta")
+    df = text.select("*", F.from_json("_raw", line, _PARSE_OPTIONS).alias("w"))
+    rec, mism = _typed(F.col("w.record"), record, "")
+    mism_list = F.concat_ws(", ", *mism)
+    delta = F.col("w.delta").try_cast("long")
     error = _first_error(
-        (F.col("bad"), "malformed JSON"),
+        (F.col("w").isNull() | F.col(f"w.{CORRUPT}").isNotNull(), "malformed JSON"),
         (F.col("w.record").isNull(), "missing 'record'"),
-        (raw_delta.isNull(), "missing 'delta'"),
-        (F.col("w.delta").isNull(), "'delta' is not a 64-bit integer"),
-        (F.col("w.delta") == 0, "'delta' is 0"),
+        (F.col("w.delta").isNull(), "missing 'delta'"),
+        (delta.isNull(), "'delta' is not a 64-bit integer"),
+        (delta == 0, "'delta' is 0"),
         (
-            mism != "",
-            F.concat(F.lit("type mismatch in "), mism, F.lit(" (does not fit the record schema)")),
+            mism_list != "",
+            F.concat(
+                F.lit("type mismatch in "), mism_list, F.lit(" (does not fit the record schema)")
+            ),
         ),
     )
     return df.select(
         F.lit("w").alias("op"),
         F.lit(None).cast(record).alias("before"),
-        F.col("w.record").alias("after"),
-        F.col("w.delta").alias("weight"),
+        rec.alias("after"),
+        delta.alias("weight"),
         F.lit(0).cast("long").alias("pos_hi"),
         F.lit(0).cast("long").alias("pos_lo"),
         F.concat(F.lit("file:"), F.col("ord_file").cast("string")).alias("txn"),
@@ -367,21 +402,18 @@ def _read_rows(spark: SparkSession, files: Sequence[str], columns: T.StructType)
         )
     if json_files:
         text = _read_text(spark, json_files)
-        df = text.select(
-            "*",
-            F.from_json("_raw", columns).alias("r"),
-            F.get_json_object("_raw", "$").isNull().alias("bad"),
-        )
-        mism = [
-            F.when(
-                F.get_json_object("_raw", f"$.{f.name}").isNotNull() & F.col("r")[f.name].isNull(),
-                F.lit(f.name),
-            )
-            for f in columns.fields
-        ]
+        line = T.StructType([*_as_strings(columns).fields, T.StructField(CORRUPT, T.StringType())])
+        df = text.select("*", F.from_json("_raw", line, _PARSE_OPTIONS).alias("p"))
+        typed, mism = _typed(F.col("p"), columns, "")
         parts.append(
-            df.select("*", F.concat_ws(", ", *mism).alias("_mism")).withColumn(
-                "ord_file", F.col("ord_file") + F.lit(len(parquet_files))
+            df.select(
+                "_raw",
+                "_file",
+                (F.col("ord_file") + F.lit(len(parquet_files))).alias("ord_file"),
+                "ord_row",
+                typed.alias("r"),
+                (F.col("p").isNull() | F.col(f"p.{CORRUPT}").isNotNull()).alias("bad"),
+                F.concat_ws(", ", *mism).alias("_mism"),
             )
         )
     out = parts[0]

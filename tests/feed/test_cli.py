@@ -141,8 +141,15 @@ def test_unknown_option_value_is_a_usage_error():
     assert out.returncode == 2 and b"invalid choice" in out.stderr
 
 
-def test_demo_runs_and_verifies(tmp_path):
+def test_demo_runs_the_emitter_and_verifies(tmp_path):
     out = run("demo", "--workdir", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert b"OK: the feed accumulates to the bank's final table" in out.stdout
-    assert run("check", "--key", "id", str(tmp_path / "bank.feed.ndjson")).returncode == 0
+    assert b"OK: the feed's collection equals the bank's final table" in out.stdout
+    assert b"-- commit 2 (epoch 1): progress lower=[0]" in out.stdout
+    inspected = run(
+        "inspect", "--log", str(tmp_path / "log"), "--feed", "accounts", "--format", "ndjson"
+    )
+    assert inspected.returncode == 0
+    assert run("check", "--key", "id", "-", stdin=inspected.stdout).returncode == 0
+    avro = (tmp_path / "accounts.cdcv2.avro").read_bytes()
+    assert run("check", "--key", "id", "-", stdin=avro).returncode == 0

@@ -229,3 +229,29 @@ def test_bad_feed_names_and_reserved_columns_are_refused(spark, tmp_path):
     (src / "w.json").write_bytes(b'{"record": {"time": 1}, "delta": 1}\n')
     with pytest.raises(SourceError, match="clash"):
         emit(spark, tmp_path, src, kind="weighted", feed="w")
+
+
+def test_a_source_transaction_split_across_files_stays_one_time(spark, tmp_path):
+    bank = generate_bank(transactions=30, seed=12)
+    lines = bank.events
+    # find a transaction with several events and cut the files in its middle
+    txids = [orjson.loads(x).get("payload", orjson.loads(x))["source"]["txId"] for x in lines]
+    cut = next(i for i in range(1, len(lines)) if txids[i] == txids[i - 1])
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "part-0000.json").write_bytes(b"".join(x + b"\n" for x in lines[:cut]))
+    (src / "part-0001.json").write_bytes(b"".join(x + b"\n" for x in lines[cut:]))
+    emit(
+        spark,
+        tmp_path,
+        src,
+        key=("id",),
+        clock="logical",
+        granularity="transaction",
+        max_files_per_txn=1,
+    )
+    reader = assert_valid(tmp_path)
+    _, states = debezium_truth(lines)
+    assert reader.frontier == 1 + len(states)
+    for i, state in enumerate(states):
+        assert collection_of(reader, at=1 + i) == as_multiset(state.values()), i

@@ -1,0 +1,133 @@
+"""The publisher: delivers a committed feed to one receiver, exactly once (DESIGN §6).
+
+A session: ``GET`` the receiver's frontier ``F``; send the announcement ``progress(F, F)``
+with the producer's epoch (the receiver drops any partial time); then every committed time
+at or above ``F`` as its updates and its progress, several times per body up to a bound;
+finally an empty progress up to the feed's frontier. Every answer is an ACK (the receiver's
+durable frontier). On 409 the next session starts afresh from the receiver's frontier; on
+429/503/5xx/network errors it backs off (exponentially, with jitter) and starts again; on
+another 4xx it stops with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from protocol import Message, Progress, announcement
+from protocol.push import Ack, PushClient, PushRejected
+
+from .reader import FeedReader
+
+__all__ = ["DeliveryStopped", "Publisher", "SessionReport"]
+
+log = logging.getLogger("tidefeed.publish")
+
+MAX_BODY_UPDATES = 50_000
+BACKOFF_START = 0.2
+BACKOFF_MAX = 10.0
+
+
+class DeliveryStopped(PushRejected):
+    """The receiver refused in a way retrying cannot fix (a 4xx other than 409/429)."""
+
+
+@dataclass(slots=True)
+class SessionReport:
+    frontier: int | None
+    bodies: int = 0
+    updates: int = 0
+
+
+class Publisher:
+    """Pushes one feed to one receiver; :meth:`deliver` returns once it ACKed the frontier."""
+
+    def __init__(
+        self,
+        reader: FeedReader,
+        client: PushClient,
+        *,
+        epoch: int,
+        max_body_updates: int = MAX_BODY_UPDATES,
+        logger: logging.Logger | None = None,
+        on_ack: Callable[[Ack], None] | None = None,
+    ) -> None:
+        self.reader = reader
+        self.client = client
+        self.epoch = epoch
+        self.max_body_updates = max_body_updates
+        self.log = logger or log
+        self.on_ack = on_ack
+        self.acked: int | None = None
+
+    async def session(self) -> SessionReport:
+        """One push session from the receiver's frontier up to the feed's frontier."""
+        self.reader.refresh()
+        frontier, _ = await self.client.handshake()
+        start = frontier if frontier is not None else self.reader.since
+        report = SessionReport(frontier=frontier)
+        body: list[Message] = [announcement(start)]
+        in_body = 0
+        lower = start
+        for t in self.reader.times(after=start):
+            batch = await asyncio.to_thread(self.reader.updates, t)
+            n = len(batch)
+            if body and in_body + n > self.max_body_updates and in_body:
+                await self._send(body, report)
+                body, in_body = [], 0
+            if n:
+                body.append(batch)
+            body.append(Progress(lower, t + 1, ((t, n),) if n else ()))
+            lower = t + 1
+            in_body += n
+            report.updates += n
+        if lower < self.reader.frontier:
+            body.append(Progress(lower, self.reader.frontier, ()))
+        if body:
+            await self._send(body, report)
+        return report
+
+    async def _send(self, body: list[Message], report: SessionReport) -> None:
+        ack = await self.client.push(body, epoch=self.epoch)
+        report.bodies += 1
+        report.frontier = ack.frontier
+        self.acked = ack.frontier
+        if self.on_ack is not None:
+            self.on_ack(ack)
+
+    async def deliver(self, *, give_up_after: float | None = None) -> int | None:
+        """Run sessions until the receiver has ACKed the feed's frontier.
+
+        Retries retryable failures with back-off; raises :class:`DeliveryStopped` on a fatal
+        refusal, or the last :class:`PushRejected` when ``give_up_after`` seconds passed.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = None if give_up_after is None else loop.time() + give_up_after
+        delay = BACKOFF_START
+        while True:
+            try:
+                report = await self.session()
+                if report.frontier is not None and report.frontier >= self.reader.frontier:
+                    return report.frontier
+                delay = BACKOFF_START  # progress was made: go again at once
+                continue
+            except PushRejected as e:
+                if e.fatal:
+                    self.log.error("delivery to %s stopped: %s", self.client.url, e)
+                    raise DeliveryStopped(str(e), status=e.status, code=e.code, fatal=True) from e
+                if not e.retry:  # 409: a fresh session from the receiver's frontier
+                    self.log.warning("receiver rejected a body, starting over: %s", e)
+                    wait = 0.0
+                else:
+                    wait = e.retry_after if e.retry_after is not None else delay
+                    wait *= random.uniform(0.5, 1.5)
+                    delay = min(delay * 2, BACKOFF_MAX)
+                    self.log.warning(
+                        "push to %s failed (%s); retrying in %.1fs", self.client.url, e, wait
+                    )
+                if deadline is not None and loop.time() + wait > deadline:
+                    raise
+                await asyncio.sleep(wait)

@@ -1,0 +1,119 @@
+"""What both tidefeed HTTP servers share: the error table, JSON errors, bearer tokens.
+
+Every error answer is ``{"error": "<code>", "detail": "<sentence>"}`` with one status per
+error class (DESIGN §7). The table below is the only place that maps errors to statuses.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from .errors import (
+    CheckpointError,
+    CodecError,
+    Conflict,
+    CountMismatch,
+    Gap,
+    ProtocolError,
+    StaleEpoch,
+    TidefeedError,
+)
+
+__all__ = ["HttpError", "error_middleware", "json_response", "token_middleware"]
+
+
+class HttpError(TidefeedError):
+    """An HTTP-level refusal: carries its own status and code (401, 404, 410, 413, 415, 429)."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        detail: str,
+        *,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.code = code
+        self.headers = headers or {}
+        self.extra = extra or {}
+
+
+#: error class -> (status, code); the most specific class is looked up first
+ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
+    (CodecError, 400, "malformed_body"),
+    (StaleEpoch, 409, "stale_epoch"),
+    (Conflict, 409, "conflict"),
+    (Gap, 409, "gap"),
+    (CountMismatch, 409, "count_mismatch"),
+    (ProtocolError, 409, "protocol_violation"),
+    (CheckpointError, 503, "storage_unavailable"),
+]
+
+
+def json_response(
+    obj: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(obj), status=status, headers=headers, content_type="application/json"
+    )
+
+
+def _error(
+    status: int,
+    code: str,
+    detail: str,
+    headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> web.Response:
+    return json_response({"error": code, "detail": detail, **(extra or {})}, status, headers)
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except HttpError as e:
+        return _error(e.status, e.code, str(e), e.headers, e.extra)
+    except web.HTTPRequestEntityTooLarge as e:
+        return _error(413, "body_too_large", f"the body is too large: {e.text}")
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return _error(e.status, e.reason.lower().replace(" ", "_"), e.text or e.reason)
+        raise
+    except TidefeedError as e:
+        for cls, status, code in ERROR_TABLE:
+            if isinstance(e, cls):
+                return _error(status, code, str(e))
+        return _error(500, "internal_error", str(e))
+
+
+def token_middleware(token: str | None) -> Callable[..., Any]:
+    """Require ``Authorization: Bearer <token>`` on every path but ``/healthz``."""
+    expected = f"Bearer {token}".encode() if token else None
+
+    @web.middleware
+    async def check(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if expected is not None and request.path != "/healthz":
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, expected):
+                raise HttpError(
+                    401,
+                    "unauthorized",
+                    "missing or wrong bearer token",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        return await handler(request)
+
+    return check

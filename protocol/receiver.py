@@ -1,0 +1,178 @@
+"""The reference receiver (``tidefeed receive``): DESIGN §3 over HTTP, durable in SQLite.
+
+Endpoints (DESIGN §7):
+
+* ``GET /v1/push/{feed}`` -> ``{"frontier": F, "epoch": E}`` (``null`` frontier when new);
+* ``POST /v1/push/{feed}`` with ``Tidefeed-Epoch: E`` and a body in any format -> ``200
+  {"frontier": F, "pending": n}`` once every completed time is durable;
+* ``GET /v1/collections/{feed}[?at=T]`` -> NDJSON ``{"data": {…}, "count": n}``;
+* ``GET /healthz``.
+
+A body is applied atomically by :class:`~protocol.state.Consumer`: a malformed body (400),
+a protocol violation (409) or a refused body (401, 413, 415, 429) changes no state. Pushes
+to one feed are applied one at a time, in arrival order; blocking work (decoding, SQLite)
+runs in a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+
+from ._http import HttpError, error_middleware, json_response, token_middleware
+from .codecs import codec_for_content_type
+from .sqlite_store import SqliteDatabase
+from .state import Consumer
+
+__all__ = ["EPOCH_HEADER", "ReceiverConfig", "make_receiver_app", "run_receiver"]
+
+EPOCH_HEADER = "Tidefeed-Epoch"
+FEED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReceiverConfig:
+    db: str
+    host: str = "127.0.0.1"
+    port: int = 9090
+    token: str | None = None
+    max_body: int = 64 << 20
+    #: over this many pending (uncommitted) updates a feed answers 429 until they complete
+    pending_high_watermark: int = 2_000_000
+    retry_after_seconds: int = 1
+
+
+DB = web.AppKey("db", SqliteDatabase)
+CONSUMERS = web.AppKey("consumers", dict)
+LOCKS = web.AppKey("locks", dict)
+CONFIG = web.AppKey("config", ReceiverConfig)
+
+
+def _feed(request: web.Request) -> str:
+    name = request.match_info["feed"]
+    if not FEED_NAME.match(name) or ".." in name:
+        raise HttpError(404, "unknown_feed", f"{name!r} is not a valid feed name")
+    return name
+
+
+def _consumer(app: web.Application, feed: str) -> Consumer:
+    consumers: dict[str, Consumer] = app[CONSUMERS]
+    if feed not in consumers:
+        consumers[feed] = Consumer(app[DB].store(feed), feed=feed)
+    return consumers[feed]
+
+
+def _lock(app: web.Application, feed: str) -> asyncio.Lock:
+    locks: dict[str, asyncio.Lock] = app[LOCKS]
+    return locks.setdefault(feed, asyncio.Lock())
+
+
+async def get_push(request: web.Request) -> web.Response:
+    feed = _feed(request)
+    c = await asyncio.to_thread(_consumer, request.app, feed)
+    return json_response({"frontier": c.frontier, "epoch": c.epoch})
+
+
+async def post_push(request: web.Request) -> web.Response:
+    feed = _feed(request)
+    cfg = request.app[CONFIG]
+    ctype = request.headers.get("Content-Type", "")
+    codec = codec_for_content_type(ctype)
+    if codec is None:
+        raise HttpError(
+            415,
+            "unsupported_content_type",
+            f"unknown content type {ctype!r}; send application/x-ndjson, "
+            "application/vnd.tidefeed.cdcv2+avro or "
+            "application/vnd.apache.arrow.stream",
+        )
+    raw_epoch = request.headers.get(EPOCH_HEADER)
+    try:
+        epoch = int(raw_epoch) if raw_epoch is not None else None
+    except ValueError:
+        epoch = None
+    if epoch is None or epoch < 0:
+        raise HttpError(
+            400,
+            "missing_epoch",
+            f"header {EPOCH_HEADER} must be a non-negative integer, got {raw_epoch!r}",
+        )
+    body = await request.read()
+    async with _lock(request.app, feed):
+        consumer = await asyncio.to_thread(_consumer, request.app, feed)
+        if consumer.pending >= cfg.pending_high_watermark:
+            raise HttpError(
+                429,
+                "too_many_pending",
+                f"feed {feed!r} holds {consumer.pending} pending updates (limit "
+                f"{cfg.pending_high_watermark}); send the progress that completes them",
+                headers={"Retry-After": str(cfg.retry_after_seconds)},
+            )
+        result = await asyncio.to_thread(
+            lambda: consumer.apply(codec.decoder(io.BytesIO(body)), epoch=epoch)
+        )
+    return json_response({"frontier": result.frontier, "pending": result.pending})
+
+
+async def get_collection(request: web.Request) -> web.StreamResponse:
+    feed = _feed(request)
+    consumer = await asyncio.to_thread(_consumer, request.app, feed)
+    at_raw = request.query.get("at")
+    at = None
+    if at_raw is not None:
+        try:
+            at = int(at_raw)
+        except ValueError:
+            raise HttpError(
+                400, "bad_request", f"'at' must be an integer, got {at_raw!r}"
+            ) from None
+        if consumer.frontier is None or at >= consumer.frontier:
+            raise HttpError(
+                400,
+                "not_complete",
+                f"time {at} is not complete at feed {feed!r} (frontier {consumer.frontier})",
+            )
+    store = request.app[DB].store(feed)
+    rows = await asyncio.to_thread(lambda: list(store.collection(at)))
+    body = b"".join(orjson.dumps({"data": d, "count": n}) + b"\n" for d, n in rows)
+    return web.Response(body=body, content_type="application/x-ndjson")
+
+
+async def healthz(_request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+def make_receiver_app(config: ReceiverConfig) -> web.Application:
+    app = web.Application(
+        client_max_size=config.max_body,
+        middlewares=[error_middleware, token_middleware(config.token)],
+    )
+    app[CONFIG] = config
+    app[CONSUMERS] = {}
+    app[LOCKS] = {}
+
+    async def database(app: web.Application):  # type: ignore[no-untyped-def]
+        app[DB] = await asyncio.to_thread(SqliteDatabase, config.db)
+        yield
+        await asyncio.to_thread(app[DB].close)
+
+    app.cleanup_ctx.append(database)
+    app.router.add_get("/v1/push/{feed}", get_push)
+    app.router.add_post("/v1/push/{feed}", post_push)
+    app.router.add_get("/v1/collections/{feed}", get_collection)
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+def run_receiver(config: ReceiverConfig) -> None:
+    web.run_app(
+        make_receiver_app(config),
+        host=config.host,
+        port=config.port,
+        print=lambda s: print(s, flush=True),
+    )

@@ -1,0 +1,161 @@
+"""The reference receiver over real HTTP on 127.0.0.1: ACKs, collections, every error status."""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from protocol import Progress, Update, Updates, announcement, get_codec
+from protocol.push import PushClient, PushRejected
+from protocol.receiver import ReceiverConfig, make_receiver_app
+
+ROWS = [{"id": i, "name": f"n{i}", "tags": ["x"] * (i % 3)} for i in range(6)]
+FEED = [
+    announcement(0),
+    Updates.of([Update(ROWS[0], 1, 1), Update(ROWS[1], 1, 1)]),
+    Progress(0, 2, ((1, 2),)),
+    Updates.of([Update(ROWS[1], 3, -1), Update(ROWS[2], 3, 2)]),
+    Progress(2, 4, ((3, 2),)),
+]
+
+
+@pytest.fixture
+async def receiver(tmp_path):
+    servers = []
+
+    async def start(**kw):
+        cfg = ReceiverConfig(db=str(tmp_path / "r.db"), **kw)
+        runner = web.AppRunner(make_receiver_app(cfg))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        servers.append(runner)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for r in servers:
+        await r.cleanup()
+
+
+async def state(base, feed="f"):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{base}/v1/push/{feed}") as r:
+            head = await r.json()
+        async with s.get(f"{base}/v1/collections/{feed}") as r:
+            coll = await r.text()
+    return head, coll
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "avro", "arrow"])
+async def test_push_in_each_format_acks_and_accumulates(receiver, fmt):
+    base = await receiver()
+    async with PushClient(f"{base}/v1/push/f", fmt=fmt) as c:
+        assert await c.handshake() == (None, 0)
+        ack = await c.push(FEED[:3], epoch=1)
+        assert (ack.frontier, ack.pending) == (2, 0)
+        ack = await c.push(FEED[3:4], epoch=1)
+        assert (ack.frontier, ack.pending) == (2, 2)
+        ack = await c.push(FEED[3:], epoch=1)  # a retried body: duplicates are ignored
+        assert (ack.frontier, ack.pending) == (4, 0)
+        assert await c.handshake() == (4, 1)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{base}/v1/collections/f") as r:
+            lines = (await r.read()).splitlines()
+        got = sorted((orjson.loads(x)["data"]["id"], orjson.loads(x)["count"]) for x in lines)
+        assert got == [(0, 1), (2, 2)]
+        async with s.get(f"{base}/v1/collections/f?at=2") as r:
+            got = sorted(orjson.loads(x)["data"]["id"] for x in (await r.read()).splitlines())
+        assert got == [0, 1]
+
+
+async def raw_post(base, body, *, ctype="application/x-ndjson", epoch="1", feed="f", headers=None):
+    h = {"Content-Type": ctype, **(headers or {})}
+    if epoch is not None:
+        h["Tidefeed-Epoch"] = epoch
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{base}/v1/push/{feed}", data=body, headers=h) as r:
+            return r.status, await r.json(), r.headers
+
+
+NDJSON = get_codec("ndjson")
+
+
+@pytest.mark.parametrize(
+    ("body", "kw", "status", "code"),
+    [
+        (b"{oops\n", {}, 400, "malformed_body"),
+        (NDJSON.encode(FEED[:3]), {"epoch": None}, 400, "missing_epoch"),
+        (NDJSON.encode(FEED[:3]), {"ctype": "text/csv"}, 415, "unsupported_content_type"),
+        (NDJSON.encode(FEED[:3]), {"feed": "..x"}, 404, "unknown_feed"),
+        (NDJSON.encode([announcement(0), Progress(5, 6, ())]), {}, 409, "gap"),
+        (NDJSON.encode([Progress(2, 4, ((3, 5),))]), {}, 409, "count_mismatch"),
+        (
+            NDJSON.encode(
+                [announcement(2), Updates.of([Update(ROWS[0], 2, 1), Update(ROWS[0], 2, -1)])]
+            ),
+            {},
+            409,
+            "conflict",
+        ),
+        (NDJSON.encode(FEED[:3]), {"epoch": "0"}, 409, "stale_epoch"),
+    ],
+)
+async def test_each_error_status_changes_no_state(receiver, body, kw, status, code):
+    base = await receiver()
+    ok, ack, _ = await raw_post(base, NDJSON.encode(FEED[:3]), epoch="1")
+    assert ok == 200 and ack["frontier"] == 2
+    # something pending, to see that a refused body does not drop it either
+    ok, ack, _ = await raw_post(base, NDJSON.encode(FEED[3:4]), epoch="1")
+    assert ack["pending"] == 2
+    before = await state(base)
+    got, err, _ = await raw_post(base, body, **kw)
+    assert (got, err["error"]) == (status, code), err
+    assert isinstance(err["detail"], str) and err["detail"]
+    assert await state(base) == before
+    _, ack, _ = await raw_post(base, NDJSON.encode(FEED[4:]), epoch="1")
+    assert ack == {"frontier": 4, "pending": 0}  # the pending updates survived
+
+
+async def test_token_body_limit_and_high_watermark(receiver):
+    base = await receiver(token="s3cret", max_body=2000, pending_high_watermark=2)
+    body = NDJSON.encode(FEED[:2])
+    status, err, hdr = await raw_post(base, body)
+    assert (status, err["error"]) == (401, "unauthorized")
+    auth = {"Authorization": "Bearer s3cret"}
+    status, err, _ = await raw_post(base, b"x" * 5000, headers=auth)
+    assert (status, err["error"]) == (413, "body_too_large")
+    status, ack, _ = await raw_post(base, body, headers=auth)
+    assert status == 200 and ack["pending"] == 2
+    status, err, hdr = await raw_post(base, NDJSON.encode(FEED[2:3]), headers=auth)
+    assert (status, err["error"]) == (429, "too_many_pending")
+    assert hdr["Retry-After"] == "1"
+    async with aiohttp.ClientSession() as s, s.get(f"{base}/healthz") as r:
+        assert r.status == 200  # health needs no token
+
+
+async def test_push_client_maps_statuses(receiver):
+    base = await receiver(token="t")
+    async with PushClient(f"{base}/v1/push/f", token="wrong") as c:
+        with pytest.raises(PushRejected) as e:
+            await c.push(FEED, epoch=1)
+        assert e.value.fatal and e.value.status == 401
+    async with PushClient(f"{base}/v1/push/f", token="t") as c:
+        with pytest.raises(PushRejected) as e:
+            await c.push([announcement(0), Progress(3, 4, ())], epoch=1)
+        assert not e.value.fatal and not e.value.retry and e.value.code == "gap"
+    async with PushClient("http://127.0.0.1:9/v1/push/f") as c:
+        with pytest.raises(PushRejected) as e:
+            await c.handshake()
+        assert e.value.retry
+
+
+async def test_state_survives_a_restart(receiver, tmp_path):
+    base = await receiver()
+    await raw_post(base, NDJSON.encode(FEED))
+    base2 = await receiver()  # a second server on the same database file
+    head, coll = await state(base2)
+    assert head == {"frontier": 4, "epoch": 1}
+    assert len(coll.splitlines()) == 2
