@@ -231,6 +231,20 @@ def _push_delivery(args: argparse.Namespace, config: Any) -> Callable[[Any], Non
     return deliver
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from .server import ServerConfig, run_server
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr
+    )
+    run_server(
+        ServerConfig(log=args.log, host=args.host, port=int(args.port), token=args.token or None)
+    )
+    return 0
+
+
 def cmd_receive(args: argparse.Namespace) -> int:
     from protocol.receiver import ReceiverConfig, run_receiver
 
@@ -327,6 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
     _option(p, "--at", type=int, help="the collection at complete time T")
     _option(p, "--format", choices=("table", *FORMATS), default="table")
     commands["inspect"] = cmd_inspect
+
+    p = sub.add_parser("serve", help="serve feeds over HTTP (pull and push subscriptions)")
+    _option(p, "--log", required=True, help="feed log URI")
+    _option(p, "--host", default="127.0.0.1")
+    _option(p, "--port", default="8080")
+    _option(p, "--token", help="require this bearer token")
+    commands["serve"] = cmd_serve
 
     p = sub.add_parser("receive", help="run the reference receiver (SQLite)")
     _option(p, "--db", required=True, help="SQLite database file")

@@ -360,7 +360,13 @@ class Emitter:
         options = {k: v for k, v in (("order", cfg.order), ("deleted", cfg.deleted)) if v}
         changes = read_changes(
             self.spark, cfg.source_kind, files, self._record_type, self.info.key, options
-        ).persist(_spillable())
+        )
+        # keep the raw text only where a bad row may need it (parse errors; deletes and
+        # snapshot rows, which the keyed checks may still find bad): the cache stays small
+        keep_raw = F.col("_error").isNotNull() | (F.col("op") == "d")
+        if cfg.source_kind == "snapshot":
+            keep_raw = F.lit(True)
+        changes = changes.withColumn("_raw", F.when(keep_raw, F.col("_raw"))).persist(_spillable())
         input_rows = changes.count()
         bad = changes.where(F.col("_error").isNotNull()).select("_file", "_raw", "_error")
         good = changes.where(F.col("_error").isNull())

@@ -30,10 +30,24 @@ import pyarrow.parquet as pq
 
 from protocol import CheckpointError, fingerprint
 
-__all__ = ["FeedInfo", "FeedLog", "valid_feed_name"]
+__all__ = ["FeedInfo", "FeedLog", "log_root", "valid_feed_name"]
 
 _FEED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _PART = re.compile(r"^part-e(\d+)-(\d+)\.parquet$")
+
+
+def log_root(uri: str) -> tuple[pafs.FileSystem, str]:
+    """The filesystem and root folder of a log URI (a local path or ``scheme://…``)."""
+    try:
+        if "://" in uri:
+            fs, root = pafs.FileSystem.from_uri(uri)
+        else:
+            import os
+
+            fs, root = pafs.LocalFileSystem(), os.path.abspath(uri)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise CheckpointError(f"cannot open log {uri!r}: {e}") from e
+    return fs, str(root).rstrip("/")
 
 
 def valid_feed_name(name: str) -> bool:
@@ -79,17 +93,9 @@ class FeedLog:
             )
         self.uri = uri
         self.feed = feed
-        try:
-            if "://" in uri:
-                fs, root = pafs.FileSystem.from_uri(uri)
-            else:
-                import os
-
-                fs, root = pafs.LocalFileSystem(), os.path.abspath(uri)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise CheckpointError(f"cannot open log {uri!r}: {e}") from e
+        fs, root = log_root(uri)
         self.fs: pafs.FileSystem = fs
-        self.root = f"{root.rstrip('/')}/{feed}"
+        self.root = f"{root}/{feed}"
         self.local_root = self.root if isinstance(fs, pafs.LocalFileSystem) else None
 
     def path(self, *parts: str) -> str:

@@ -44,6 +44,9 @@ class AvroEncoder(Encoder):
     def _write_progress(self, p: Progress) -> None:
         self._datum(p.to_wire())
 
+    def _flush(self) -> None:
+        self._writer.flush()
+
     def _finish(self) -> None:
         self._writer.flush()
 

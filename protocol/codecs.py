@@ -98,6 +98,14 @@ class Encoder(ABC):
         self._finish()
         self._closed = True
 
+    def flush(self) -> None:
+        """Push what was written so far to the stream (Avro otherwise buffers a block)."""
+        if self._started and not self._closed:
+            self._flush()
+
+    def _flush(self) -> None:  # noqa: B027 - optional hook
+        """Format-specific flush."""
+
     def _start(self) -> None:  # noqa: B027 - optional hook
         """Write the stream's header, if the format has one."""
 

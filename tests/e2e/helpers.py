@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -43,4 +44,28 @@ def write_parts(folder: Path, lines: list[bytes], parts: int, start: int = 0) ->
             tmp.write_bytes(b"".join(line + b"\n" for line in chunk))
             tmp.rename(p)  # files appear whole, as a connector's sink writes them
             paths.append(p)
+    return paths
+
+
+def write_parts_at_transactions(folder: Path, lines: list[bytes], parts: int) -> list[Path]:
+    """Like :func:`write_parts`, but every cut falls between two Debezium transactions."""
+    import orjson
+
+    def tx(line: bytes) -> object:
+        e = orjson.loads(line)
+        return e.get("payload", e)["source"]["txId"]
+
+    size = -(-len(lines) // parts)
+    cuts = []
+    for i in range(1, parts):
+        c = i * size
+        while 0 < c < len(lines) and tx(lines[c]) == tx(lines[c - 1]):
+            c += 1
+        cuts.append(c)
+    bounds = [0, *cuts, len(lines)]
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for n, (a, b) in enumerate(itertools.pairwise(bounds)):
+        if a < b:
+            paths += write_parts(folder, lines[a:b], 1, start=n)
     return paths

@@ -21,7 +21,7 @@ from feed.reader import FeedReader
 from protocol import check_messages, get_codec
 
 from ..feed.model import as_multiset, collection_of
-from .helpers import start, tidefeed, write_parts
+from .helpers import start, tidefeed, write_parts_at_transactions
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def reference(tmp_path_factory):
     """The feed a clean run makes, as NDJSON."""
     base = tmp_path_factory.mktemp("ref")
     src = base / "in"
-    write_parts(src, BANK.events, 3)
+    write_parts_at_transactions(src, BANK.events, 3)
     (base / "accounts.avsc").write_bytes(get_codec("ndjson").encode([]) or b"")
     import orjson
 
@@ -87,7 +87,7 @@ def test_sigkill_at_each_step_then_restart(tmp_path, reference, kill_at):
     import orjson
 
     src = tmp_path / "in"
-    write_parts(src, BANK.events, 3)
+    assert len(write_parts_at_transactions(src, BANK.events, 3)) == 3
     (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
     log = tmp_path / "log"
     crashed = tidefeed(*emit_args(src, log), env={"TIDEFEED_TEST_KILL_AT": kill_at})
@@ -113,14 +113,14 @@ def test_random_sigkills_in_follow_mode(tmp_path, reference):
     src.mkdir()
     (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
     log = tmp_path / "log"
-    size = -(-len(BANK.events) // 3)
-    parts = [BANK.events[i * size : (i + 1) * size] for i in range(3)]
+    # the same three transaction-aligned files as the reference, arriving one by one
+    staged = write_parts_at_transactions(tmp_path / "staged", BANK.events, 3)
     args = emit_args(src, log, "--follow", "--trigger", "0.2")
     proc = start(*args, log=tmp_path / "emit.log")
     kills = 0
     try:
-        for i, part in enumerate(parts):
-            write_parts(src, part, 1, start=i)
+        for part in staged:
+            part.rename(src / part.name)
             time.sleep(rnd.uniform(2.0, 8.0))
             if kills < 2:
                 proc.send_signal(signal.SIGKILL)

@@ -75,9 +75,11 @@ async def raw_post(base, body, *, ctype="application/x-ndjson", epoch="1", feed=
     h = {"Content-Type": ctype, **(headers or {})}
     if epoch is not None:
         h["Tidefeed-Epoch"] = epoch
-    async with aiohttp.ClientSession() as s:
-        async with s.post(f"{base}/v1/push/{feed}", data=body, headers=h) as r:
-            return r.status, await r.json(), r.headers
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{base}/v1/push/{feed}", data=body, headers=h) as r,
+    ):
+        return r.status, await r.json(), r.headers
 
 
 NDJSON = get_codec("ndjson")

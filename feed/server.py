@@ -1,0 +1,465 @@
+"""The feed server (``tidefeed serve``): pull and push delivery of committed feeds (DESIGN §7).
+
+* ``GET /v1/feeds`` and ``GET /v1/feeds/{feed}``: name, schema, frontier, since, counts.
+* ``GET /v1/feeds/{feed}/changes?after=T&follow=…&snapshot=…&format=…``: a streamed
+  response — the announcement, then every committed time ``>= T`` (or one consolidated
+  snapshot, then the live tail), with heartbeats while idle. ``T`` below ``since`` is 410.
+* ``PUT|GET|DELETE /v1/feeds/{feed}/subscriptions/{name}``: durable subscriptions; with a
+  ``url`` the server pushes (one publisher task each), without one it is a named pull
+  subscriber that ACKs with ``POST …/{name}/ack {"frontier": F}``.
+* ``GET /healthz``, ``GET /metrics`` (Prometheus text).
+
+Reads of the log and writes of subscription files run in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.fs as pafs
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from protocol import CODECS, CheckpointError, Progress, Updates, announcement, get_codec
+from protocol._http import HttpError, error_middleware, json_response, token_middleware
+from protocol.push import Ack, PushClient
+
+from .log import log_root, valid_feed_name
+from .publisher import DeliveryStopped, Publisher
+from .reader import FeedReader
+from .subscriptions import Subscription, SubscriptionStore, valid_subscription
+
+__all__ = ["ServerConfig", "make_server_app", "run_server"]
+
+log = logging.getLogger("tidefeed.serve")
+
+POLL_SECONDS = 0.5
+HEARTBEAT_SECONDS = 5.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    log: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    token: str | None = None
+    poll_seconds: float = POLL_SECONDS
+    heartbeat_seconds: float = HEARTBEAT_SECONDS
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.updates = Counter(
+            "tidefeed_updates_served", "Updates sent to consumers", ["feed", "via"], registry=r
+        )
+        self.bytes = Counter(
+            "tidefeed_bytes_sent", "Body bytes sent to consumers", ["feed", "via"], registry=r
+        )
+        self.push_errors = Counter(
+            "tidefeed_push_errors", "Failed pushes", ["feed", "subscription"], registry=r
+        )
+        self.lag_times = Gauge(
+            "tidefeed_subscriber_lag_times",
+            "Feed frontier minus the subscriber's ACKed frontier",
+            ["feed", "subscription"],
+            registry=r,
+        )
+        self.lag_seconds = Gauge(
+            "tidefeed_subscriber_lag_seconds",
+            "Seconds since the subscriber last ACKed",
+            ["feed", "subscription"],
+            registry=r,
+        )
+
+
+CONFIG = web.AppKey("config", ServerConfig)
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.readers: dict[str, FeedReader] = {}
+        self.subs: dict[str, SubscriptionStore] = {}
+        self.tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
+
+    def feed_names(self) -> list[str]:
+        fs, root = log_root(self.config.log)
+        infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+        return sorted(
+            i.base_name
+            for i in infos
+            if i.type == pafs.FileType.Directory
+            and valid_feed_name(i.base_name)
+            and fs.get_file_info(f"{i.path}/feed.json").type == pafs.FileType.File
+        )
+
+    def reader(self, feed: str) -> FeedReader:
+        if not valid_feed_name(feed):
+            raise HttpError(404, "unknown_feed", f"{feed!r} is not a valid feed name")
+        r = self.readers.get(feed)
+        if r is None:
+            try:
+                r = FeedReader(self.config.log, feed)
+            except CheckpointError:
+                raise HttpError(404, "unknown_feed", f"no feed {feed!r} in this log") from None
+            self.readers[feed] = r
+        else:
+            r.refresh()
+        return r
+
+    def sub_store(self, feed: str) -> SubscriptionStore:
+        if feed not in self.subs:
+            self.subs[feed] = SubscriptionStore(self.reader(feed).log)
+        return self.subs[feed]
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+def _state(request: web.Request) -> ServerState:
+    return request.app[STATE]
+
+
+def _describe(r: FeedReader, *, counts: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "name": r.name,
+        "schema": r.info.schema,
+        "key": list(r.info.key),
+        "clock": r.info.clock,
+        "frontier": r.frontier,
+        "since": r.since,
+        "epoch": r.checkpoint.epoch if r.checkpoint else 0,
+    }
+    if counts:
+        d["counts"] = [{"time": t, "count": n} for t, n in sorted(r.counts().items())]
+    return d
+
+
+async def list_feeds(request: web.Request) -> web.Response:
+    st = _state(request)
+
+    def describe_all() -> list[dict[str, Any]]:
+        return [_describe(st.reader(f), counts=False) for f in st.feed_names()]
+
+    return json_response({"feeds": await asyncio.to_thread(describe_all)})
+
+
+async def feed_info(request: web.Request) -> web.Response:
+    st = _state(request)
+    feed = request.match_info["feed"]
+    return json_response(await asyncio.to_thread(lambda: _describe(st.reader(feed), counts=True)))
+
+
+def _int_param(request: web.Request, name: str) -> int | None:
+    raw = request.query.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise HttpError(400, "bad_request", f"'{name}' must be an integer, got {raw!r}") from None
+    if value < 0:
+        raise HttpError(400, "bad_request", f"'{name}' must be >= 0")
+    return value
+
+
+def _bool_param(request: web.Request, name: str) -> bool:
+    raw = request.query.get(name, "false").lower()
+    if raw not in ("true", "false", "1", "0"):
+        raise HttpError(400, "bad_request", f"'{name}' must be true or false, got {raw!r}")
+    return raw in ("true", "1")
+
+
+def _format(request: web.Request) -> str:
+    fmt = request.query.get("format")
+    if fmt is None:
+        accept = request.headers.get("Accept", "")
+        fmt = next((c.name for c in CODECS.values() if c.content_type in accept), "ndjson")
+    if fmt not in CODECS:
+        raise HttpError(
+            415, "unsupported_format", f"unknown format {fmt!r}; use one of {', '.join(CODECS)}"
+        )
+    return fmt
+
+
+def _snapshot_batch(r: FeedReader, at: int) -> Updates:
+    snap = r.snapshot(at)
+    fields = list(r.record_type)
+    data = (
+        pa.StructArray.from_arrays(
+            [snap.column(f.name).combine_chunks() for f in fields], fields=fields
+        )
+        if snap.num_rows
+        else pa.array([], r.record_type)
+    )
+    return Updates.from_arrow(
+        pa.table(
+            {
+                "data": data,
+                "time": pa.array([at] * snap.num_rows, pa.int64()),
+                "diff": snap.column("count"),
+            }
+        )
+    )
+
+
+async def changes(request: web.Request) -> web.StreamResponse:
+    st = _state(request)
+    feed = request.match_info["feed"]
+    after = _int_param(request, "after")
+    follow = _bool_param(request, "follow")
+    snapshot = _bool_param(request, "snapshot")
+    fmt = _format(request)
+    reader = await asyncio.to_thread(st.reader, feed)
+    if after is not None and after < reader.since:
+        raise HttpError(
+            410,
+            "compacted",
+            f"times below {reader.since} of feed {feed!r} were "
+            "compacted away; start from a snapshot",
+            extra={"since": reader.since},
+        )
+    codec = get_codec(fmt)
+    resp = web.StreamResponse(headers={"Content-Type": codec.content_type})
+    await resp.prepare(request)
+    sink = io.BytesIO()
+    encoder = codec.encoder(sink, schema=reader.info.schema)
+    m = st.metrics
+
+    async def send(messages: list[Any]) -> None:
+        for msg in messages:
+            encoder.write(msg)
+            if isinstance(msg, Updates):
+                m.updates.labels(feed, "pull").inc(len(msg))
+        encoder.flush()
+        data = sink.getvalue()
+        if data:
+            sink.seek(0)
+            sink.truncate()
+            m.bytes.labels(feed, "pull").inc(len(data))
+            await resp.write(data)
+
+    start = max(after or 0, reader.since)
+    lower = start
+    if snapshot and reader.frontier > 0:
+        at = reader.frontier - 1
+        batch = await asyncio.to_thread(_snapshot_batch, reader, at)
+        n = len(batch)
+        await send([announcement(at), batch, Progress(at, at + 1, ((at, n),) if n else ())])
+        lower = at + 1
+    else:
+        await send([announcement(start)])
+
+    async def catch_up() -> None:
+        nonlocal lower
+        for t in await asyncio.to_thread(reader.times, lower):
+            batch = await asyncio.to_thread(reader.updates, t)
+            n = len(batch)
+            await send(([batch] if n else []) + [Progress(lower, t + 1, ((t, n),) if n else ())])
+            lower = t + 1
+        if lower < reader.frontier:
+            await send([Progress(lower, reader.frontier, ())])
+            lower = reader.frontier
+
+    try:
+        await catch_up()
+        await _follow(st, reader, follow, lambda: lower, catch_up, send)
+    except ConnectionResetError:
+        log.info("feed %s: a consumer went away", feed)
+        return resp
+    encoder.close()
+    tail = sink.getvalue()
+    if tail:
+        await resp.write(tail)
+    await resp.write_eof()
+    return resp
+
+
+async def _follow(
+    st: ServerState, reader: FeedReader, follow: bool, position: Any, catch_up: Any, send: Any
+) -> None:
+    """Keep streaming new commits; a heartbeat announcement when nothing came for a while."""
+    idle_since = time.monotonic()
+    while follow:
+        await asyncio.sleep(st.config.poll_seconds)
+        before = position()
+        await asyncio.to_thread(reader.refresh)
+        await catch_up()
+        if position() != before:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since >= st.config.heartbeat_seconds:
+            # heartbeat: an announcement is legal anywhere and nothing is pending here
+            await send([announcement(position())])
+            idle_since = time.monotonic()
+
+
+# ---- subscriptions -----------------------------------------------------------------------
+def _start_push(app: web.Application, sub: Subscription) -> None:
+    st = app[STATE]
+    key = (sub.feed, sub.name)
+    old = st.tasks.pop(key, None)
+    if old is not None:
+        old.cancel()
+    if sub.url and sub.status == "active":
+        st.tasks[key] = asyncio.create_task(_push_loop(app, sub), name=f"push {key}")
+
+
+async def _push_loop(app: web.Application, sub: Subscription) -> None:
+    st = app[STATE]
+    store = st.sub_store(sub.feed)
+    reader = FeedReader(st.config.log, sub.feed)
+    m = st.metrics
+    assert sub.url is not None
+
+    def on_ack(ack: Ack) -> None:
+        store.ack(sub.name, ack.frontier)
+        if ack.frontier is not None:
+            m.lag_times.labels(sub.feed, sub.name).set(max(0, reader.frontier - ack.frontier))
+
+    async with PushClient(
+        sub.url, fmt=sub.format, schema=reader.info.schema, token=sub.token
+    ) as client:
+        while True:
+            await asyncio.to_thread(reader.refresh)
+            if sub.acked is None or sub.acked < reader.frontier:
+                epoch = reader.checkpoint.epoch if reader.checkpoint else 0
+                pub = Publisher(reader, client, epoch=epoch, on_ack=on_ack)
+                sent_before = client.bytes_sent
+                try:
+                    await pub.deliver()
+                except DeliveryStopped as e:
+                    m.push_errors.labels(sub.feed, sub.name).inc()
+                    await asyncio.to_thread(store.stop, sub.name, str(e))
+                    return
+                m.bytes.labels(sub.feed, "push").inc(client.bytes_sent - sent_before)
+                await asyncio.to_thread(store.flush)
+            if sub.acked_at is not None:
+                m.lag_seconds.labels(sub.feed, sub.name).set(time.time() - sub.acked_at)
+            await asyncio.sleep(st.config.poll_seconds)
+
+
+async def put_subscription(request: web.Request) -> web.Response:
+    st = _state(request)
+    feed, name = request.match_info["feed"], request.match_info["name"]
+    if not valid_subscription(name):
+        raise HttpError(400, "bad_request", f"{name!r} is not a valid subscription name")
+    try:
+        body = orjson.loads(await request.read())
+        sub = Subscription.from_request(feed, name, body)
+    except (orjson.JSONDecodeError, ValueError) as e:
+        raise HttpError(400, "malformed_body", f"bad subscription: {e}") from None
+    store = await asyncio.to_thread(st.sub_store, feed)
+    existed = name in store.subs
+    await asyncio.to_thread(store.put, sub)
+    _start_push(request.app, sub)
+    return json_response(sub.public(), status=200 if existed else 201)
+
+
+async def get_subscription(request: web.Request) -> web.Response:
+    st = _state(request)
+    feed, name = request.match_info["feed"], request.match_info["name"]
+    store = await asyncio.to_thread(st.sub_store, feed)
+    sub = store.subs.get(name)
+    if sub is None:
+        raise HttpError(404, "unknown_subscription", f"no subscription {name!r} on {feed!r}")
+    reader = await asyncio.to_thread(st.reader, feed)
+    return json_response(sub.public() | {"frontier": reader.frontier})
+
+
+async def delete_subscription(request: web.Request) -> web.Response:
+    st = _state(request)
+    feed, name = request.match_info["feed"], request.match_info["name"]
+    store = await asyncio.to_thread(st.sub_store, feed)
+    task = st.tasks.pop((feed, name), None)
+    if task is not None:
+        task.cancel()
+    if not await asyncio.to_thread(store.delete, name):
+        raise HttpError(404, "unknown_subscription", f"no subscription {name!r} on {feed!r}")
+    return json_response({"deleted": name})
+
+
+async def ack_subscription(request: web.Request) -> web.Response:
+    st = _state(request)
+    feed, name = request.match_info["feed"], request.match_info["name"]
+    store = await asyncio.to_thread(st.sub_store, feed)
+    sub = store.subs.get(name)
+    if sub is None:
+        raise HttpError(404, "unknown_subscription", f"no subscription {name!r} on {feed!r}")
+    try:
+        frontier = orjson.loads(await request.read()).get("frontier")
+        if not isinstance(frontier, int) or isinstance(frontier, bool) or frontier < 0:
+            raise ValueError
+    except (orjson.JSONDecodeError, AttributeError, ValueError):
+        raise HttpError(
+            400, "malformed_body", 'the body must be {"frontier": <int >= 0>}'
+        ) from None
+    reader = await asyncio.to_thread(st.reader, feed)
+    if frontier > reader.frontier:
+        raise HttpError(
+            409, "ack_ahead", f"ACK {frontier} is above the feed's frontier {reader.frontier}"
+        )
+    await asyncio.to_thread(store.ack, name, frontier)
+    return json_response(sub.public())
+
+
+async def healthz(_request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(_state(request).metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+def make_server_app(config: ServerConfig) -> web.Application:
+    app = web.Application(middlewares=[error_middleware, token_middleware(config.token)])
+    app[CONFIG] = config
+    app[STATE] = ServerState(config)
+
+    async def subscriptions(app: web.Application):  # type: ignore[no-untyped-def]
+        st = app[STATE]
+        for feed in await asyncio.to_thread(st.feed_names):
+            store = await asyncio.to_thread(st.sub_store, feed)
+            for sub in store.subs.values():
+                _start_push(app, sub)  # resume from the receiver's ACKed frontier
+        yield
+        for task in st.tasks.values():
+            task.cancel()
+        for task in st.tasks.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for store in st.subs.values():
+            await asyncio.to_thread(store.flush, force=True)
+
+    app.cleanup_ctx.append(subscriptions)
+    r = app.router
+    r.add_get("/v1/feeds", list_feeds)
+    r.add_get("/v1/feeds/{feed}", feed_info)
+    r.add_get("/v1/feeds/{feed}/changes", changes)
+    r.add_put("/v1/feeds/{feed}/subscriptions/{name}", put_subscription)
+    r.add_get("/v1/feeds/{feed}/subscriptions/{name}", get_subscription)
+    r.add_delete("/v1/feeds/{feed}/subscriptions/{name}", delete_subscription)
+    r.add_post("/v1/feeds/{feed}/subscriptions/{name}/ack", ack_subscription)
+    r.add_get("/healthz", healthz)
+    r.add_get("/metrics", metrics)
+    return app
+
+
+def run_server(config: ServerConfig) -> None:
+    web.run_app(
+        make_server_app(config),
+        host=config.host,
+        port=config.port,
+        print=lambda s: print(s, flush=True),
+    )

@@ -1,0 +1,219 @@
+"""The feed server on 127.0.0.1: feed info, pull (after/follow/snapshot) in every format,
+push subscriptions into a real receiver, pull ACKs, errors and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections import Counter
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+from feed.emitter import Emitter, EmitterConfig
+from feed.server import ServerConfig, make_server_app
+from protocol import Progress, Updates, check_messages, get_codec, record_key
+from protocol.receiver import ReceiverConfig, make_receiver_app
+
+from .model import as_multiset, debezium_truth
+
+BANK = generate_bank(transactions=40, seed=51)
+THIRD = len(BANK.events) // 3
+
+
+def write(path, lines):
+    path.write_bytes(b"".join(x + b"\n" for x in lines))
+
+
+@pytest.fixture
+def feed_log(spark, tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    write(src / "part-0000.json", BANK.events[:THIRD])
+    write(src / "part-0001.json", BANK.events[THIRD : 2 * THIRD])
+    cfg = EmitterConfig(
+        source_kind="debezium",
+        source_path=str(src),
+        feed="bank",
+        log=str(tmp_path / "log"),
+        key=("id",),
+        schema=ACCOUNTS_SCHEMA,
+        clock="logical",
+        max_files_per_txn=1,
+    )
+    e = Emitter(cfg, spark=spark)
+    e.open()
+    e.run()
+
+    def more() -> None:
+        write(src / "part-0002.json", BANK.events[2 * THIRD :])
+        e.run()
+
+    return tmp_path / "log", more
+
+
+async def serve(app: web.Application) -> tuple[str, web.AppRunner]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return f"http://127.0.0.1:{runner.addresses[0][1]}", runner
+
+
+def accumulate(messages) -> Counter:
+    c: Counter = Counter()
+    for m in messages:
+        if isinstance(m, Updates):
+            for u in m:
+                c[record_key(u.record)] += u.diff
+    return +c
+
+
+TRUTH_2, _ = debezium_truth(BANK.events[: 2 * THIRD])
+
+
+@pytest.mark.parametrize("fmt", ["ndjson", "avro", "arrow"])
+async def test_pull_in_each_format_and_resume_with_after(feed_log, fmt):
+    log, _ = feed_log
+    base, runner = await serve(make_server_app(ServerConfig(log=str(log))))
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{base}/v1/feeds/bank/changes?format={fmt}") as r:
+                assert r.status == 200
+                assert r.headers["Content-Type"] == get_codec(fmt).content_type
+                body = await r.read()
+            msgs = get_codec(fmt).decode(body)
+            assert check_messages(msgs, key=["id"]) == []
+            assert accumulate(msgs) == as_multiset(TRUTH_2.values())
+            frontier = msgs[-1].upper
+            # resume from the middle: exactly the times >= T
+            mid = frontier // 2
+            async with s.get(f"{base}/v1/feeds/bank/changes?after={mid}&format={fmt}") as r:
+                tail = get_codec(fmt).decode(await r.read())
+            times = sorted({u.time for m in tail if isinstance(m, Updates) for u in m})
+            all_times = sorted({u.time for m in msgs if isinstance(m, Updates) for u in m})
+            assert times == [t for t in all_times if t >= mid]
+            assert tail[0].lower == tail[0].upper == mid
+    finally:
+        await runner.cleanup()
+
+
+async def test_feed_list_info_snapshot_and_errors(feed_log):
+    log, _ = feed_log
+    base, runner = await serve(make_server_app(ServerConfig(log=str(log), token="tok")))
+    auth = {"Authorization": "Bearer tok"}
+    try:
+        async with aiohttp.ClientSession(headers=auth) as s:
+            async with s.get(f"{base}/v1/feeds") as r:
+                feeds = (await r.json())["feeds"]
+            assert [f["name"] for f in feeds] == ["bank"]
+            async with s.get(f"{base}/v1/feeds/bank") as r:
+                info = await r.json()
+            assert info["since"] == 0 and info["frontier"] > 0
+            assert sum(c["count"] for c in info["counts"]) > 0
+            async with s.get(f"{base}/v1/feeds/bank/changes?snapshot=true") as r:
+                snap = get_codec("ndjson").decode(await r.read())
+            assert check_messages(snap, key=["id"]) == []
+            assert accumulate(snap) == as_multiset(TRUTH_2.values())
+            assert len([m for m in snap if isinstance(m, Updates)]) == 1
+            for path, status, code in [
+                ("/v1/feeds/nope", 404, "unknown_feed"),
+                ("/v1/feeds/bank/changes?after=x", 400, "bad_request"),
+                ("/v1/feeds/bank/changes?format=csv", 415, "unsupported_format"),
+                ("/v1/feeds/bank/subscriptions/none", 404, "unknown_subscription"),
+            ]:
+                async with s.get(base + path) as r:
+                    assert (r.status, (await r.json())["error"]) == (status, code), path
+        async with aiohttp.ClientSession() as s, s.get(f"{base}/v1/feeds") as r:
+            assert r.status == 401
+    finally:
+        await runner.cleanup()
+
+
+async def test_follow_streams_new_commits(feed_log):
+    log, more = feed_log
+    base, runner = await serve(
+        make_server_app(ServerConfig(log=str(log), poll_seconds=0.1, heartbeat_seconds=0.5))
+    )
+    truth_all, _ = debezium_truth(BANK.events)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{base}/v1/feeds/bank/changes?follow=true") as r:
+                buf = io.BytesIO()
+                committing = None
+                deadline = asyncio.get_running_loop().time() + 120
+                while asyncio.get_running_loop().time() < deadline:
+                    line = await r.content.readline()
+                    buf.write(line)
+                    msgs = get_codec("ndjson").decode(buf.getvalue())
+                    if committing is None and accumulate(msgs) == as_multiset(TRUTH_2.values()):
+                        committing = asyncio.get_running_loop().run_in_executor(None, more)
+                    if (
+                        committing is not None
+                        and committing.done()
+                        and isinstance(msgs[-1], Progress)
+                        and accumulate(msgs) == as_multiset(truth_all.values())
+                    ):
+                        break
+                else:
+                    pytest.fail("the followed stream never reached the new commit")
+            assert check_messages(msgs, key=["id"]) == []
+    finally:
+        await runner.cleanup()
+
+
+async def test_push_subscription_into_a_receiver_and_pull_acks(feed_log, tmp_path):
+    log, more = feed_log
+    rbase, rrunner = await serve(make_receiver_app(ReceiverConfig(db=str(tmp_path / "r.db"))))
+    base, runner = await serve(make_server_app(ServerConfig(log=str(log), poll_seconds=0.1)))
+    truth_all, _ = debezium_truth(BANK.events)
+
+    async def receiver_collection(s):
+        async with s.get(f"{rbase}/v1/collections/bank") as r:
+            rows = [orjson.loads(x) for x in (await r.read()).splitlines()]
+        return Counter({record_key(x["data"]): x["count"] for x in rows})
+
+    async def wait_for(s, want):
+        for _ in range(600):
+            if await receiver_collection(s) == want:
+                return
+            await asyncio.sleep(0.1)
+        pytest.fail("the receiver never caught up")
+
+    try:
+        async with aiohttp.ClientSession() as s:
+            sub = {"url": f"{rbase}/v1/push/bank", "format": "arrow"}
+            async with s.put(f"{base}/v1/feeds/bank/subscriptions/mv", json=sub) as r:
+                assert r.status == 201, await r.text()
+            await wait_for(s, as_multiset(TRUTH_2.values()))
+            await asyncio.get_running_loop().run_in_executor(None, more)
+            await wait_for(s, as_multiset(truth_all.values()))
+            async with s.get(f"{base}/v1/feeds/bank/subscriptions/mv") as r:
+                state = await r.json()
+            assert state["kind"] == "push" and state["status"] == "active"
+            async with s.get(f"{base}/metrics") as r:
+                text = await r.text()
+            assert 'tidefeed_bytes_sent_total{feed="bank",via="push"}' in text
+            # a named pull subscriber
+            async with s.put(f"{base}/v1/feeds/bank/subscriptions/nb", json={}) as r:
+                assert (await r.json())["kind"] == "pull"
+            async with s.post(
+                f"{base}/v1/feeds/bank/subscriptions/nb/ack", json={"frontier": 3}
+            ) as r:
+                assert (await r.json())["acked"] == 3
+            async with s.post(
+                f"{base}/v1/feeds/bank/subscriptions/nb/ack", json={"frontier": 10**9}
+            ) as r:
+                assert (r.status, (await r.json())["error"]) == (409, "ack_ahead")
+            async with s.delete(f"{base}/v1/feeds/bank/subscriptions/nb") as r:
+                assert r.status == 200
+            async with s.get(f"{base}/v1/feeds/bank/subscriptions/nb") as r:
+                assert r.status == 404
+    finally:
+        await runner.cleanup()
+        await rrunner.cleanup()
+    # the subscription and its position were kept in the log
+    saved = orjson.loads((log / "bank" / "_subscriptions" / "mv.json").read_bytes())
+    assert saved["url"].endswith("/v1/push/bank") and saved["acked"] is not None
