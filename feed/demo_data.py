@@ -1,7 +1,8 @@
 """A realistic change stream for demos and tests: a small bank as Debezium events.
 
 Accounts open (``c``), take deposits and transfers (``u``, two rows in one database
-transaction), close (``d``), get no-op updates and changes undone within the same
+transaction), close (``d``), reopen under the same id (in the closing transaction or a
+later one, with extreme balances), get no-op updates and changes undone within the same
 transaction. Events carry ``source.lsn`` (growing), ``source.txId`` (one per database
 transaction) and ``ts_ms`` like the Debezium PostgreSQL connector's, with and without the
 ``{"schema", "payload"}`` wrapper. The generator also returns the table's final state, the
@@ -65,6 +66,11 @@ _CONNECT_SCHEMA = {
 _OWNERS = ["ada", "björn", "chen", "dolores", "émile", "fatima", "grace", "hiro", "ines", "jo"]
 
 
+def _clamp(v: int) -> int:
+    """Keep a balance inside a 64-bit long, as the database column would."""
+    return max(-(2**63), min(2**63 - 1, v))
+
+
 @dataclass
 class BankStream:
     """Events (one JSON line each), grouped into database transactions, and the final table."""
@@ -89,6 +95,7 @@ def generate_bank(
     out = BankStream()
     table: dict[int, dict[str, Any]] = {}
     ids: list[int] = []  # the live ids, for O(1) random picks
+    reopen_later: list[dict[str, Any]] = []
     where: dict[int, int] = {}  # id -> its index in ids
 
     def add(acct: int) -> None:
@@ -110,6 +117,12 @@ def generate_bank(
         ts += rng.randint(1, 50)
         changes: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None]] = []
         kind = rng.random()
+        if reopen_later and kind < 0.1:
+            back = reopen_later.pop()
+            changes.append(("c", None, back))
+            table[back["id"]] = back
+            add(back["id"])
+            kind = 2.0  # nothing else in this transaction
         if kind < 0.25 or len(table) < 3:
             for _ in range(rng.randint(1, 3)):
                 row: dict[str, Any] = {
@@ -128,7 +141,7 @@ def generate_bank(
             amount = rng.randint(1, 500)
             for acct, delta in ((a, -amount), (b, amount)):
                 before = table[acct]
-                after = dict(before, balance=before["balance"] + delta)
+                after = dict(before, balance=_clamp(before["balance"] + delta))
                 changes.append(("u", before, after))
                 table[acct] = after
         elif kind < 0.7:
@@ -142,16 +155,32 @@ def generate_bank(
             mid = dict(before, note="pending")
             changes.append(("u", before, mid))
             changes.append(("u", mid, before))
-        elif kind < 0.9:
+        elif kind < 0.86:
             acct = rng.choice(ids)
             changes.append(("d", table.pop(acct), None))
             remove(acct)
-        else:
+        elif kind < 0.9:
+            # closed and reopened under the same id, in one transaction or across two
+            acct = rng.choice(ids)
+            gone = table.pop(acct)
+            changes.append(("d", gone, None))
+            reopened = dict(
+                gone,
+                balance=rng.choice([0, 2**62, -(2**62), 2**63 - 1]),
+                note=rng.choice(["reopened", "ré-ouvert ✓", None]),
+            )
+            if rng.random() < 0.5:
+                changes.append(("c", None, reopened))
+                table[acct] = reopened
+            else:
+                remove(acct)
+                reopen_later.append(reopened)
+        elif kind < 1.0:
             acct = rng.choice(ids)
             before = table[acct]
             after = dict(
                 before,
-                balance=before["balance"] + rng.randint(-100, 1000),
+                balance=_clamp(before["balance"] + rng.randint(-100, 1000)),
                 active=rng.choice([True, False, None]),
             )
             changes.append(("u", before, after))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -39,6 +38,7 @@ import pyarrow.parquet as pq
 
 from protocol import CheckpointError, Progress, SourceError, fingerprint
 
+from ._faults import maybe_die
 from .checkpoint import Checkpoint, CheckpointStore
 from .log import FeedLog
 
@@ -48,7 +48,6 @@ log = logging.getLogger("tidefeed.emit")
 
 DEFAULT_TRIGGER = 5.0
 DEFAULT_MAX_FILES = 1000
-KILL_ENV = "TIDEFEED_TEST_KILL_AT"  # fault injection for crash tests: SIGKILL at a step
 RESERVED = ("time", "diff")
 
 
@@ -103,22 +102,6 @@ class TxnReport:
             f"txn {self.seq}: times {times} files={self.files} input_rows={self.input_rows} "
             f"updates={self.updates} bad_rows={self.bad_rows} {secs}"
         )
-
-
-_steps_seen: dict[str, int] = {}
-
-
-def _maybe_die(step: str) -> None:
-    """Crash tests set ``TIDEFEED_TEST_KILL_AT=STEP[:N]``: SIGKILL at the N-th such step."""
-    want = os.environ.get(KILL_ENV)
-    if not want:
-        return
-    name, _, nth = want.partition(":")
-    if name != step:
-        return
-    _steps_seen[step] = _steps_seen.get(step, 0) + 1
-    if _steps_seen[step] == int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _edge_txn(kind: str, path: str, *, last: bool) -> str | None:
@@ -376,7 +359,7 @@ class Emitter:
                 (F.col("pos_hi") > hi) | ((F.col("pos_hi") == hi) & (F.col("pos_lo") > lo))
             ).dropDuplicates(["pos_hi", "pos_lo", "op"])
         secs["read"] = time.perf_counter() - t0
-        _maybe_die("after_read")
+        maybe_die("after_read")
 
         t1 = time.perf_counter()
         good, units = assign_units(good, cfg.granularity)
@@ -426,7 +409,7 @@ class Emitter:
             ).write.json(self._spark_path(fl.path("quarantine", str(seq))))
         fl.delete_dir(staging)
         secs["write"] = time.perf_counter() - t2
-        _maybe_die("after_write")
+        maybe_die("after_write")
 
         t3 = time.perf_counter()
         upper = t_next + units if units else cp.frontier
@@ -453,7 +436,7 @@ class Emitter:
         self.store.commit(new_cp)  # the commit point
         self.cp = new_cp
         secs["commit"] = time.perf_counter() - t3
-        _maybe_die("after_commit")
+        maybe_die("after_commit")
         self._prune_state(new_cp)
         for df in (changes, bad, cached):
             if df is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from protocol import Message, Progress, announcement
 from protocol.push import Ack, PushClient, PushRejected
 
+from ._faults import maybe_die
 from .reader import FeedReader
 
 __all__ = ["DeliveryStopped", "Publisher", "SessionReport"]
@@ -92,6 +93,7 @@ class Publisher:
 
     async def _send(self, body: list[Message], report: SessionReport) -> None:
         ack = await self.client.push(body, epoch=self.epoch)
+        maybe_die("during_publish")  # the receiver kept it; this process never learns
         report.bodies += 1
         report.frontier = ack.frontier
         self.acked = ack.frontier

@@ -172,3 +172,50 @@ def test_receiver_sigkilled_mid_push_ends_equal(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_emitter_sigkilled_during_publish_then_restarted(tmp_path):
+    from .helpers import write_parts_at_transactions
+
+    src = tmp_path / "in"
+    assert len(write_parts_at_transactions(src, BANK.events, 3)) == 3
+    schema = tmp_path / "accounts.avsc"
+    schema.write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
+    port = free_port()
+    receiver = start(
+        "receive",
+        "--db",
+        str(tmp_path / "r.db"),
+        "--port",
+        str(port),
+        log=tmp_path / "receiver.log",
+    )
+    args = [
+        "emit",
+        "--source",
+        f"debezium:{src}",
+        "--feed",
+        "bank",
+        "--log",
+        str(tmp_path / "log"),
+        "--key",
+        "id",
+        "--schema",
+        str(schema),
+        "--max-files-per-txn",
+        "1",
+        "--push",
+        f"http://127.0.0.1:{port}/v1/push/bank",
+    ]
+    try:
+        wait_up(port)
+        killed = tidefeed(*args, env={"TIDEFEED_TEST_KILL_AT": "during_publish:2"})
+        assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+        partial = collection(port)
+        assert partial and partial != TRUTH  # some, not all, was delivered
+        again = tidefeed(*args)
+        assert again.returncode == 0, again.stderr.decode()[-3000:]
+        assert collection(port) == TRUTH
+    finally:
+        receiver.terminate()
+        receiver.wait(timeout=30)
