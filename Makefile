@@ -30,7 +30,7 @@ pytest: $(STAMP) java-check
 test: lint typecheck pytest
 
 demo: $(STAMP) java-check
-	$(BIN)/tidefeed demo
+	$(BIN)/tidefeed demo --workdir demo-output
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_codecs.py

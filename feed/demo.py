@@ -1,18 +1,20 @@
 """``tidefeed demo``: the main job end to end on the embedded default, with a readable report.
 
-A small bank's Debezium change events (inserts, updates, deletes, multi-row transactions,
-no-op updates, changes undone inside a transaction) land in three files. The Spark emitter
-(local Spark, local feed log) turns them into a keyed feed with one time per database
-transaction, committing once per file; after each commit the demo shows the consolidated
-deltas and progress statements of the new times. At the end it checks the feed, converts it
-to Materialize's CDCv2 Avro and reads that back with plain fastavro, and compares the
-accumulated collection with the bank's final table.
+A small bank's Debezium change events (inserts, updates, deletes, reopened accounts,
+multi-row transactions, no-op updates, changes undone inside a transaction) land in three
+files. The reference receiver starts on 127.0.0.1 (SQLite). The Spark emitter (local Spark,
+local feed log) turns the events into a keyed feed with one time per database transaction,
+committing once per file and pushing every commit to the receiver, which ACKs it; after
+each commit the demo shows the consolidated deltas and progress statements of the new
+times. At the end it checks the feed, converts it to Materialize's CDCv2 Avro (read back
+with plain fastavro) and compares the receiver's collection with the bank's final table.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import shutil
 import tempfile
 import time
 from collections import Counter
@@ -42,6 +44,11 @@ def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = N
 
     started = time.monotonic()
     work = Path(workdir or tempfile.mkdtemp(prefix="tidefeed-demo-"))
+    # a fresh run each time: remove what an earlier demo left here (and nothing else)
+    for old in ("bank-events", "log"):
+        shutil.rmtree(work / old, ignore_errors=True)
+    for old in ("receiver.db", "receiver.db-wal", "receiver.db-shm", "accounts.cdcv2.avro"):
+        (work / old).unlink(missing_ok=True)
     src = work / "bank-events"
     src.mkdir(parents=True, exist_ok=True)
     bank = generate_bank(transactions=transactions)
@@ -93,12 +100,23 @@ def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = N
         granularity="transaction",
         max_files_per_txn=1,
     )
-    emitter = Emitter(config, on_commit=show)
-    emitter.open()
+    receiver = _Receiver(str(work / "receiver.db"))
+    push_url = f"{receiver.url}/v1/push/accounts"
+    say(f"   reference receiver: {push_url} (SQLite {work / 'receiver.db'})")
+
+    def show_and_push(cp: Checkpoint) -> None:
+        show(cp)
+        acked = _push(str(log), push_url, cp.epoch)
+        say(f"   pushed to the receiver: ACK frontier {acked}")
+
+    emitter = Emitter(config, on_commit=show_and_push)
     try:
+        emitter.open()
         emitter.run()
-    finally:
         emitter.close()
+        received = receiver.collection()
+    finally:
+        receiver.stop()
 
     reader = FeedReader(str(log), "accounts")
     messages = list(reader.messages())
@@ -123,11 +141,78 @@ def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = N
         got[record_key(row)] += n
     truth = Counter(record_key(r) for r in bank.final.values())
     elapsed = time.monotonic() - started
-    if got == truth and not problems:
+    say(
+        f"5. the receiver holds {sum(received.values())} rows at frontier {reader.frontier}; "
+        f"the feed log accumulates to {sum(got.values())}; the bank has {len(truth)} accounts"
+    )
+    if got == truth and received == truth and not problems:
         say(
-            f"OK: the feed's collection equals the bank's final table ({len(truth)} accounts) "
-            f"[{elapsed:.0f}s]"
+            f"OK: the receiver's collection equals the bank's final table ({len(truth)} "
+            f"accounts) [{elapsed:.0f}s]"
         )
         return 0
-    say(f"MISMATCH: the feed has {sum(got.values())} rows, the table {len(truth)}")
+    say("MISMATCH: the receiver's collection differs from the bank's final table")
     return 1
+
+
+def _push(log: str, url: str, epoch: int) -> int | None:
+    """Deliver everything committed so far to ``url`` (a DESIGN §6 session)."""
+    import asyncio
+
+    from protocol.push import PushClient
+
+    from .publisher import Publisher
+    from .reader import FeedReader
+
+    async def go() -> int | None:
+        reader = FeedReader(log, "accounts")
+        async with PushClient(url, schema=reader.info.schema) as client:
+            return await Publisher(reader, client, epoch=epoch).deliver(give_up_after=60)
+
+    return asyncio.run(go())
+
+
+class _Receiver:
+    """``tidefeed receive`` in a background thread of this process, on 127.0.0.1."""
+
+    def __init__(self, db: str) -> None:
+        import asyncio
+        import threading
+
+        from aiohttp import web
+
+        from protocol.receiver import ReceiverConfig, make_receiver_app
+
+        self._loop = asyncio.new_event_loop()
+        self._runner = web.AppRunner(make_receiver_app(ReceiverConfig(db=db)))
+        ready = threading.Event()
+
+        def serve() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            self._loop.run_until_complete(site.start())
+            ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=serve, name="demo-receiver", daemon=True)
+        self._thread.start()
+        if not ready.wait(30):
+            raise RuntimeError("the demo's receiver did not start")
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    def collection(self) -> Counter[bytes]:
+        import urllib.request
+
+        import orjson
+
+        with urllib.request.urlopen(f"{self.url}/v1/collections/accounts") as r:
+            rows = [orjson.loads(x) for x in r.read().splitlines()]
+        return Counter({record_key(x["data"]): x["count"] for x in rows})
+
+    def stop(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)

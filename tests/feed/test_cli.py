@@ -144,7 +144,7 @@ def test_unknown_option_value_is_a_usage_error():
 def test_demo_runs_the_emitter_and_verifies(tmp_path):
     out = run("demo", "--workdir", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert b"OK: the feed's collection equals the bank's final table" in out.stdout
+    assert b"OK: the receiver's collection equals the bank's final table" in out.stdout
     assert b"-- commit 2 (epoch 1): progress lower=[0]" in out.stdout
     inspected = run(
         "inspect", "--log", str(tmp_path / "log"), "--feed", "accounts", "--format", "ndjson"

@@ -1,0 +1,59 @@
+"""The notebooks run top to bottom (nbclient) against a feed this test makes, and are kept
+in git without outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+from feed.emitter import Emitter, EmitterConfig
+
+NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+
+
+def test_there_is_a_notebook():
+    assert NOTEBOOKS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_stored_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, path.name
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_against_a_fresh_feed(path, spark, tmp_path, monkeypatch):
+    bank = generate_bank(transactions=30, seed=61)
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "part-0000.json").write_bytes(b"".join(e + b"\n" for e in bank.events))
+    cfg = EmitterConfig(
+        source_kind="debezium",
+        source_path=str(src),
+        feed="accounts",
+        log=str(tmp_path / "log"),
+        key=("id",),
+        schema=ACCOUNTS_SCHEMA,
+        clock="logical",
+        granularity="transaction",
+    )
+    e = Emitter(cfg, spark=spark)
+    e.open()
+    e.run()
+    monkeypatch.setenv("TIDEFEED_LOG", str(tmp_path / "log"))
+    monkeypatch.setenv("TIDEFEED_FEED", "accounts")
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(
+        nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    ).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "counts match, feed valid" in text
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the plot was drawn
