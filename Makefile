@@ -18,8 +18,8 @@ java-check:
 	@$(BIN)/python -m feed._java
 
 lint: $(STAMP)
-	$(BIN)/ruff check protocol feed tests benchmarks
-	$(BIN)/ruff format --check protocol feed tests benchmarks
+	$(BIN)/ruff check protocol feed tests benchmarks docs
+	$(BIN)/ruff format --check protocol feed tests benchmarks docs
 
 typecheck: $(STAMP)
 	$(BIN)/mypy protocol feed

@@ -255,7 +255,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .inspect import inspect_feed
+    from .inspection import inspect_feed
 
     return inspect_feed(
         log=args.log,

@@ -27,7 +27,7 @@ from protocol import Updates, cdcv2_schema, check_messages, get_codec, record_ke
 
 from .checkpoint import Checkpoint
 from .demo_data import ACCOUNTS_SCHEMA, generate_bank
-from .inspect import format_table
+from .inspection import format_table
 
 __all__ = ["run_demo"]
 
