@@ -219,3 +219,82 @@ def test_emitter_sigkilled_during_publish_then_restarted(tmp_path):
     finally:
         receiver.terminate()
         receiver.wait(timeout=30)
+
+
+def test_a_restarted_feed_server_resumes_its_subscriptions(tmp_path):
+    from .helpers import write_parts_at_transactions
+
+    staged = write_parts_at_transactions(tmp_path / "staged", BANK.events, 2)
+    src = tmp_path / "in"
+    src.mkdir()
+    staged[0].rename(src / staged[0].name)
+    schema = tmp_path / "accounts.avsc"
+    schema.write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
+    log = str(tmp_path / "log")
+    emit = [
+        "emit",
+        "--source",
+        f"debezium:{src}",
+        "--feed",
+        "bank",
+        "--log",
+        log,
+        "--key",
+        "id",
+        "--schema",
+        str(schema),
+    ]
+    first = tidefeed(*emit)
+    assert first.returncode == 0, first.stderr.decode()[-2000:]
+    rport, sport = free_port(), free_port()
+    receiver = start(
+        "receive",
+        "--db",
+        str(tmp_path / "r.db"),
+        "--port",
+        str(rport),
+        log=tmp_path / "receiver.log",
+    )
+    server = start("serve", "--log", log, "--port", str(sport), log=tmp_path / "server.log")
+    try:
+        wait_up(rport)
+        wait_up(sport)
+        body = orjson.dumps({"url": f"http://127.0.0.1:{rport}/v1/push/bank", "format": "avro"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{sport}/v1/feeds/bank/subscriptions/mv",
+            data=body,
+            method="PUT",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req) as r:
+            assert r.status == 201
+        half_truth = {record_key(r): 1 for r in _truth_of(src / staged[0].name).values()}
+        _wait(lambda: collection(rport) == half_truth, tmp_path / "server.log")
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=30)
+        staged[1].rename(src / staged[1].name)
+        second = tidefeed(*emit)  # more commits while no server runs
+        assert second.returncode == 0, second.stderr.decode()[-2000:]
+        server = start("serve", "--log", log, "--port", str(sport), log=tmp_path / "server.log")
+        wait_up(sport)
+        _wait(lambda: collection(rport) == TRUTH, tmp_path / "server.log")
+    finally:
+        for p in (server, receiver):
+            p.terminate()
+            p.wait(timeout=30)
+
+
+def _truth_of(path: Path) -> dict:
+    from ..feed.model import debezium_truth
+
+    final, _ = debezium_truth([x for x in path.read_bytes().splitlines() if x])
+    return final
+
+
+def _wait(cond, log_path: Path, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError("timed out; server log:\n" + log_path.read_text()[-3000:])
