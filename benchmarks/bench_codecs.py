@@ -19,21 +19,12 @@ import fastavro
 import orjson
 import pyarrow as pa
 
+from feed.demo_data import ACCOUNTS_SCHEMA
 from protocol import Updates, cdcv2_schema, get_codec, progress
 from protocol.messages import update_schema
 from protocol.schema import avro_to_arrow
 
-SCHEMA = {
-    "type": "record",
-    "name": "accounts",
-    "fields": [
-        {"name": "id", "type": "long"},
-        {"name": "owner", "type": "string"},
-        {"name": "balance", "type": "long"},
-        {"name": "active", "type": ["null", "boolean"], "default": None},
-        {"name": "note", "type": ["null", "string"], "default": None},
-    ],
-}
+SCHEMA = ACCOUNTS_SCHEMA
 CHUNK = 10_000
 
 

@@ -24,18 +24,10 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from feed.demo_data import ACCOUNTS_SCHEMA
 from protocol import Progress, Update, Updates, announcement, get_codec
 
-SCHEMA = {
-    "type": "record",
-    "name": "accounts",
-    "fields": [
-        {"name": "id", "type": "long"},
-        {"name": "owner", "type": "string"},
-        {"name": "balance", "type": "long"},
-        {"name": "active", "type": ["null", "boolean"], "default": None},
-    ],
-}
+SCHEMA = ACCOUNTS_SCHEMA
 
 RAW_SERVER = """
 import sys
@@ -73,7 +65,13 @@ def bodies(fmt: str, times: int, per_time: int) -> list[bytes]:
     for t in range(1, times + 1):
         ups = Updates.of(
             Update(
-                {"id": t * per_time + i, "owner": f"o{i % 97}", "balance": i, "active": i % 2 == 0},
+                {
+                    "id": t * per_time + i,
+                    "owner": f"o{i % 97}",
+                    "balance": i,
+                    "active": i % 2 == 0,
+                    "note": None,
+                },
                 t,
                 1,
             )

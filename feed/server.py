@@ -366,14 +366,20 @@ async def put_subscription(request: web.Request) -> web.Response:
     return json_response(sub.public(), status=200 if existed else 201)
 
 
-async def get_subscription(request: web.Request) -> web.Response:
+async def _subscription(request: web.Request) -> tuple[SubscriptionStore, Subscription]:
+    """The store and the subscription a request names; 404 when there is none."""
     st = _state(request)
     feed, name = request.match_info["feed"], request.match_info["name"]
     store = await asyncio.to_thread(st.sub_store, feed)
     sub = store.subs.get(name)
     if sub is None:
         raise HttpError(404, "unknown_subscription", f"no subscription {name!r} on {feed!r}")
-    reader = await asyncio.to_thread(st.reader, feed)
+    return store, sub
+
+
+async def get_subscription(request: web.Request) -> web.Response:
+    _, sub = await _subscription(request)
+    reader = await asyncio.to_thread(_state(request).reader, sub.feed)
     return json_response(sub.public() | {"frontier": reader.frontier})
 
 
@@ -391,11 +397,8 @@ async def delete_subscription(request: web.Request) -> web.Response:
 
 async def ack_subscription(request: web.Request) -> web.Response:
     st = _state(request)
-    feed, name = request.match_info["feed"], request.match_info["name"]
-    store = await asyncio.to_thread(st.sub_store, feed)
-    sub = store.subs.get(name)
-    if sub is None:
-        raise HttpError(404, "unknown_subscription", f"no subscription {name!r} on {feed!r}")
+    store, sub = await _subscription(request)
+    feed, name = sub.feed, sub.name
     try:
         frontier = orjson.loads(await request.read()).get("frontier")
         if not isinstance(frontier, int) or isinstance(frontier, bool) or frontier < 0:

@@ -10,7 +10,8 @@ import pytest
 from nbclient import NotebookClient
 
 from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
-from feed.emitter import Emitter, EmitterConfig
+
+from .feed.model import run_emitter
 
 NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
 
@@ -33,7 +34,8 @@ def test_notebook_runs_against_a_fresh_feed(path, spark, tmp_path, monkeypatch):
     src = tmp_path / "in"
     src.mkdir()
     (src / "part-0000.json").write_bytes(b"".join(e + b"\n" for e in bank.events))
-    cfg = EmitterConfig(
+    run_emitter(
+        spark,
         source_kind="debezium",
         source_path=str(src),
         feed="accounts",
@@ -43,9 +45,6 @@ def test_notebook_runs_against_a_fresh_feed(path, spark, tmp_path, monkeypatch):
         clock="logical",
         granularity="transaction",
     )
-    e = Emitter(cfg, spark=spark)
-    e.open()
-    e.run()
     monkeypatch.setenv("TIDEFEED_LOG", str(tmp_path / "log"))
     monkeypatch.setenv("TIDEFEED_FEED", "accounts")
     nb = nbformat.read(path, as_version=4)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 TIDEFEED = [sys.executable, "-m", "feed.cli"]
@@ -69,3 +72,21 @@ def write_parts_at_transactions(folder: Path, lines: list[bytes], parts: int) ->
         if a < b:
             paths += write_parts(folder, lines[a:b], 1, start=n)
     return paths
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_up(port: int, timeout: float = 30) -> None:
+    """Wait until a tidefeed server answers /healthz on 127.0.0.1:port."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing answers on 127.0.0.1:{port}")

@@ -19,17 +19,11 @@ import pytest
 
 from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
 
-from .helpers import tidefeed, write_parts
+from .helpers import free_port, tidefeed, write_parts
 
 pytestmark = pytest.mark.slow
 
 SPARK_HOME = Path(pyspark.__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for_port(port: int, timeout: float = 90) -> None:

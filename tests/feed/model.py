@@ -55,3 +55,13 @@ def collection_of(reader, at=None) -> Counter:
         n = row.pop("count")
         c[record_key(row)] += n
     return c
+
+
+def run_emitter(spark, **config):
+    """Open an emitter with this config on the shared session, run it to the end of its
+    input; return it (its ``cp`` is the last commit) and the transactions' reports."""
+    from feed.emitter import Emitter, EmitterConfig
+
+    e = Emitter(EmitterConfig(**config), spark=spark)
+    e.open()
+    return e, e.run()

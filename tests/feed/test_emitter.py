@@ -14,33 +14,19 @@ from feed.log import FeedLog
 from feed.reader import FeedReader
 from protocol import CommitConflict, SourceError, check_messages
 
-from .model import as_multiset, collection_of, debezium_truth
-
-
-def write_parts(folder: Path, lines: list[bytes], parts: int) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    size = -(-len(lines) // parts)
-    paths = []
-    for i in range(parts):
-        chunk = lines[i * size : (i + 1) * size]
-        if chunk:
-            p = folder / f"part-{i:04d}.json"
-            p.write_bytes(b"".join(line + b"\n" for line in chunk))
-            paths.append(p)
-    return paths
+from ..e2e.helpers import write_parts
+from .model import as_multiset, collection_of, debezium_truth, run_emitter
 
 
 def emit(spark, tmp_path, src, **kw) -> Emitter:
-    cfg = EmitterConfig(
+    e, _ = run_emitter(
+        spark,
         source_kind=kw.pop("kind", "debezium"),
         source_path=str(src),
         feed=kw.pop("feed", "bank"),
         log=str(tmp_path / "log"),
         **kw,
     )
-    e = Emitter(cfg, spark=spark)
-    e.open()
-    e.run()
     e.close()
     return e
 

@@ -13,12 +13,11 @@ import pytest
 from aiohttp import web
 
 from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
-from feed.emitter import Emitter, EmitterConfig
 from feed.server import ServerConfig, make_server_app
 from protocol import Progress, Updates, check_messages, get_codec, record_key
 from protocol.receiver import ReceiverConfig, make_receiver_app
 
-from .model import as_multiset, debezium_truth
+from .model import as_multiset, debezium_truth, run_emitter
 
 BANK = generate_bank(transactions=40, seed=51)
 THIRD = len(BANK.events) // 3
@@ -34,7 +33,8 @@ def feed_log(spark, tmp_path):
     src.mkdir()
     write(src / "part-0000.json", BANK.events[:THIRD])
     write(src / "part-0001.json", BANK.events[THIRD : 2 * THIRD])
-    cfg = EmitterConfig(
+    e, _ = run_emitter(
+        spark,
         source_kind="debezium",
         source_path=str(src),
         feed="bank",
@@ -44,9 +44,6 @@ def feed_log(spark, tmp_path):
         clock="logical",
         max_files_per_txn=1,
     )
-    e = Emitter(cfg, spark=spark)
-    e.open()
-    e.run()
 
     def more() -> None:
         write(src / "part-0002.json", BANK.events[2 * THIRD :])

@@ -8,17 +8,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
-from feed.emitter import Emitter, EmitterConfig
 from feed.reader import FeedReader
 from protocol import check_messages
 
-from .model import as_multiset, collection_of, debezium_truth
+from .model import as_multiset, collection_of, debezium_truth, run_emitter
 
 BANK = generate_bank(transactions=30, seed=31)
 
 
 def run(spark, tmp_path, kind, src, **kw):
-    cfg = EmitterConfig(
+    e, reports = run_emitter(
+        spark,
         source_kind=kind,
         source_path=str(src),
         feed="t",
@@ -26,10 +26,8 @@ def run(spark, tmp_path, kind, src, **kw):
         clock="logical",
         **kw,
     )
-    e = Emitter(cfg, spark=spark)
-    e.open()
-    reports = e.run()
     e.close()
+    cfg = e.config
     reader = FeedReader(str(tmp_path / "log"), "t")
     key = list(cfg.key) or None
     assert check_messages(reader.messages(), non_negative=bool(key), key=key) == []
