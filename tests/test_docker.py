@@ -98,3 +98,15 @@ def test_mounted_folders_exist():
             src = vol.split(":", 1)[0]
             if src.startswith("."):
                 assert (DOCKER / src).exists(), src
+
+
+def test_an_s3_log_comes_with_the_s3a_jars_and_a_bucket():
+    emitter = SERVICES["emitter"]
+    log = emitter["command"][emitter["command"].index("--log") + 1]
+    assert log.startswith("s3://")
+    assert "hadoop-aws" in emitter["environment"]["PYSPARK_SUBMIT_ARGS"]
+    bucket = log.split("://", 1)[1].split("?", 1)[0]
+    assert f"mb -p log/{bucket}" in " ".join(SERVICES["make-bucket"]["command"])
+    assert (
+        "make-bucket" in emitter["depends_on"] and "make-bucket" in SERVICES["server"]["depends_on"]
+    )
