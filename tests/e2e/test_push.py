@@ -41,20 +41,27 @@ def setup_input(tmp_path: Path, parts: int) -> tuple[Path, Path]:
     return src, schema
 
 
-@pytest.mark.parametrize("fmt", ["ndjson", "avro", "arrow"])
-def test_emit_push_receive_equals_the_table(tmp_path, fmt):
+def test_emit_push_and_serve_subscriptions_in_every_format_equal_the_table(tmp_path):
+    """emit --push (ndjson) into one receiver, then tidefeed serve pushes the same feed
+    as avro and arrow subscriptions into two more; all three equal the table."""
     src, schema = setup_input(tmp_path, 2)
-    port = free_port()
-    receiver = start(
-        "receive",
-        "--db",
-        str(tmp_path / "r.db"),
-        "--port",
-        str(port),
-        log=tmp_path / "receiver.log",
-    )
+    ports = {fmt: free_port() for fmt in ("ndjson", "avro", "arrow")}
+    sport = free_port()
+    receivers = {
+        fmt: start(
+            "receive",
+            "--db",
+            str(tmp_path / f"{fmt}.db"),
+            "--port",
+            str(port),
+            log=tmp_path / f"receiver-{fmt}.log",
+        )
+        for fmt, port in ports.items()
+    }
+    server = None
     try:
-        wait_up(port)
+        for port in ports.values():
+            wait_up(port)
         out = tidefeed(
             "emit",
             "--source",
@@ -70,15 +77,36 @@ def test_emit_push_receive_equals_the_table(tmp_path, fmt):
             "--max-files-per-txn",
             "1",
             "--push",
-            f"http://127.0.0.1:{port}/v1/push/bank",
+            f"http://127.0.0.1:{ports['ndjson']}/v1/push/bank",
             "--format",
-            fmt,
+            "ndjson",
         )
         assert out.returncode == 0, out.stderr.decode()[-3000:]
-        assert collection(port) == TRUTH
-        if fmt != "ndjson":
-            return
-        # a second run with nothing new re-announces and leaves the receiver as it was
+        assert collection(ports["ndjson"]) == TRUTH
+        server = start(
+            "serve",
+            "--log",
+            str(tmp_path / "log"),
+            "--port",
+            str(sport),
+            log=tmp_path / "server.log",
+        )
+        wait_up(sport)
+        for fmt in ("avro", "arrow"):
+            body = orjson.dumps(
+                {"url": f"http://127.0.0.1:{ports[fmt]}/v1/push/bank", "format": fmt}
+            )
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{sport}/v1/feeds/bank/subscriptions/{fmt}",
+                data=body,
+                method="PUT",
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req) as r:
+                assert r.status == 201
+        for fmt in ("avro", "arrow"):
+            _wait(lambda f=fmt: collection(ports[f]) == TRUTH, tmp_path / "server.log")
+        # a second emit with nothing new re-announces and leaves its receiver as it was
         again = tidefeed(
             "emit",
             "--source",
@@ -90,15 +118,14 @@ def test_emit_push_receive_equals_the_table(tmp_path, fmt):
             "--key",
             "id",
             "--push",
-            f"http://127.0.0.1:{port}/v1/push/bank",
-            "--format",
-            fmt,
+            f"http://127.0.0.1:{ports['ndjson']}/v1/push/bank",
         )
         assert again.returncode == 0, again.stderr.decode()[-3000:]
-        assert collection(port) == TRUTH
+        assert collection(ports["ndjson"]) == TRUTH
     finally:
-        receiver.terminate()
-        receiver.wait(timeout=30)
+        for p in [*receivers.values(), *([server] if server else [])]:
+            p.terminate()
+            p.wait(timeout=30)
 
 
 def test_receiver_sigkilled_mid_push_ends_equal(tmp_path):
