@@ -73,7 +73,8 @@ class Publisher:
         body: list[Message] = [announcement(start)]
         in_body = 0
         lower = start
-        for t in self.reader.times(after=start):
+        frontier = self.reader.frontier  # the times listed and the closing progress agree
+        for t in self.reader.times(after=start, until=frontier):
             batch = await asyncio.to_thread(self.reader.updates, t)
             n = len(batch)
             if body and in_body + n > self.max_body_updates and in_body:
@@ -85,8 +86,8 @@ class Publisher:
             lower = t + 1
             in_body += n
             report.updates += n
-        if lower < self.reader.frontier:
-            body.append(Progress(lower, self.reader.frontier, ()))
+        if lower < frontier:
+            body.append(Progress(lower, frontier, ()))
         if body:
             await self._send(body, report)
         return report

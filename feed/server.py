@@ -221,7 +221,10 @@ async def changes(request: web.Request) -> web.StreamResponse:
     follow = _bool_param(request, "follow")
     snapshot = _bool_param(request, "snapshot")
     fmt = _format(request)
-    reader = await asyncio.to_thread(st.reader, feed)
+    await asyncio.to_thread(st.reader, feed)  # 404 for an unknown feed
+    # this stream's own reader: a reader shared with other requests could be refreshed
+    # between listing times and closing them, and announce times this stream never sent
+    reader = await asyncio.to_thread(FeedReader, st.config.log, feed)
     if after is not None and after < reader.since:
         raise HttpError(
             410,
@@ -263,14 +266,15 @@ async def changes(request: web.Request) -> web.StreamResponse:
 
     async def catch_up() -> None:
         nonlocal lower
-        for t in await asyncio.to_thread(reader.times, lower):
+        frontier = reader.frontier  # one checkpoint for the times listed and the closing
+        for t in await asyncio.to_thread(reader.times, lower, frontier):
             batch = await asyncio.to_thread(reader.updates, t)
             n = len(batch)
             await send(([batch] if n else []) + [Progress(lower, t + 1, ((t, n),) if n else ())])
             lower = t + 1
-        if lower < reader.frontier:
-            await send([Progress(lower, reader.frontier, ())])
-            lower = reader.frontier
+        if lower < frontier:
+            await send([Progress(lower, frontier, ())])
+            lower = frontier
 
     try:
         await catch_up()
