@@ -204,28 +204,18 @@ def cmd_emit(args: argparse.Namespace) -> int:
 
 def _push_delivery(args: argparse.Namespace, config: Any) -> Callable[[Any], None]:
     """A commit hook that pushes the committed feed to ``--push`` before going on."""
-    import asyncio
-
-    from protocol.push import PushClient
-
-    from .publisher import Publisher
-    from .reader import FeedReader
-
-    reader_box: list[FeedReader] = []
+    from .publisher import deliver_log
 
     def deliver(cp: Any) -> None:
-        if not reader_box:
-            reader_box.append(FeedReader(config.log, config.feed))
-        reader = reader_box[0]
-
-        async def go() -> int | None:
-            async with PushClient(
-                args.push, fmt=args.format, schema=reader.info.schema, token=args.token
-            ) as client:
-                pub = Publisher(reader, client, epoch=cp.epoch)
-                return await pub.deliver(give_up_after=float(args.push_timeout))
-
-        acked = asyncio.run(go())
+        acked = deliver_log(
+            config.log,
+            config.feed,
+            args.push,
+            epoch=cp.epoch,
+            fmt=args.format,
+            token=args.token,
+            give_up_after=float(args.push_timeout),
+        )
         print(f"tidefeed emit: {args.push} ACKed frontier {acked}", file=sys.stderr)
 
     return deliver

@@ -28,6 +28,7 @@ from protocol import Updates, cdcv2_schema, check_messages, get_codec, record_ke
 from .checkpoint import Checkpoint
 from .demo_data import ACCOUNTS_SCHEMA, generate_bank
 from .inspection import format_table
+from .publisher import deliver_log
 
 __all__ = ["run_demo"]
 
@@ -106,7 +107,7 @@ def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = N
 
     def show_and_push(cp: Checkpoint) -> None:
         show(cp)
-        acked = _push(str(log), push_url, cp.epoch)
+        acked = deliver_log(str(log), "accounts", push_url, epoch=cp.epoch, give_up_after=60)
         say(f"   pushed to the receiver: ACK frontier {acked}")
 
     emitter = Emitter(config, on_commit=show_and_push)
@@ -153,23 +154,6 @@ def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = N
         return 0
     say("MISMATCH: the receiver's collection differs from the bank's final table")
     return 1
-
-
-def _push(log: str, url: str, epoch: int) -> int | None:
-    """Deliver everything committed so far to ``url`` (a DESIGN §6 session)."""
-    import asyncio
-
-    from protocol.push import PushClient
-
-    from .publisher import Publisher
-    from .reader import FeedReader
-
-    async def go() -> int | None:
-        reader = FeedReader(log, "accounts")
-        async with PushClient(url, schema=reader.info.schema) as client:
-            return await Publisher(reader, client, epoch=epoch).deliver(give_up_after=60)
-
-    return asyncio.run(go())
 
 
 class _Receiver:

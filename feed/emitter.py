@@ -34,7 +34,6 @@ from enum import Enum
 from typing import Any
 
 import orjson
-import pyarrow.parquet as pq
 
 from protocol import CheckpointError, Progress, SourceError, fingerprint
 
@@ -468,7 +467,7 @@ class Emitter:
                 continue
             t = int(d.base_name.split("=", 1)[1])
             files = [i.path for i in fl.list_dir(d.path) if i.base_name.endswith(".parquet")]
-            n = sum(pq.ParquetFile(fl.fs.open_input_file(f)).metadata.num_rows for f in files)
+            n = fl.row_count(files)
             fl.install_time(t, epoch, files)
             if n:
                 counts[t] = n

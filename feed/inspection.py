@@ -46,23 +46,7 @@ def inspect_feed(
             print(format_table(snap, limit=1000), file=out)
             return 0
         # as a feed: the whole collection consolidated to one time
-        data = (
-            pa.StructArray.from_arrays(
-                [snap.column(f.name).combine_chunks() for f in reader.record_type],
-                fields=list(reader.record_type),
-            )
-            if snap.num_rows
-            else pa.array([], reader.record_type)
-        )
-        batch = Updates.from_arrow(
-            pa.table(
-                {
-                    "data": data,
-                    "time": pa.array([at] * snap.num_rows, pa.int64()),
-                    "diff": snap.column("count"),
-                }
-            )
-        )
+        batch = reader.snapshot_updates(at)
         messages: Any = [
             Progress(reader.since, reader.since, ()),
             batch,

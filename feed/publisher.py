@@ -23,7 +23,7 @@ from protocol.push import Ack, PushClient, PushRejected
 from ._faults import maybe_die
 from .reader import FeedReader
 
-__all__ = ["DeliveryStopped", "Publisher", "SessionReport"]
+__all__ = ["DeliveryStopped", "Publisher", "SessionReport", "deliver_log"]
 
 log = logging.getLogger("tidefeed.publish")
 
@@ -134,3 +134,24 @@ class Publisher:
                 if deadline is not None and loop.time() + wait > deadline:
                     raise
                 await asyncio.sleep(wait)
+
+
+def deliver_log(
+    log: str,
+    feed: str,
+    url: str,
+    *,
+    epoch: int,
+    fmt: str = "ndjson",
+    token: str | None = None,
+    give_up_after: float | None = None,
+) -> int | None:
+    """Deliver everything committed in ``feed`` to the receiver at ``url`` and return its ACK
+    (blocking: runs its own event loop). Raises as :meth:`Publisher.deliver` does."""
+
+    async def go() -> int | None:
+        reader = FeedReader(log, feed)
+        async with PushClient(url, fmt=fmt, schema=reader.info.schema, token=token) as client:
+            return await Publisher(reader, client, epoch=epoch).deliver(give_up_after=give_up_after)
+
+    return asyncio.run(go())

@@ -59,13 +59,11 @@ class FeedReader:
 
     def counts(self) -> dict[int, int]:
         """Update count of every committed time (read from Parquet footers, not the data)."""
-        import pyarrow.parquet as pq
-
         assert self.checkpoint is not None or not self.times()
         out = {}
         for t in self.times():
             files = self.log.time_files(t, self.checkpoint.epoch_for(t))  # type: ignore[union-attr]
-            n = sum(pq.ParquetFile(self.log.fs.open_input_file(f)).metadata.num_rows for f in files)
+            n = self.log.row_count(files)
             if n:
                 out[t] = n
         return out
@@ -103,6 +101,28 @@ class FeedReader:
             lower = t + 1
         if lower < self.frontier:
             yield Progress(lower, self.frontier, ())
+
+    def snapshot_updates(self, at: int) -> Updates:
+        """The collection at complete time ``at`` as one update batch, every record at time
+        ``at`` with its multiplicity as the diff (a consolidated snapshot of the feed)."""
+        snap = self.snapshot(at)
+        fields = list(self.record_type)
+        data = (
+            pa.StructArray.from_arrays(
+                [snap.column(f.name).combine_chunks() for f in fields], fields=fields
+            )
+            if snap.num_rows
+            else pa.array([], self.record_type)
+        )
+        return Updates.from_arrow(
+            pa.table(
+                {
+                    "data": data,
+                    "time": pa.array([at] * snap.num_rows, pa.int64()),
+                    "diff": snap.column("count"),
+                }
+            )
+        )
 
     def snapshot(self, at: int | None = None) -> pa.Table:
         """The collection at a complete time ``at`` (default: the frontier - 1): the record

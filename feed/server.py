@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-import pyarrow as pa
 import pyarrow.fs as pafs
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -193,27 +192,6 @@ def _format(request: web.Request) -> str:
     return fmt
 
 
-def _snapshot_batch(r: FeedReader, at: int) -> Updates:
-    snap = r.snapshot(at)
-    fields = list(r.record_type)
-    data = (
-        pa.StructArray.from_arrays(
-            [snap.column(f.name).combine_chunks() for f in fields], fields=fields
-        )
-        if snap.num_rows
-        else pa.array([], r.record_type)
-    )
-    return Updates.from_arrow(
-        pa.table(
-            {
-                "data": data,
-                "time": pa.array([at] * snap.num_rows, pa.int64()),
-                "diff": snap.column("count"),
-            }
-        )
-    )
-
-
 async def changes(request: web.Request) -> web.StreamResponse:
     st = _state(request)
     feed = request.match_info["feed"]
@@ -257,7 +235,7 @@ async def changes(request: web.Request) -> web.StreamResponse:
     lower = start
     if snapshot and reader.frontier > 0:
         at = reader.frontier - 1
-        batch = await asyncio.to_thread(_snapshot_batch, reader, at)
+        batch = await asyncio.to_thread(reader.snapshot_updates, at)
         n = len(batch)
         await send([announcement(at), batch, Progress(at, at + 1, ((at, n),) if n else ())])
         lower = at + 1

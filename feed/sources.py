@@ -196,6 +196,16 @@ def _local(path: str) -> str:
     return urllib.parse.quote(path, safe="/")
 
 
+def _mismatch_error(mismatched: Column) -> tuple[Column, Column]:
+    """The error check for columns whose values do not fit their type (a list of names)."""
+    return (
+        mismatched != "",
+        F.concat(
+            F.lit("type mismatch in "), mismatched, F.lit(" (does not fit the record schema)")
+        ),
+    )
+
+
 def _first_error(*checks: tuple[Column, Column | str]) -> Column:
     expr: Column = F.lit(None).cast("string")
     for cond, msg in reversed(checks):
@@ -289,12 +299,7 @@ def _read_debezium(
         (op.isNull(), "missing 'op'"),
         (op == "t", "truncate events are not supported: re-snapshot the table into a new feed"),
         (~op.isin("c", "u", "d", "r"), F.concat(F.lit("unknown op '"), op, F.lit("'"))),
-        (
-            mism_list != "",
-            F.concat(
-                F.lit("type mismatch in "), mism_list, F.lit(" (does not fit the record schema)")
-            ),
-        ),
+        _mismatch_error(mism_list),
         (lsn.isNull(), "missing source.lsn"),
         (
             op.isin("c", "u", "r") & F.col("raw_after").isNull(),
@@ -345,12 +350,7 @@ def _read_weighted(spark: SparkSession, files: Sequence[str], record: T.StructTy
         (F.col("w.delta").isNull(), "missing 'delta'"),
         (delta.isNull(), "'delta' is not a 64-bit integer"),
         (delta == 0, "'delta' is 0"),
-        (
-            mism_list != "",
-            F.concat(
-                F.lit("type mismatch in "), mism_list, F.lit(" (does not fit the record schema)")
-            ),
-        ),
+        _mismatch_error(mism_list),
     )
     return df.select(
         F.lit("w").alias("op"),
@@ -433,14 +433,7 @@ def _table_errors(key: Sequence[str], image: Column, *extra: tuple[Column, Colum
     return _first_error(
         (F.col("ord_file").isNull(), "input file could not be placed in order"),
         (F.col("bad"), "malformed JSON"),
-        (
-            F.col("_mism") != "",
-            F.concat(
-                F.lit("type mismatch in "),
-                F.col("_mism"),
-                F.lit(" (does not fit the record schema)"),
-            ),
-        ),
+        _mismatch_error(F.col("_mism")),
         *extra,
         (missing_key != "", F.concat(F.lit("missing key column(s) "), missing_key)),
     )
