@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from typing import IO, Any
 
 import fastavro
 import fastavro.write
+import pyarrow as pa
 
 from .codecs import MAX_UPDATES_PER_MESSAGE, Codec, Decoder, Encoder
 from .errors import CodecError
-from .messages import Message, Progress, Updates
-from .schema import CDC_NAMESPACE, cdcv2_schema, record_schema_of
+from .messages import Message, Progress, Updates, rows_to_table
+from .schema import CDC_NAMESPACE, avro_to_arrow, cdcv2_schema, record_schema_of
 
 __all__ = ["AvroCodec"]
 
@@ -110,3 +112,23 @@ class AvroCodec(Codec):
 
     def decoder(self, stream: IO[bytes], *, schema: Any = None) -> Decoder:
         return AvroDecoder(stream, schema=schema)
+
+    def decode(self, body: bytes, *, schema: Any = None) -> list[Message]:
+        # a whole body: each update array becomes Arrow as soon as it is read, typed by the
+        # writer schema (one C pass, no inference), so few Python rows are alive at a time
+        decoder = AvroDecoder(io.BytesIO(body), schema=schema)
+        data_type: pa.DataType | None = None
+        typed = True
+        messages: list[Message] = []
+        for m in decoder:
+            if isinstance(m, Updates) and typed:
+                if data_type is None:
+                    try:
+                        data_type = avro_to_arrow(decoder.record_schema)
+                    except CodecError:  # a schema Arrow cannot hold exactly: keep the rows
+                        typed = False
+                        messages.append(m)
+                        continue
+                m = Updates.from_arrow(rows_to_table(m.rows(), data_type))
+            messages.append(m)
+        return messages

@@ -1,19 +1,34 @@
-"""NDJSON codec: one CDCv2-shaped JSON message per line (orjson)."""
+"""NDJSON codec: one CDCv2-shaped JSON message per line.
+
+Streams decode line by line with orjson. A whole body in memory (what a receiver holds)
+first goes through pyarrow's multi-threaded JSON reader, straight into Arrow; any body that
+reader does not take cleanly (a malformed line, an unexpected shape, a string it would read
+as a timestamp) is decoded again line by line, which names what is wrong and where.
+"""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from typing import IO, Any
 
+import numpy as np
 import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pa_json
 
-from .codecs import MAX_UPDATES_PER_MESSAGE, Codec, Decoder, Encoder
+from .codecs import Codec, Decoder, Encoder
 from .errors import CodecError
 from .messages import INT64_MAX, INT64_MIN, Message, Progress, Updates, _json_default
 
 __all__ = ["NdjsonCodec"]
 
 _DUMP_OPTS = orjson.OPT_NON_STR_KEYS
+
+
+#: Updates per line: lines of ~100-200 kB let pyarrow's reader parse a body in parallel.
+MAX_UPDATES_PER_LINE = 2_000
 
 
 class NdjsonEncoder(Encoder):
@@ -80,14 +95,130 @@ class NdjsonDecoder(Decoder):
                 )
 
 
+#: the smallest block pyarrow's JSON reader parses at once (blocks are parsed in parallel)
+_MIN_BLOCK = 256 << 10
+
+
+def _has_timestamp(t: pa.DataType) -> bool:
+    if pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_time(t):
+        return True
+    if pa.types.is_struct(t):
+        return any(_has_timestamp(f.type) for f in t)
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return _has_timestamp(t.value_type)
+    return False
+
+
+def _imprecise(data: pa.Array) -> bool:
+    """Whether a record column holds a float too large to be exact (pyarrow's JSON reader
+    turns an integer beyond 64 bits into one; the line decoder refuses it instead)."""
+    for child in data.flatten():
+        if pa.types.is_struct(child.type):
+            if _imprecise(child):
+                return True
+        elif pa.types.is_floating(child.type) and len(child) > child.null_count:
+            top = pc.max(pc.abs(child)).as_py()
+            if top is not None and top >= 2.0**53:
+                return True
+    return False
+
+
+def _update_batches(column: pa.ChunkedArray) -> list[pa.Table | None] | None:
+    """The update table of every line (``None`` for other lines), or ``None`` when the
+    column is not a clean list of ``{data: object, time: int, diff: int}``."""
+    t = column.type
+    if pa.types.is_null(t):
+        return [None] * len(column)
+    if not pa.types.is_list(t) or not pa.types.is_struct(t.value_type):
+        return None
+    item = t.value_type
+    names = [f.name for f in item]
+    if (
+        any(n not in names for n in ("data", "time", "diff"))
+        or not pa.types.is_struct(item.field("data").type)
+        or item.field("time").type != pa.int64()
+        or item.field("diff").type != pa.int64()
+        or _has_timestamp(item.field("data").type)
+    ):
+        return None
+    out: list[pa.Table | None] = []
+    for chunk in column.chunks:
+        items = chunk.flatten()
+        if any(items.field(n).null_count for n in ("data", "time", "diff")):
+            return None
+        if _imprecise(items.field("data")):
+            return None
+        lowest = pc.min(items.field("time")).as_py()
+        if lowest is not None and lowest < 0:
+            return None
+        offsets = chunk.offsets.to_numpy()
+        valid = np.asarray(chunk.is_valid().to_numpy(zero_copy_only=False))
+        table = pa.Table.from_arrays(
+            [items.field("data"), items.field("time"), items.field("diff")],
+            names=["data", "time", "diff"],
+        )
+        for i in range(len(chunk)):
+            if valid[i]:
+                out.append(table.slice(offsets[i], offsets[i + 1] - offsets[i]))
+            else:
+                out.append(None)
+    return out
+
+
+def _decode_columnar(body: bytes) -> list[Message] | None:
+    """Decode a whole body with pyarrow's JSON reader, or ``None`` to use the line decoder."""
+    raw = np.frombuffer(body, dtype=np.uint8)
+    ends = np.flatnonzero(raw == 10)
+    if not len(ends) or ends[-1] != len(raw) - 1:
+        ends = np.append(ends, len(raw))
+    longest = int(np.max(np.diff(ends, prepend=-1)))
+    options = pa_json.ReadOptions(block_size=max(longest + 1, _MIN_BLOCK), use_threads=True)
+    try:
+        table = pa_json.read_json(pa.BufferReader(body), read_options=options)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        return None
+    if not set(table.column_names) <= {"updates", "progress"} or not table.num_rows:
+        return None
+    n = table.num_rows
+    updates: list[pa.Table | None] = [None] * n
+    if "updates" in table.column_names:
+        found = _update_batches(table.column("updates"))
+        if found is None:
+            return None
+        updates = found
+    progress = (
+        table.column("progress").to_pylist() if "progress" in table.column_names else [None] * n
+    )
+    messages: list[Message] = []
+    for ups, prog in zip(updates, progress, strict=True):
+        if (ups is None) == (prog is None):
+            return None  # both or neither on one line
+        if ups is not None:
+            if ups.num_rows:
+                messages.append(Updates.from_arrow(ups))
+        else:
+            try:
+                messages.append(Progress.from_wire(prog, fmt="ndjson"))
+            except CodecError:
+                return None  # the line decoder names the line
+    return messages
+
+
 class NdjsonCodec(Codec):
     name = "ndjson"
     content_type = "application/x-ndjson"
 
     def encoder(
-        self, out: IO[bytes], *, schema: Any = None, max_updates: int = MAX_UPDATES_PER_MESSAGE
+        self, out: IO[bytes], *, schema: Any = None, max_updates: int = MAX_UPDATES_PER_LINE
     ) -> Encoder:
         return NdjsonEncoder(out, schema=schema, max_updates=max_updates)
 
     def decoder(self, stream: IO[bytes], *, schema: Any = None) -> Decoder:
         return NdjsonDecoder(stream, schema=schema)
+
+    def decode(self, body: bytes, *, schema: Any = None) -> list[Message]:
+        if schema is None and body:
+            messages = _decode_columnar(body)
+            if messages is not None:
+                return messages
+        return list(NdjsonDecoder(io.BytesIO(body), schema=schema))

@@ -32,7 +32,7 @@ from typing import Any
 
 from .errors import Conflict, CountMismatch, Gap, ProtocolError
 from .messages import Message, Progress, Updates, WireRow, record_key
-from .state import ApplyResult, Consumer, MemoryStore
+from .state import ApplyResult, Consumer, MemoryStore, table_rows
 
 __all__ = ["FeedChecker", "Violation", "check_messages"]
 
@@ -131,7 +131,7 @@ class FeedChecker:
                 f"e.g. {ex['data']!r:.200}",
             )
         if res.committed and self.non_negative:
-            self._check_multiplicities(res.committed)
+            self._check_multiplicities(table_rows(res.committed))
 
     def _check_progress(self, p: Progress) -> None:
         f = self.consumer.frontier

@@ -230,13 +230,12 @@ def update_schema(data_type: pa.DataType) -> pa.Schema:
 
 def rows_to_table(rows: list[WireRow], data_type: pa.DataType | None = None) -> pa.Table:
     """Build the Arrow form of wire rows, checking times and diffs column-wise."""
+    if not rows:
+        return update_schema(data_type or pa.struct([])).empty_table()
     try:
-        if data_type is None:
-            table = pa.Table.from_pylist(rows)
-            if not rows:
-                table = update_schema(pa.struct([])).empty_table()
-        else:
-            table = pa.Table.from_pylist(rows, schema=update_schema(data_type))
+        # one struct array built in C, several times faster than Table.from_pylist
+        row_type = None if data_type is None else pa.struct(list(update_schema(data_type)))
+        table = pa.Table.from_struct_array(pa.array(rows, type=row_type))
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError) as e:
         raise CodecError(f"updates do not fit the record schema: {e}") from e
     for name in UPDATE_COLUMNS:

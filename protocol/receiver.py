@@ -17,7 +17,6 @@ runs in a worker thread, never on the event loop.
 from __future__ import annotations
 
 import asyncio
-import io
 import re
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from aiohttp import web
 
 from ._http import HttpError, error_middleware, json_response, token_middleware
 from .codecs import codec_for_content_type
+from .messages import _json_default
 from .sqlite_store import SqliteDatabase
 from .state import Consumer
 
@@ -113,9 +113,7 @@ async def post_push(request: web.Request) -> web.Response:
                 f"{cfg.pending_high_watermark}); send the progress that completes them",
                 headers={"Retry-After": str(cfg.retry_after_seconds)},
             )
-        result = await asyncio.to_thread(
-            lambda: consumer.apply(codec.decoder(io.BytesIO(body)), epoch=epoch)
-        )
+        result = await asyncio.to_thread(lambda: consumer.apply(codec.decode(body), epoch=epoch))
     return json_response({"frontier": result.frontier, "pending": result.pending})
 
 
@@ -139,7 +137,11 @@ async def get_collection(request: web.Request) -> web.StreamResponse:
             )
     store = request.app[DB].store(feed)
     rows = await asyncio.to_thread(lambda: list(store.collection(at)))
-    body = b"".join(orjson.dumps({"data": d, "count": n}) + b"\n" for d, n in rows)
+    body = b"".join(
+        orjson.dumps({"data": d, "count": n}, option=orjson.OPT_NON_STR_KEYS, default=_json_default)
+        + b"\n"
+        for d, n in rows
+    )
     return web.Response(body=body, content_type="application/x-ndjson")
 
 

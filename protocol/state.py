@@ -16,16 +16,29 @@ durable epoch ``E``, and the pending updates at times ``>= F`` (in memory only).
 :meth:`Consumer.apply` takes a whole body of messages and is atomic: when it raises, neither
 the store nor the pending updates changed. A consumer that has seen nothing adopts the first
 progress' ``lower`` as its frontier (a feed may start above 0 after compaction).
+
+Pending updates stay columnar: each accepted piece of a body is an Arrow table (``data``,
+``time``, ``diff``) with a vectorised 64-bit hash per record (:mod:`protocol.rowhash`).
+Distinct hashes prove distinct records, so a body whose hashes meet neither each other nor
+the pending ones is accepted without a Python object per update; only records whose hashes
+collide are compared exactly, one by one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from .errors import Conflict, CountMismatch, Gap, ProtocolError, StaleEpoch
-from .messages import Message, Progress, Updates, WireRow, record_key, record_keys
+from .messages import UPDATE_COLUMNS, Message, Progress, Updates, WireRow, record_key
+from .rowhash import row_hashes
 
 __all__ = ["ApplyResult", "Consumer", "MemoryStore", "Store", "StoreState"]
 
@@ -46,9 +59,15 @@ class Store(Protocol):
         """The last committed frontier and epoch (``None``, 0 for a new consumer)."""
         ...
 
-    def commit(self, *, updates: list[WireRow], frontier: int | None, epoch: int) -> None:
-        """Durably add ``updates`` (all at completed times), set the frontier and epoch."""
+    def commit(self, *, updates: list[pa.Table], frontier: int | None, epoch: int) -> None:
+        """Durably add ``updates`` (tables of ``data``, ``time``, ``diff``, all at completed
+        times), set the frontier and the epoch."""
         ...
+
+
+def table_rows(tables: Iterable[pa.Table]) -> list[WireRow]:
+    """The wire rows of update tables, in order."""
+    return [row for t in tables for row in t.to_pylist(maps_as_pydicts="strict")]
 
 
 class MemoryStore:
@@ -62,14 +81,15 @@ class MemoryStore:
     def load(self) -> StoreState:
         return self._state
 
-    def commit(self, *, updates: list[WireRow], frontier: int | None, epoch: int) -> None:
-        for row in updates:
+    def commit(self, *, updates: list[pa.Table], frontier: int | None, epoch: int) -> None:
+        rows = table_rows(updates)
+        for row in rows:
             key = record_key(row["data"])
             slot = self._counts.setdefault(key, [row["data"], 0])
             slot[1] += row["diff"]
             if slot[1] == 0:
                 del self._counts[key]
-        self.committed.extend(updates)
+        self.committed.extend(rows)
         self._state = StoreState(frontier=frontier, epoch=epoch)
 
     def collection(self) -> list[tuple[Mapping[str, Any], int]]:
@@ -87,16 +107,34 @@ class ApplyResult:
 
     frontier: int | None
     pending: int
-    committed: list[WireRow] = field(default_factory=list)
+    #: the update tables made durable, one or more per completed time
+    committed: list[pa.Table] = field(default_factory=list)
     late: list[WireRow] = field(default_factory=list)
     duplicates: list[WireRow] = field(default_factory=list)
     rollbacks: int = 0
     late_count: int = 0
     duplicate_count: int = 0
 
+    @property
+    def committed_count(self) -> int:
+        return sum(t.num_rows for t in self.committed)
 
-# pending: time -> record key -> wire row
-_Pending = dict[int, dict[bytes, WireRow]]
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """Pending updates at one time: distinct records, with their hashes."""
+
+    table: pa.Table
+    hashes: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.table.num_rows)
+
+
+# pending: time -> pieces (the records of all pieces at one time are distinct)
+_Pending = dict[int, list[_Piece]]
+
+_INT64 = pa.int64()
 
 
 class Consumer:
@@ -120,21 +158,26 @@ class Consumer:
 
     @property
     def pending(self) -> int:
-        return sum(len(v) for v in self._pending.values())
+        return sum(len(p) for pieces in self._pending.values() for p in pieces)
 
     def apply(self, messages: Iterable[Message], *, epoch: int | None = None) -> ApplyResult:
         """Apply one body of messages atomically; raise a ProtocolError and change nothing."""
         tx = _Txn(self)
         if epoch is not None:
             tx.adopt_epoch(epoch)
+        run: list[Updates] = []  # consecutive update batches are judged as one
         for message in messages:
             match message:
                 case Updates():
-                    tx.updates(message)
+                    run.append(message)
+                    continue
                 case Progress():
+                    tx.updates(run)
+                    run = []
                     tx.progress(message)
                 case _:
                     raise TypeError(f"not a message: {type(message).__name__}")
+        tx.updates(run)
         return tx.finish()
 
     def force(self, p: Progress) -> ApplyResult:
@@ -146,6 +189,26 @@ class Consumer:
         tx = _Txn(self)
         tx.progress(p, force=True)
         return tx.finish()
+
+
+def _examples(table: pa.Table) -> list[WireRow]:
+    rows: list[WireRow] = table.slice(0, EXAMPLES_KEPT).to_pylist(maps_as_pydicts="strict")
+    return rows
+
+
+def _by_time(table: pa.Table) -> Iterator[tuple[int, pa.Table]]:
+    """Split an update table into one table per time, in time order."""
+    times = table.column("time")
+    lo, hi = pc.min_max(times).values()
+    if lo == hi:
+        yield lo.as_py(), table
+        return
+    table = table.take(pc.sort_indices(times))
+    sorted_times = table.column("time").to_numpy()
+    starts = np.flatnonzero(np.diff(sorted_times)) + 1
+    bounds = [0, *starts.tolist(), len(sorted_times)]
+    for a, b in itertools.pairwise(bounds):
+        yield int(sorted_times[a]), table.slice(a, b - a)
 
 
 class _Txn:
@@ -178,37 +241,120 @@ class _Txn:
         self.added = {}
         self.result.rollbacks += 1
 
-    def _base(self, t: int) -> dict[bytes, WireRow]:
+    def _base(self, t: int) -> list[_Piece]:
         if self.cleared or t in self.done_times:
-            return {}
-        return self.c._pending.get(t, {})
+            return []
+        return self.c._pending.get(t, [])
 
-    def updates(self, batch: Updates) -> None:
-        rows = batch.rows()
-        keys = record_keys([r["data"] for r in rows])
-        f = self.frontier
-        res = self.result
-        for key, row in zip(keys, rows, strict=True):
-            t = row["time"]
-            if f is not None and t < f:
-                res.late_count += 1
+    def _pieces(self, t: int) -> list[_Piece]:
+        return self._base(t) + self.added.get(t, [])
+
+    def updates(self, batches: list[Updates]) -> None:
+        tables = [b.table().select(list(UPDATE_COLUMNS)) for b in batches if len(b)]
+        if len(tables) > 1:
+            # record types may differ between batches: then they go one at a time
+            with contextlib.suppress(pa.ArrowInvalid):
+                tables = [pa.concat_tables(tables)]
+        for table in tables:
+            self._updates(table)
+
+    def _updates(self, table: pa.Table) -> None:
+        for name in ("time", "diff"):
+            if table.schema.field(name).type != _INT64:
+                table = table.set_column(
+                    table.schema.get_field_index(name), name, table.column(name).cast(_INT64)
+                )
+        zero = pc.equal(table.column("diff"), 0)
+        if self.frontier is not None:  # a late update is ignored whatever its diff
+            zero = pc.and_(zero, pc.greater_equal(table.column("time"), self.frontier))
+        if pc.any(zero).as_py():
+            # the updates before the first zero diff are judged first, as if one at a time
+            first = int(pc.index(zero, True).as_py())
+            self._accept(table.slice(0, first))
+            row = _examples(table.slice(first))[0]
+            raise ProtocolError(
+                f"{self._where(row['time'])}update with diff 0 for {row['data']!r:.200}"
+            )
+        self._accept(table)
+
+    def _accept(self, table: pa.Table) -> None:
+        if not table.num_rows:
+            return
+        if self.frontier is not None:
+            late = pc.less(table.column("time"), self.frontier)
+            n_late = pc.sum(late).as_py() or 0
+            if n_late:
+                res = self.result
+                res.late_count += n_late
                 if len(res.late) < EXAMPLES_KEPT:
-                    res.late.append(row)
-                continue
-            if row["diff"] == 0:
-                raise ProtocolError(f"{self._where(t)}update with diff 0 for {row['data']!r:.200}")
-            have = self.added.get(t, {}).get(key) or self._base(t).get(key)
-            if have is None:
-                self.added.setdefault(t, {})[key] = row
-            elif have["diff"] == row["diff"]:
+                    res.late.extend(_examples(table.filter(late))[: EXAMPLES_KEPT - len(res.late)])
+                table = table.filter(pc.invert(late))
+                if not table.num_rows:
+                    return
+        for t, part in _by_time(table):
+            self._add(t, part)
+
+    def _add(self, t: int, table: pa.Table) -> None:
+        hashes = row_hashes(table.column("data"))
+        hv = pa.array(hashes)
+        pieces = self._pieces(t)
+        have = pa.array(np.concatenate([p.hashes for p in pieces])) if pieces else None
+        repeated = len(pc.unique(hv)) != len(hashes)
+        meets = have is not None and pc.any(pc.is_in(hv, value_set=have)).as_py()
+        if repeated or meets:
+            table, hashes = self._exact(t, table, hashes, hv, pieces, have, repeated)
+            if not len(hashes):
+                return
+        self.added.setdefault(t, []).append(_Piece(table, hashes))
+
+    def _exact(
+        self,
+        t: int,
+        table: pa.Table,
+        hashes: np.ndarray,
+        hv: pa.Array,
+        pieces: list[_Piece],
+        have: pa.Array | None,
+        repeated: bool,
+    ) -> tuple[pa.Table, np.ndarray]:
+        """Compare exactly the records whose hashes collide; drop duplicates, raise on a
+        conflict. Returns the rows to keep."""
+        suspects = []
+        if repeated:
+            counts = pc.value_counts(hv)
+            many = pc.greater(counts.field("counts"), 1)
+            suspects.append(counts.field("values").filter(many))
+        if have is not None:
+            suspects.append(have.filter(pc.is_in(have, value_set=hv)))
+        suspect = pa.concat_arrays(suspects)
+        known: dict[bytes, int] = {}
+        for p in pieces:
+            hit = pc.is_in(pa.array(p.hashes), value_set=suspect)
+            for row in p.table.filter(hit).to_pylist(maps_as_pydicts="strict"):
+                known[record_key(row["data"])] = row["diff"]
+        mask = pc.is_in(hv, value_set=suspect).to_numpy(zero_copy_only=False)
+        keep = np.ones(len(hashes), dtype=bool)
+        idx = np.flatnonzero(mask)
+        res = self.result
+        rows = table.take(pa.array(idx)).to_pylist(maps_as_pydicts="strict")
+        for i, row in zip(idx.tolist(), rows, strict=True):
+            key = record_key(row["data"])
+            diff = known.get(key)
+            if diff is None:
+                known[key] = row["diff"]
+            elif diff == row["diff"]:
+                keep[i] = False
                 res.duplicate_count += 1
                 if len(res.duplicates) < EXAMPLES_KEPT:
                     res.duplicates.append(row)
             else:
                 raise Conflict(
                     f"{self._where(t)}record {row['data']!r:.200} is pending with diff "
-                    f"{have['diff']}, now sent with diff {row['diff']}"
+                    f"{diff}, now sent with diff {row['diff']}"
                 )
+        if keep.all():
+            return table, hashes
+        return table.filter(pa.array(keep)), hashes[keep]
 
     def _pending_times(self) -> Iterator[int]:
         seen = set(self.added)
@@ -217,7 +363,7 @@ class _Txn:
             yield from (t for t in self.c._pending if t not in seen and t not in self.done_times)
 
     def _count(self, t: int) -> int:
-        return len(self.added.get(t, ())) + len(self._base(t))
+        return sum(len(p) for p in self._pieces(t))
 
     def progress(self, p: Progress, *, force: bool = False) -> None:
         if p.upper < p.lower and not force:
@@ -261,8 +407,8 @@ class _Txn:
                     f"{'; …' if len(problems) > 5 else ''}); nothing committed"
                 )
         for t in closing:
-            rows = list(self._base(t).values()) + list(self.added.pop(t, {}).values())
-            self.result.committed.extend(rows)
+            pieces = self._base(t) + self.added.pop(t, [])
+            self.result.committed.extend(piece.table for piece in pieces)
             self.done_times.add(t)
         self.frontier = p.upper
 
@@ -276,8 +422,8 @@ class _Txn:
             c._pending = {}
         for t in self.done_times:
             c._pending.pop(t, None)
-        for t, rows in self.added.items():
-            c._pending.setdefault(t, {}).update(rows)
+        for t, pieces in self.added.items():
+            c._pending[t] = c._pending.get(t, []) + pieces
         c._frontier, c._epoch = self.frontier, self.epoch
         self.result.frontier = self.frontier
         self.result.pending = c.pending

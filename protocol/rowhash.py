@@ -1,0 +1,183 @@
+"""Vectorised 64-bit hashes of records held in Arrow, for the consumer's duplicate checks.
+
+:func:`row_hashes` hashes every record of a struct column with a few numpy passes per leaf
+column (no Python per row), so a receiver can tell that the records of a body are distinct
+from each other and from what is pending without building a Python object per update.
+
+The hash is a *filter*, never an identity: **equal records always get equal hashes** (a
+record's fields are taken in name order, integers of any width and integral floats hash
+alike, a null hashes the same whatever its column type), so distinct hashes prove distinct
+records. Equal hashes only say "maybe equal": the caller then compares the records exactly
+(:func:`protocol.messages.record_key`). Hashes are never stored or sent; they only have to
+agree within one process.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .messages import record_keys
+
+__all__ = ["row_hashes"]
+
+_M64 = (1 << 64) - 1
+_SEED = 0x9E3779B97F4A7C15
+_NULL = 0x5BD1E9955BD1E995
+_P = 0x100000001B3  # odd, so it has an inverse modulo 2**64
+_P_INV = pow(_P, -1, 1 << 64)
+_LEN = 0xC2B2AE3D27D4EB4F
+#: string bytes hashed per numpy pass (bounds the cached power tables)
+_CHUNK = 1 << 22
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, element-wise (uint64 arithmetic wraps)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    out: np.ndarray = x ^ (x >> np.uint64(31))
+    return out
+
+
+@functools.cache
+def _name_hash(name: str) -> int:
+    h = 0
+    for b in name.encode():
+        h = ((h ^ b) * _P) & _M64
+    return h
+
+
+class _Powers:
+    """``base**i mod 2**64`` for i = 0, 1, …, grown on demand."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+        self.table = np.ones(1, dtype=np.uint64)
+
+    def upto(self, n: int) -> np.ndarray:
+        if len(self.table) < n:
+            size = max(n, 2 * len(self.table), 1024)
+            steps = np.full(size, self.base, dtype=np.uint64)
+            steps[0] = 1
+            self.table = np.cumprod(steps, dtype=np.uint64)
+        return self.table[:n]
+
+
+_POW = _Powers(_P)
+_INV = _Powers(_P_INV)
+
+
+def _bytes_hash(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
+    """A polynomial hash of every value of a variable-width binary column.
+
+    With ``S`` the prefix sums of ``(byte + 1) * P**i`` over the data buffer, value ``k``
+    hashes to ``(S[end] - S[start]) * P**-start``: the same bytes give the same number
+    wherever they sit in the buffer. The length is mixed in too.
+    """
+    n = len(offsets) - 1
+    out = np.empty(n, dtype=np.uint64)
+    i = 0
+    while i < n:
+        j = int(np.searchsorted(offsets, offsets[i] + _CHUNK, side="right")) - 1
+        j = min(max(j, i + 1), n)
+        lo, hi = int(offsets[i]), int(offsets[j])
+        seg = data[lo:hi].astype(np.uint64) + np.uint64(1)
+        sums = np.zeros(hi - lo + 1, dtype=np.uint64)
+        np.cumsum(seg * _POW.upto(hi - lo), out=sums[1:])
+        start = offsets[i:j] - lo
+        end = offsets[i + 1 : j + 1] - lo
+        out[i:j] = (sums[end] - sums[start]) * _INV.upto(hi - lo + 1)[start]
+        i = j
+    lengths = (offsets[1:] - offsets[:-1]).astype(np.uint64)
+    hashed: np.ndarray = out ^ (lengths * np.uint64(_LEN))
+    return hashed
+
+
+def _binary_leaf(col: pa.Array) -> np.ndarray:
+    if pa.types.is_fixed_size_binary(col.type):
+        col = col.cast(pa.binary())
+    large = pa.types.is_large_string(col.type) or pa.types.is_large_binary(col.type)
+    width = np.dtype(np.int64 if large else np.int32)
+    bufs = col.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=width)[col.offset : col.offset + len(col) + 1]
+    offsets = offsets.astype(np.int64)
+    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+    return _bytes_hash(offsets, data)
+
+
+def _int_values(col: pa.Array) -> np.ndarray:
+    ints = pc.cast(col.fill_null(0) if col.null_count else col, pa.int64(), safe=False)
+    return np.asarray(ints.to_numpy(zero_copy_only=False)).view(np.uint64)
+
+
+def _leaf_hash(col: pa.Array) -> np.ndarray:
+    """Hash one leaf column (nulls are patched in by the caller)."""
+    t = col.type
+    if pa.types.is_boolean(t):
+        return _int_values(col.cast(pa.int8()))
+    if pa.types.is_integer(t):
+        return _int_values(col)
+    if pa.types.is_floating(t):
+        f = np.asarray(col.cast(pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False))
+        with np.errstate(invalid="ignore"):
+            integral = np.isfinite(f) & (np.trunc(f) == f) & (np.abs(f) < 2.0**63)
+        as_int = np.where(integral, f, 0.0).astype(np.int64).view(np.uint64)
+        return np.where(integral, as_int, f.view(np.uint64))
+    if pa.types.is_timestamp(t):
+        if t.unit in ("s", "ms"):
+            col = col.cast(pa.timestamp("us", t.tz))
+        return _int_values(col.view(pa.int64()))
+    if pa.types.is_date32(t) or pa.types.is_time32(t):
+        return _int_values(col.view(pa.int32()))
+    if pa.types.is_date64(t) or pa.types.is_time64(t) or pa.types.is_duration(t):
+        return _int_values(col.view(pa.int64()))
+    if (
+        pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or pa.types.is_fixed_size_binary(t)
+    ):
+        return _binary_leaf(col)
+    if pa.types.is_decimal(t):
+        return _binary_leaf(col.cast(pa.string()))
+    # lists, maps, unions, …: one canonical JSON text per value (slow, but rare in feeds)
+    texts = record_keys([{"v": v} for v in col.to_pylist(maps_as_pydicts="lossy")])
+    return _binary_leaf(pa.array(texts, pa.binary()))
+
+
+def _fold(h: np.ndarray, arr: pa.Array) -> np.ndarray:
+    """Fold every leaf of the struct ``arr`` into ``h``, fields in name order."""
+    children = arr.flatten()  # children with the struct's offset and nulls applied
+    order = sorted(range(arr.type.num_fields), key=lambda i: arr.type.field(i).name)
+    for i in order:
+        child = children[i]
+        if pa.types.is_struct(child.type):
+            # a nested record hashes like one value, so a null one hashes like any null
+            col = _fold(np.full(len(child), _SEED, dtype=np.uint64), child)
+            if child.null_count:
+                nulls = np.asarray(child.is_null().to_numpy(zero_copy_only=False))
+                col = np.where(nulls, np.uint64(_NULL), col)
+        elif pa.types.is_null(child.type):
+            col = np.full(len(child), _NULL, dtype=np.uint64)
+        else:
+            col = _leaf_hash(child)
+            if child.null_count:
+                nulls = np.asarray(child.is_null().to_numpy(zero_copy_only=False))
+                col = np.where(nulls, np.uint64(_NULL), col)
+        h = (h ^ np.uint64(_name_hash(arr.type.field(i).name))) * np.uint64(_P) + col
+    return h
+
+
+def row_hashes(data: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A uint64 hash of every record of a struct column (see the module docstring)."""
+    if isinstance(data, pa.ChunkedArray):
+        data = data.combine_chunks() if data.num_chunks != 1 else data.chunk(0)
+    if not pa.types.is_struct(data.type):
+        raise TypeError(f"records must be a struct column, got {data.type}")
+    return _mix(_fold(np.full(len(data), _SEED, dtype=np.uint64), data))
