@@ -1,6 +1,7 @@
 """Fault injection for the crash tests: ``TIDEFEED_TEST_KILL_AT=STEP[:N]`` SIGKILLs this
 process the N-th time it reaches STEP (``after_read``, ``after_write``, ``after_commit``,
-``during_publish``). Unset, it costs one dictionary lookup."""
+``during_publish``, ``compact_before_commit``, ``compact_after_commit``). Unset, it costs
+one dictionary lookup."""
 
 from __future__ import annotations
 

@@ -25,13 +25,11 @@ folder of the keyed-state snapshot this commit goes with, or null).
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import orjson
-import pyarrow.fs as pafs
 
 from protocol import CheckpointError, CommitConflict, Progress
 
@@ -138,43 +136,12 @@ class CheckpointStore:
 
     def commit(self, cp: Checkpoint) -> None:
         """Write ``cp`` as commit ``cp.seq``, exclusively; raise CommitConflict if it exists."""
-        path = f"{self.dir}/{cp.seq:020d}.json"
-        data = cp.to_json()
-        if self.log.local_root is not None:
-            self._commit_local(path, data, cp)
-        else:
-            if self.log.fs.get_file_info(path).type != pafs.FileType.NotFound:
-                raise self._conflict(cp)
-            with self.log.fs.open_output_stream(path) as f:
-                f.write(data)
+        if not self.log.create_exclusive(f"{self.dir}/{cp.seq:020d}.json", cp.to_json()):
+            raise CommitConflict(
+                f"feed {self.log.feed!r}: commit {cp.seq} already exists: another emitter "
+                f"(epoch > {cp.epoch}) has taken over this feed; this one is stale and stops"
+            )
         self._prune(cp.seq)
-
-    def _conflict(self, cp: Checkpoint) -> CommitConflict:
-        return CommitConflict(
-            f"feed {self.log.feed!r}: commit {cp.seq} already exists: another emitter (epoch > "
-            f"{cp.epoch}) has taken over this feed; this one is stale and stops"
-        )
-
-    def _commit_local(self, path: str, data: bytes, cp: Checkpoint) -> None:
-        self.log.fs.create_dir(self.dir, recursive=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            raise self._conflict(cp) from None
-        except OSError as e:
-            raise CheckpointError(f"feed {self.log.feed!r}: cannot create {path}: {e}") from e
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        dfd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
     def _prune(self, seq: int) -> None:
         for old in self._seqs():

@@ -230,8 +230,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr
     )
     run_server(
-        ServerConfig(log=args.log, host=args.host, port=int(args.port), token=args.token or None)
+        ServerConfig(
+            log=args.log,
+            host=args.host,
+            port=int(args.port),
+            token=args.token or None,
+            retain=int(args.retain) if args.retain not in (None, "") else None,
+        )
     )
+    return 0
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    from .compaction import compact
+
+    print(compact(args.log, args.feed, int(args.to)).summary(), file=sys.stderr)
     return 0
 
 
@@ -337,7 +350,19 @@ def build_parser() -> argparse.ArgumentParser:
     _option(p, "--host", default="127.0.0.1")
     _option(p, "--port", default="8080")
     _option(p, "--token", help="require this bearer token")
+    _option(
+        p,
+        "--retain",
+        help="compact automatically, keeping the last T time units below each frontier "
+        "(milliseconds with the wallclock clock) and all that subscriptions have not ACKed",
+    )
     commands["serve"] = cmd_serve
+
+    p = sub.add_parser("compact", help="fold old times into one snapshot (DESIGN §8)")
+    _option(p, "--log", required=True, help="feed log URI")
+    _option(p, "--feed", required=True, help="feed name")
+    _option(p, "--to", required=True, type=int, help="fold every time <= T; since becomes T")
+    commands["compact"] = cmd_compact
 
     p = sub.add_parser("receive", help="run the reference receiver (SQLite)")
     _option(p, "--db", required=True, help="SQLite database file")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +84,18 @@ class FeedInfo:
         )
 
 
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+#: the file whose exclusive creation commits a compaction
+COMPACTION_COMMITTED = "_committed.json"
+
+
 class FeedLog:
     """Paths and file operations of one feed in a log."""
 
@@ -135,6 +148,42 @@ class FeedLog:
         with self.fs.open_output_stream(tmp) as f:
             f.write(data)
         self.fs.move(tmp, path)
+
+    def sync(self, path: str) -> None:
+        """Make a written file durable: fsync of the file and of its folder on a local disk
+        (object stores keep what a finished write returned)."""
+        if self.local_root is None:
+            return
+        _fsync(path)
+        _fsync(path.rsplit("/", 1)[0])
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data`` only if it does not exist, durably; ``False``
+        when it existed. Locally ``O_CREAT | O_EXCL`` then fsync of file and folder; other
+        filesystems get check-then-write (pyarrow has no conditional put)."""
+        parent = path.rsplit("/", 1)[0]
+        self.fs.create_dir(parent, recursive=True)
+        if self.local_root is None:
+            if self.exists(path):
+                return False
+            with self.fs.open_output_stream(path) as f:
+                f.write(data)
+            return True
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise CheckpointError(f"feed {self.feed!r}: cannot create {path}: {e}") from e
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync(parent)
+        return True
 
     def read_bytes(self, path: str) -> bytes:
         with self.fs.open_input_stream(path) as f:
@@ -207,6 +256,23 @@ class FeedLog:
             self.fs.delete_file(old)
         for n, src in enumerate(sorted(staged_files)):
             self.fs.move(src, f"{target}/part-e{epoch}-{n:05d}.parquet")
+
+    # ---- compaction (DESIGN §8; see feed/compaction.py) --------------------------------
+    def compacted_since(self) -> int:
+        """The highest committed compaction point (0 for a feed never compacted)."""
+        for c in reversed(self.numbered_dirs("compacted")):
+            if self.exists(self.path("compacted", str(c), COMPACTION_COMMITTED)):
+                return c
+        return 0
+
+    def read_compacted(self, since: int) -> pa.Table:
+        """The collection at ``since``: the record columns and ``diff`` (the multiplicity)."""
+        files = sorted(
+            i.path
+            for i in self.list_dir(self.path("compacted", str(since)))
+            if i.base_name.endswith(".parquet")
+        )
+        return pa.concat_tables([pq.read_table(f, filesystem=self.fs) for f in files])
 
     def numbered_dirs(self, name: str) -> list[int]:
         return sorted(

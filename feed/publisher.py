@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol import Message, Progress, announcement
+from protocol import Compacted, Message, Progress, Updates
 from protocol.push import Ack, PushClient, PushRejected
 
 from ._faults import maybe_die
@@ -68,13 +68,18 @@ class Publisher:
         """One push session from the receiver's frontier up to the feed's frontier."""
         self.reader.refresh()
         frontier, _ = await self.client.handshake()
-        start = frontier if frontier is not None else self.reader.since
         report = SessionReport(frontier=frontier)
-        body: list[Message] = [announcement(start)]
-        in_body = 0
-        lower = start
+        try:
+            body, lower = await asyncio.to_thread(self.reader.opening, frontier)
+        except Compacted as e:
+            raise DeliveryStopped(
+                f"the receiver's frontier {frontier} is below the feed's since {e.since}: {e}",
+                code="compacted",
+                fatal=True,
+            ) from e
+        in_body = sum(len(m) for m in body if isinstance(m, Updates))
         frontier = self.reader.frontier  # the times listed and the closing progress agree
-        for t in self.reader.times(after=start, until=frontier):
+        for t in self.reader.times(after=lower, until=frontier):
             batch = await asyncio.to_thread(self.reader.updates, t)
             n = len(batch)
             if body and in_body + n > self.max_body_updates and in_body:

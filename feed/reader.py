@@ -12,7 +12,15 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from protocol import CheckpointError, Message, Progress, Updates, announcement, consolidate
+from protocol import (
+    CheckpointError,
+    Compacted,
+    Message,
+    Progress,
+    Updates,
+    announcement,
+    consolidate,
+)
 
 from .checkpoint import Checkpoint, CheckpointStore
 from .log import FeedInfo, FeedLog
@@ -32,8 +40,11 @@ class FeedReader:
         self.refresh()
 
     def refresh(self) -> Checkpoint | None:
-        """Re-read the latest checkpoint (a running emitter may have committed more)."""
+        """Re-read the latest checkpoint (a running emitter may have committed more) and
+        the compaction point."""
         self.checkpoint = CheckpointStore(self.log).latest()
+        cp_since = self.checkpoint.since if self.checkpoint else 0
+        self._since = max(cp_since, self.log.compacted_since())
         return self.checkpoint
 
     @property
@@ -46,7 +57,9 @@ class FeedReader:
 
     @property
     def since(self) -> int:
-        return self.checkpoint.since if self.checkpoint else 0
+        """The compaction point: times below it exist only folded into the collection at
+        ``since``; the updates at ``since`` and above are kept one time at a time."""
+        return self._since
 
     def times(self, after: int | None = None, until: int | None = None) -> list[int]:
         """Committed times with updates, ``>= after`` and ``< until`` (default: the frontier)."""
@@ -86,13 +99,32 @@ class FeedReader:
 
         return avro_to_arrow(self.info.schema)
 
+    def opening(self, after: int | None) -> tuple[list[Message], int]:
+        """The first messages of a delivery to a consumer that holds every time below
+        ``after`` (``None``: a consumer that holds nothing), and the time the rest goes on
+        from. A new consumer of a compacted feed starts with the collection at ``since``
+        (as updates at ``since``); a consumer below ``since`` gets :class:`Compacted`."""
+        since = self.since
+        if after is not None and after < since:
+            raise Compacted(
+                f"feed {self.name!r}: times below {since} were compacted away, so a consumer "
+                f"at {after} cannot resume; start again from a snapshot",
+                since=since,
+            )
+        if after is None and since > 0:
+            batch = self.snapshot_updates(since)
+            n = len(batch)
+            closing = Progress(since, since + 1, ((since, n),) if n else ())
+            return [announcement(since), *([batch] if n else []), closing], since + 1
+        start = since if after is None else after
+        return [announcement(start)], start
+
     def messages(self, after: int | None = None) -> Iterator[Message]:
-        """The committed feed from ``after`` (default: since): announcement, then each time's
+        """The committed feed for a consumer at ``after`` (see :meth:`opening`), each time's
         updates and progress, then a last progress up to the frontier."""
-        start = max(after or 0, self.since)
-        yield announcement(start)
-        lower = start
-        for t in self.times(after=start):
+        first, lower = self.opening(after)
+        yield from first
+        for t in self.times(after=lower):
             batch = self.updates(t)
             n = len(batch)
             if n:
@@ -133,7 +165,13 @@ class FeedReader:
                 f"feed {self.name!r}: time {at} is not a kept complete time "
                 f"(since {self.since}, frontier {self.frontier})"
             )
-        parts = [self.updates(t) for t in self.times(until=hi)]
+        since = self.since
+        parts = []
+        if since > 0:  # the collection at since, then the times after it
+            parts.append(_as_updates(self.log.read_compacted(since), since, self.record_type))
+            parts += [self.updates(t) for t in self.times(after=since + 1, until=hi)]
+        else:
+            parts += [self.updates(t) for t in self.times(until=hi)]
         parts = [p for p in parts if len(p)]
         if not parts:
             fields = [pa.field(f.name, f.type) for f in self.record_type]

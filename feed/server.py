@@ -27,10 +27,19 @@ import pyarrow.fs as pafs
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from protocol import CODECS, CheckpointError, Progress, Updates, announcement, get_codec
+from protocol import (
+    CODECS,
+    CheckpointError,
+    Compacted,
+    Progress,
+    Updates,
+    announcement,
+    get_codec,
+)
 from protocol._http import HttpError, error_middleware, json_response, token_middleware
 from protocol.push import Ack, PushClient
 
+from .compaction import compact, retention_target
 from .log import log_root, valid_feed_name
 from .publisher import DeliveryStopped, Publisher
 from .reader import FeedReader
@@ -44,6 +53,9 @@ POLL_SECONDS = 0.5
 HEARTBEAT_SECONDS = 5.0
 
 
+COMPACT_SECONDS = 60.0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServerConfig:
     log: str
@@ -52,6 +64,10 @@ class ServerConfig:
     token: str | None = None
     poll_seconds: float = POLL_SECONDS
     heartbeat_seconds: float = HEARTBEAT_SECONDS
+    #: automatic retention (DESIGN §8): keep this many time units below each frontier
+    #: (milliseconds with the wallclock clock) and compact what is older; None: keep all
+    retain: int | None = None
+    compact_seconds: float = COMPACT_SECONDS
 
 
 class Metrics:
@@ -203,14 +219,13 @@ async def changes(request: web.Request) -> web.StreamResponse:
     # this stream's own reader: a reader shared with other requests could be refreshed
     # between listing times and closing them, and announce times this stream never sent
     reader = await asyncio.to_thread(FeedReader, st.config.log, feed)
-    if after is not None and after < reader.since:
-        raise HttpError(
-            410,
-            "compacted",
-            f"times below {reader.since} of feed {feed!r} were "
-            "compacted away; start from a snapshot",
-            extra={"since": reader.since},
-        )
+    opening: list[Any] = []
+    lower = 0
+    if not (snapshot and reader.frontier > 0):
+        try:
+            opening, lower = await asyncio.to_thread(reader.opening, after)
+        except Compacted as e:
+            raise HttpError(410, "compacted", str(e), extra={"since": e.since}) from None
     codec = get_codec(fmt)
     resp = web.StreamResponse(headers={"Content-Type": codec.content_type})
     await resp.prepare(request)
@@ -231,8 +246,6 @@ async def changes(request: web.Request) -> web.StreamResponse:
             m.bytes.labels(feed, "pull").inc(len(data))
             await resp.write(data)
 
-    start = max(after or 0, reader.since)
-    lower = start
     if snapshot and reader.frontier > 0:
         at = reader.frontier - 1
         batch = await asyncio.to_thread(reader.snapshot_updates, at)
@@ -240,7 +253,7 @@ async def changes(request: web.Request) -> web.StreamResponse:
         await send([announcement(at), batch, Progress(at, at + 1, ((at, n),) if n else ())])
         lower = at + 1
     else:
-        await send([announcement(start)])
+        await send(opening)
 
     async def catch_up() -> None:
         nonlocal lower
@@ -407,6 +420,37 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
+# ---- retention -----------------------------------------------------------------------------
+def _apply_retention(st: ServerState) -> list[str]:
+    """One pass of the automatic policy over every feed; returns what it did."""
+    assert st.config.retain is not None
+    done = []
+    for feed in st.feed_names():
+        reader = st.reader(feed)
+        store = st.sub_store(feed)
+        store.flush(force=True)  # compaction checks the ACKs on disk
+        target = retention_target(
+            reader.frontier, reader.since, st.config.retain, store.lowest_ack()
+        )
+        if target is None:
+            continue
+        try:
+            done.append(compact(st.config.log, feed, target).summary())
+        except CheckpointError as e:
+            log.warning("retention: feed %s: %s", feed, e)
+    return done
+
+
+async def _retention_loop(st: ServerState) -> None:
+    while True:
+        try:
+            for line in await asyncio.to_thread(_apply_retention, st):
+                log.info("retention: %s", line)
+        except (OSError, CheckpointError) as e:
+            log.error("retention pass failed: %s", e)
+        await asyncio.sleep(st.config.compact_seconds)
+
+
 def make_server_app(config: ServerConfig) -> web.Application:
     app = web.Application(middlewares=[error_middleware, token_middleware(config.token)])
     app[CONFIG] = config
@@ -428,6 +472,16 @@ def make_server_app(config: ServerConfig) -> web.Application:
             await asyncio.to_thread(store.flush, force=True)
 
     app.cleanup_ctx.append(subscriptions)
+    if config.retain is not None:
+
+        async def retention(app: web.Application):  # type: ignore[no-untyped-def]
+            task = asyncio.create_task(_retention_loop(app[STATE]), name="retention")
+            yield
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        app.cleanup_ctx.append(retention)
     r = app.router
     r.add_get("/v1/feeds", list_feeds)
     r.add_get("/v1/feeds/{feed}", feed_info)

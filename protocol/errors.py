@@ -12,6 +12,7 @@ mixes in the built-in exception a caller would naturally catch::
     ├── CodecError (ValueError)             a body cannot be decoded or encoded
     ├── CheckpointError (OSError)           the checkpoint store cannot be read or written
     │   └── CommitConflict                  another writer committed this seq first
+    ├── Compacted (LookupError)             a position below the feed's since (DESIGN §8)
     └── SourceError (ValueError)            an input row cannot be turned into changes
 
 Errors from pyarrow, fastavro, aiohttp and py4j are wrapped at the boundary where they
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointError",
     "CodecError",
     "CommitConflict",
+    "Compacted",
     "Conflict",
     "CountMismatch",
     "Gap",
@@ -96,6 +98,14 @@ class CommitConflict(CheckpointError):
     """Another writer committed the same checkpoint sequence number first: this one is stale."""
 
     code = "commit_conflict"
+
+
+class Compacted(TidefeedError, LookupError):
+    """A consumer asked for times that compaction folded away; it must take a snapshot."""
+
+    def __init__(self, message: str, *, since: int) -> None:
+        super().__init__(message)
+        self.since = since
 
 
 class SourceError(TidefeedError, ValueError):

@@ -12,6 +12,7 @@ EXPECTED_PROTOCOL = {
     "Codec",
     "CodecError",
     "CommitConflict",
+    "Compacted",
     "Conflict",
     "Consumer",
     "CountMismatch",

@@ -1,0 +1,244 @@
+"""Compaction and retention (DESIGN §8): what stays readable, 410s, ACK guards, crashes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections import Counter
+
+import aiohttp
+import orjson
+import pytest
+
+from feed.compaction import compact, retention_target
+from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+from feed.reader import FeedReader
+from feed.server import ServerConfig, make_server_app
+from feed.subscriptions import Subscription, SubscriptionStore
+from protocol import (
+    CheckpointError,
+    Compacted,
+    Updates,
+    check_messages,
+    get_codec,
+    record_key,
+)
+from protocol.receiver import ReceiverConfig, make_receiver_app
+
+from .model import as_multiset, collection_of, debezium_truth, run_emitter
+from .test_server import accumulate, serve
+
+BANK = generate_bank(transactions=30, seed=77)
+TRUTH, _ = debezium_truth(BANK.events)
+
+
+@pytest.fixture(scope="module")
+def bank_log(spark, tmp_path_factory):
+    """A committed feed with one time per source transaction (logical clock)."""
+    root = tmp_path_factory.mktemp("compaction")
+    src = root / "in"
+    src.mkdir()
+    (src / "part-0000.json").write_bytes(b"".join(x + b"\n" for x in BANK.events))
+    run_emitter(
+        spark,
+        source_kind="debezium",
+        source_path=str(src),
+        feed="bank",
+        log=str(root / "log"),
+        key=("id",),
+        schema=ACCOUNTS_SCHEMA,
+        clock="logical",
+        granularity="transaction",
+    )
+    return root / "log"
+
+
+@pytest.fixture
+def log_copy(bank_log, tmp_path):
+    """A private copy of the committed feed, to compact."""
+    dst = tmp_path / "log"
+    shutil.copytree(bank_log, dst)
+    return dst
+
+
+def rows_of(messages):
+    return [m.rows() if isinstance(m, Updates) else m for m in messages]
+
+
+def truth_multiset() -> Counter:
+    return as_multiset(TRUTH.values())
+
+
+def test_compaction_keeps_every_later_snapshot_and_resume_point(log_copy):
+    before = FeedReader(str(log_copy), "bank")
+    times = before.times()
+    assert len(times) > 10
+    cut = times[len(times) // 2]
+    kept = [t for t in range(cut, before.frontier)]
+    snapshots = {t: collection_of(before, t) for t in kept[:: max(1, len(kept) // 6)]}
+    resumes = {t: rows_of(before.messages(after=t)) for t in (cut, cut + 1, times[-1])}
+
+    res = compact(str(log_copy), "bank", cut)
+
+    after = FeedReader(str(log_copy), "bank")
+    assert (res.since_before, res.since, after.since) == (0, cut, cut)
+    assert after.log.time_dirs() == [t for t in times if t >= cut]  # older segments gone
+    assert after.frontier == before.frontier
+    for t, expected in snapshots.items():
+        assert collection_of(after, t) == expected
+    for t, expected in resumes.items():
+        assert rows_of(after.messages(after=t)) == expected
+    with pytest.raises(Compacted) as e:
+        list(after.messages(after=cut - 1))
+    assert e.value.since == cut
+    with pytest.raises(CheckpointError, match="not a kept complete time"):
+        after.snapshot(cut - 1)
+    # a new consumer starts with the collection at since, then the tail: a valid feed
+    fresh = list(after.messages())
+    assert check_messages(fresh, key=["id"]) == []
+    assert accumulate(fresh) == truth_multiset()
+
+
+def test_compacting_twice_folds_the_old_snapshot_in(log_copy):
+    r = FeedReader(str(log_copy), "bank")
+    times = r.times()
+    final = collection_of(r)
+    compact(str(log_copy), "bank", times[3])
+    res = compact(str(log_copy), "bank", times[-2])
+    r = FeedReader(str(log_copy), "bank")
+    assert r.since == times[-2] and r.log.numbered_dirs("compacted") == [times[-2]]
+    assert collection_of(r) == final == truth_multiset()
+    assert "compacted" in res.summary()
+    # the same point again does nothing; below it or at the frontier is refused
+    assert "nothing to do" in compact(str(log_copy), "bank", times[-2]).summary()
+    with pytest.raises(CheckpointError, match="already compacted"):
+        compact(str(log_copy), "bank", times[1])
+    with pytest.raises(CheckpointError, match="not complete"):
+        compact(str(log_copy), "bank", r.frontier)
+
+
+def test_compaction_never_passes_a_subscription_ack(log_copy):
+    r = FeedReader(str(log_copy), "bank")
+    times = r.times()
+    store = SubscriptionStore(r.log)
+    store.put(Subscription(name="slow", feed="bank", url="http://127.0.0.1:9/x", acked=times[4]))
+    store.put(Subscription(name="quick", feed="bank", acked=times[-1]))
+    before = r.log.time_dirs()
+    with pytest.raises(CheckpointError, match=rf"slow \(acked {times[4]}\)"):
+        compact(str(log_copy), "bank", times[5])
+    # refused: nothing changed
+    r = FeedReader(str(log_copy), "bank")
+    assert r.since == 0 and r.log.time_dirs() == before and not r.log.numbered_dirs("compacted")
+    assert compact(str(log_copy), "bank", times[4]).since == times[4]
+
+
+def test_retention_target():
+    assert retention_target(frontier=100, since=0, retain=10, lowest_ack=None) == 89
+    assert retention_target(frontier=100, since=0, retain=10, lowest_ack=50) == 50
+    assert retention_target(frontier=100, since=89, retain=10, lowest_ack=None) is None
+    assert retention_target(frontier=5, since=0, retain=10, lowest_ack=None) is None
+
+
+@pytest.mark.parametrize("step", ["compact_before_commit", "compact_after_commit"])
+def test_compaction_killed_by_sigkill_leaves_a_consistent_feed(log_copy, step):
+    r = FeedReader(str(log_copy), "bank")
+    times = r.times()
+    cut = times[len(times) // 2]
+    expected_tail = rows_of(r.messages(after=cut))
+    final = collection_of(r)
+    cmd = [sys.executable, "-m", "feed.cli", "compact", "--log", str(log_copy)]
+    cmd += ["--feed", "bank", "--to", str(cut)]
+    env = {**os.environ, "TIDEFEED_TEST_KILL_AT": step}
+    p = subprocess.run(cmd, env=env, capture_output=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL
+    r = FeedReader(str(log_copy), "bank")
+    # before the commit: as if nothing happened; after it: compacted, old segments ignored
+    assert r.since == (0 if step == "compact_before_commit" else cut)
+    assert rows_of(r.messages(after=cut)) == expected_tail
+    assert collection_of(r) == final
+    assert accumulate(r.messages()) == truth_multiset()
+    # run again without the fault: it completes and cleans up
+    p = subprocess.run(cmd, capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr.decode()
+    r = FeedReader(str(log_copy), "bank")
+    assert r.since == cut and min(r.log.time_dirs()) == cut
+    assert collection_of(r) == final
+
+
+async def test_server_410_below_since_and_new_consumers_get_the_snapshot(log_copy, tmp_path):
+    r = FeedReader(str(log_copy), "bank")
+    times = r.times()
+    cut = times[len(times) // 2]
+    compact(str(log_copy), "bank", cut)
+    base, runner = await serve(make_server_app(ServerConfig(log=str(log_copy))))
+    rbase, rrunner = await serve(make_receiver_app(ReceiverConfig(db=str(tmp_path / "r.db"))))
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{base}/v1/feeds/bank/changes?after={cut - 1}") as resp:
+                assert resp.status == 410
+                body = await resp.json()
+                assert body["error"] == "compacted" and body["since"] == cut
+            async with s.get(f"{base}/v1/feeds/bank/changes?after={cut}") as resp:
+                assert resp.status == 200
+                got = get_codec("ndjson").decode(await resp.read())
+                assert rows_of(got) == rows_of(r.messages(after=cut))
+            async with s.get(f"{base}/v1/feeds/bank") as resp:
+                assert (await resp.json())["since"] == cut
+            for fmt in ("ndjson", "arrow"):
+                async with s.get(f"{base}/v1/feeds/bank/changes?format={fmt}") as resp:
+                    fresh = get_codec(fmt).decode(await resp.read())
+                assert check_messages(fresh, key=["id"]) == []
+                assert accumulate(fresh) == truth_multiset()
+            # a new receiver subscribes: it gets the snapshot at since, then the tail
+            sub = {"url": f"{rbase}/v1/push/bank", "format": "avro"}
+            async with s.put(f"{base}/v1/feeds/bank/subscriptions/new", json=sub) as resp:
+                assert resp.status in (200, 201)
+            for _ in range(200):
+                async with s.get(f"{rbase}/v1/push/bank") as resp:
+                    if (await resp.json())["frontier"] == r.frontier:
+                        break
+                await asyncio.sleep(0.05)
+            async with s.get(f"{rbase}/v1/collections/bank") as resp:
+                rows = [orjson.loads(x) for x in (await resp.read()).splitlines()]
+            got = Counter()
+            for row in rows:
+                got[record_key(row["data"])] += row["count"]
+            assert got == truth_multiset()
+    finally:
+        await runner.cleanup()
+        await rrunner.cleanup()
+
+
+async def test_serve_retain_compacts_automatically_up_to_the_lowest_ack(log_copy):
+    r = FeedReader(str(log_copy), "bank")
+    times = r.times()
+    store = SubscriptionStore(r.log)
+    store.put(Subscription(name="puller", feed="bank", acked=times[-3]))
+    config = ServerConfig(log=str(log_copy), retain=1, compact_seconds=0.05)
+    _, runner = await serve(make_server_app(config))
+    try:
+        for _ in range(200):
+            if FeedReader(str(log_copy), "bank").since:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await runner.cleanup()
+    r = FeedReader(str(log_copy), "bank")
+    assert r.since == min(r.frontier - 2, times[-3]) == times[-3]
+    assert collection_of(r) == truth_multiset()
+
+
+def test_cli_compact_reports_and_refuses_with_exit_1(log_copy, capsys):
+    from feed.cli import main
+
+    r = FeedReader(str(log_copy), "bank")
+    args = ["compact", "--log", str(log_copy), "--feed", "bank", "--to"]
+    assert main([*args, str(r.frontier)]) == 1
+    assert "is not complete" in capsys.readouterr().err
+    cut = r.times()[2]
+    assert main([*args, str(cut)]) == 0
+    assert f"since = {cut}" in capsys.readouterr().err
