@@ -147,11 +147,8 @@ def cmd_emit(args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr
     )
     kind, path = _parse_source(args.source)
-    if args.eager:
-        raise SystemExit(
-            "tidefeed emit: --eager delivery is not available yet; --push delivers committed "
-            "times (the default, safe for every consumer)"
-        )
+    if args.eager and not args.push:
+        raise SystemExit("tidefeed emit: --eager pushes to a receiver: give --push URL too")
     config = EmitterConfig(
         source_kind=kind,
         source_path=path,
@@ -180,13 +177,20 @@ def cmd_emit(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    deliver = _push_delivery(args, config) if args.push else None
+    deliver = _push_delivery(args, config, lambda: emitter.eager) if args.push else None
     emitter = Emitter(config, on_commit=deliver)
     emitter.open()
+    if args.eager:
+        from .eager import EagerPusher
+
+        # executors encode the pushes with the feed's schema, known once the feed is open
+        emitter.eager = EagerPusher(
+            url=args.push, fmt=args.format, schema=emitter.info.schema, token=args.token
+        )
     try:
         if deliver is not None:
             assert emitter.cp is not None
-            deliver(emitter.cp)  # the announcement (and any committed backlog) first
+            deliver(emitter.cp, fresh=True)  # the announcement and any backlog first
         reports = emitter.run(stop=lambda: bool(stopping))
     finally:
         emitter.close()
@@ -202,11 +206,21 @@ def cmd_emit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _push_delivery(args: argparse.Namespace, config: Any) -> Callable[[Any], None]:
-    """A commit hook that pushes the committed feed to ``--push`` before going on."""
+def _push_delivery(
+    args: argparse.Namespace, config: Any, eager_of: Callable[[], Any]
+) -> Callable[..., None]:
+    """A commit hook that pushes the committed feed to ``--push`` before going on. With
+    eager delivery, a transaction's updates are at the receiver already: its progress
+    alone closes it, and only when that fails is the log delivered again."""
     from .publisher import deliver_log
 
-    def deliver(cp: Any) -> None:
+    def deliver(cp: Any, *, fresh: bool = False) -> None:
+        eager = eager_of()
+        if eager is not None and not fresh:
+            acked = eager.close(cp.progress, cp.epoch)
+            if acked is not None and acked >= cp.frontier:
+                print(f"tidefeed emit: {args.push} ACKed frontier {acked}", file=sys.stderr)
+                return
         acked = deliver_log(
             config.log,
             config.feed,

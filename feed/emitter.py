@@ -16,6 +16,8 @@ One transaction (:meth:`Emitter.step`):
 4. **commit** the checkpoint (progress, ``next``, ``source``) — the single commit point;
 5. hand the committed progress to the publisher, if any.
 
+With eager delivery (:mod:`feed.eager`) the executors push the updates between 3 and 4.
+
 A crash before 4 leaves the old checkpoint, so the next start rolls back and redoes the
 transaction at the same times (``next`` is fixed by the previous commit). A crash after 4
 finds everything committed: the files are in ``source.files`` and are never read twice.
@@ -39,6 +41,7 @@ from protocol import CheckpointError, Progress, SourceError, fingerprint
 
 from ._faults import maybe_die
 from .checkpoint import Checkpoint, CheckpointStore
+from .eager import EagerPusher
 from .log import FeedLog
 
 __all__ = ["Emitter", "EmitterConfig", "TxnReport", "load_schema_file"]
@@ -148,12 +151,14 @@ class Emitter:
         spark: Any = None,
         logger: logging.Logger | None = None,
         on_commit: Callable[[Checkpoint], None] | None = None,
+        eager: EagerPusher | None = None,
         clock: Callable[[], int] = now_ms,
     ) -> None:
         self.config = config
         self._spark = spark
         self.log = logger or log
         self.on_commit = on_commit
+        self.eager = eager
         self._clock = clock
         self.feedlog = FeedLog(config.log, config.feed)
         self.store = CheckpointStore(self.feedlog)
@@ -408,6 +413,17 @@ class Emitter:
             ).write.json(self._spark_path(fl.path("quarantine", str(seq))))
         fl.delete_dir(staging)
         secs["write"] = time.perf_counter() - t2
+        if self.eager is not None and counts:
+            t_eager = time.perf_counter()
+            paths = [self._spark_path(f) for t in counts for f in fl.time_files(t, cp.epoch)]
+            pushed = self.eager.push(self.spark, paths, cp.epoch)
+            secs["eager"] = time.perf_counter() - t_eager
+            self.log.info(
+                "feed %s: eager: pushed %d update(s) before the commit (%d failed)",
+                cfg.feed,
+                pushed.pushed,
+                pushed.failed,
+            )
         maybe_die("after_write")
 
         t3 = time.perf_counter()

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from protocol import (
     CheckpointError,
@@ -25,7 +25,7 @@ from protocol import (
 from .checkpoint import Checkpoint, CheckpointStore
 from .log import FeedInfo, FeedLog
 
-__all__ = ["FeedReader"]
+__all__ = ["FeedReader", "flat_updates"]
 
 
 class FeedReader:
@@ -185,6 +185,15 @@ class FeedReader:
 
 
 def _as_updates(table: pa.Table, time: int, record_type: pa.DataType) -> Updates:
+    times = pa.array(np.full(table.num_rows, time, dtype=np.int64))
+    return flat_updates(table, record_type, times)
+
+
+def flat_updates(
+    table: pa.Table, record_type: pa.DataType, times: pa.Array | pa.ChunkedArray
+) -> Updates:
+    """An update batch from a log-shaped table (record columns and ``diff``): the record
+    columns become the ``data`` struct of ``record_type`` (missing ones null)."""
     n = table.num_rows
     fields = list(record_type)
     arrays = []
@@ -200,12 +209,8 @@ def _as_updates(table: pa.Table, time: int, record_type: pa.DataType) -> Updates
         else pa.array([{}] * n, pa.struct([]))
     )
     diff = table.column("diff").combine_chunks() if n else pa.array([], pa.int64())
+    if isinstance(times, pa.ChunkedArray):
+        times = times.combine_chunks()
     return Updates.from_arrow(
-        pa.table(
-            {
-                "data": data,
-                "time": pc.cast(pa.array([time] * n), pa.int64()),
-                "diff": diff.cast(pa.int64()),
-            }
-        )
+        pa.table({"data": data, "time": times.cast(pa.int64()), "diff": diff.cast(pa.int64())})
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 __all__ = ["DEFAULT_MASTER", "get_spark"]
@@ -25,6 +26,9 @@ def get_spark(
     if active is not None:
         return active
     host = os.environ.get("SPARK_LOCAL_IP", "127.0.0.1")
+    # Python workers (eager pushes) must run this interpreter, which has tidefeed installed,
+    # not whatever "python3" is first on the PATH
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = (
         SparkSession.builder.master(master or DEFAULT_MASTER)
         .appName(app)
@@ -35,6 +39,7 @@ def get_spark(
         .config("spark.driver.bindAddress", host)
         .config("spark.sql.files.maxPartitionBytes", str(1 << 30))
         .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.pyspark.python", os.environ["PYSPARK_PYTHON"])
     )
     if (master or DEFAULT_MASTER).startswith("local"):
         # in local mode the driver does all the work: the JVM's 1 GiB default is too small

@@ -2,7 +2,8 @@
 
 Endpoints (DESIGN §7):
 
-* ``GET /v1/push/{feed}`` -> ``{"frontier": F, "epoch": E}`` (``null`` frontier when new);
+* ``GET /v1/push/{feed}`` -> ``{"frontier": F, "epoch": E, "pending": n}`` (``null``
+  frontier when new; ``pending`` is an addition to DESIGN §7, for operators and tests);
 * ``POST /v1/push/{feed}`` with ``Tidefeed-Epoch: E`` and a body in any format -> ``200
   {"frontier": F, "pending": n}`` once every completed time is durable;
 * ``GET /v1/collections/{feed}[?at=T]`` -> NDJSON ``{"data": {…}, "count": n}``;
@@ -76,7 +77,7 @@ def _lock(app: web.Application, feed: str) -> asyncio.Lock:
 async def get_push(request: web.Request) -> web.Response:
     feed = _feed(request)
     c = await asyncio.to_thread(_consumer, request.app, feed)
-    return json_response({"frontier": c.frontier, "epoch": c.epoch})
+    return json_response({"frontier": c.frontier, "epoch": c.epoch, "pending": c.pending})
 
 
 async def post_push(request: web.Request) -> web.Response:

@@ -309,3 +309,69 @@ def _wait(cond, log_path: Path, timeout: float = 90) -> None:
             return
         time.sleep(0.2)
     raise AssertionError("timed out; server log:\n" + log_path.read_text()[-3000:])
+
+
+def test_eager_push_before_commit_rolls_back_after_sigkill_and_ends_equal(tmp_path):
+    """emit --push --eager: the executors push each transaction's updates before the
+    commit. Killed after those pushes and before the commit, the receiver holds them
+    pending; the restarted emitter's announcement drops them and redoes the transaction,
+    and the later transactions are closed by a progress alone."""
+    from .helpers import write_parts_at_transactions
+
+    src = tmp_path / "in"
+    assert len(write_parts_at_transactions(src, BANK.events, 3)) == 3
+    schema = tmp_path / "accounts.avsc"
+    schema.write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
+    port = free_port()
+    receiver = start(
+        "receive",
+        "--db",
+        str(tmp_path / "r.db"),
+        "--port",
+        str(port),
+        log=tmp_path / "receiver.log",
+    )
+    args = [
+        "emit",
+        "--source",
+        f"debezium:{src}",
+        "--feed",
+        "bank",
+        "--log",
+        str(tmp_path / "log"),
+        "--key",
+        "id",
+        "--schema",
+        str(schema),
+        "--max-files-per-txn",
+        "1",
+        "--push",
+        f"http://127.0.0.1:{port}/v1/push/bank",
+        "--eager",
+        "--format",
+        "avro",
+    ]
+    try:
+        wait_up(port)
+        killed = tidefeed(*args, env={"TIDEFEED_TEST_KILL_AT": "after_write:2"})
+        assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+        state = receiver_state(port)
+        # the first transaction is committed and closed; the second one's updates were
+        # pushed eagerly and wait for a progress that never came
+        assert state["frontier"] > 0 and state["pending"] > 0
+        committed = collection(port)
+        again = tidefeed(*args)
+        err = again.stderr.decode()
+        assert again.returncode == 0, err[-3000:]
+        assert collection(port) == TRUTH
+        assert committed != TRUTH
+        assert "eager: pushed" in err and "resending" not in err
+        assert receiver_state(port)["pending"] == 0
+    finally:
+        receiver.terminate()
+        receiver.wait(timeout=30)
+
+
+def receiver_state(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/push/bank") as r:
+        return orjson.loads(r.read())

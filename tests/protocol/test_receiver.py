@@ -159,5 +159,5 @@ async def test_state_survives_a_restart(receiver, tmp_path):
     await raw_post(base, NDJSON.encode(FEED))
     base2 = await receiver()  # a second server on the same database file
     head, coll = await state(base2)
-    assert head == {"frontier": 4, "epoch": 1}
+    assert head == {"frontier": 4, "epoch": 1, "pending": 0}
     assert len(coll.splitlines()) == 2
