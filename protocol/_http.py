@@ -93,7 +93,8 @@ async def error_middleware(
     except TidefeedError as e:
         for cls, status, code in ERROR_TABLE:
             if isinstance(e, cls):
-                return _error(status, code, str(e))
+                retry = {"Retry-After": "1"} if status == 503 else None
+                return _error(status, code, str(e), retry)
         return _error(500, "internal_error", str(e))
 
 

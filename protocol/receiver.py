@@ -47,6 +47,8 @@ class ReceiverConfig:
     #: over this many pending (uncommitted) updates a feed answers 429 until they complete
     pending_high_watermark: int = 2_000_000
     retry_after_seconds: int = 1
+    #: seconds a commit waits for a lock on the database before answering 503
+    busy_timeout: float = 5.0
 
 
 DB = web.AppKey("db", SqliteDatabase)
@@ -161,7 +163,9 @@ def make_receiver_app(config: ReceiverConfig) -> web.Application:
     app[LOCKS] = {}
 
     async def database(app: web.Application):  # type: ignore[no-untyped-def]
-        app[DB] = await asyncio.to_thread(SqliteDatabase, config.db)
+        app[DB] = await asyncio.to_thread(
+            lambda: SqliteDatabase(config.db, busy_timeout=config.busy_timeout)
+        )
         yield
         await asyncio.to_thread(app[DB].close)
 

@@ -12,6 +12,7 @@ one insert per piece, not one per update. The collection is accumulated when ask
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from .errors import TidefeedError
+from .errors import CheckpointError, TidefeedError
 from .messages import record_key
 from .state import StoreState
 
@@ -54,12 +55,24 @@ def _ipc(table: pa.Table) -> bytes:
     return data
 
 
+@contextlib.contextmanager
+def _storage_errors(path: str) -> Iterator[None]:
+    """SQLite failures (a locked or full disk, an I/O error) as a storage error: the
+    receiver answers 503 with Retry-After, and nothing was committed."""
+    try:
+        yield
+    except sqlite3.Error as e:
+        raise CheckpointError(f"receiver database {path}: {e}") from e
+
+
 class SqliteDatabase:
     """One SQLite file shared by the stores of every feed (one connection, one lock)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, busy_timeout: float = 5.0) -> None:
         self.path = path
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._conn = sqlite3.connect(
+            path, check_same_thread=False, isolation_level=None, timeout=busy_timeout
+        )
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
         old = self._conn.execute(
@@ -109,7 +122,7 @@ class SqliteStore:
         for table in updates:
             times = table.column("time")
             parts.append((self.feed, times[0].as_py(), table.num_rows, _ipc(table)))
-        with self.db.lock:
+        with self.db.lock, _storage_errors(self.db.path):
             conn = self.db.conn
             conn.execute("BEGIN IMMEDIATE")
             try:

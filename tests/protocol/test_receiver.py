@@ -161,3 +161,31 @@ async def test_state_survives_a_restart(receiver, tmp_path):
     head, coll = await state(base2)
     assert head == {"frontier": 4, "epoch": 1, "pending": 0}
     assert len(coll.splitlines()) == 2
+
+
+async def test_a_storage_failure_is_503_with_retry_after_and_commits_nothing(receiver, tmp_path):
+    import sqlite3
+
+    base = await receiver(busy_timeout=0.2)
+    await raw_post(base, NDJSON.encode(FEED[:3]))
+    before = await state(base)
+    other = sqlite3.connect(str(tmp_path / "r.db"), isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")  # another writer holds the database
+    try:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(
+                f"{base}/v1/push/f",
+                data=NDJSON.encode(FEED[3:]),
+                headers={"Content-Type": "application/x-ndjson", "Tidefeed-Epoch": "1"},
+            ) as r,
+        ):
+            assert r.status == 503
+            assert r.headers["Retry-After"] == "1"
+            assert (await r.json())["error"] == "storage_unavailable"
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert await state(base) == before  # nothing committed, nothing pending
+    status, ack, _ = await raw_post(base, NDJSON.encode(FEED[3:]))  # the retry goes through
+    assert (status, ack["frontier"]) == (200, 4)
