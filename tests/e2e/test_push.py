@@ -6,6 +6,7 @@ after the receiver is SIGKILLed in the middle of the pushes and restarted.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 import urllib.request
@@ -185,7 +186,10 @@ def test_receiver_sigkilled_mid_push_ends_equal(tmp_path):
                 p.wait()
 
 
-def test_emitter_sigkilled_during_publish_then_restarted(tmp_path):
+@contextlib.contextmanager
+def three_transactions(tmp_path: Path, *extra: str):
+    """A receiver process, and the emit command line that pushes the bank feed to it in
+    three transactions (input cut between source transactions)."""
     from .helpers import write_parts_at_transactions
 
     src = tmp_path / "in"
@@ -217,9 +221,18 @@ def test_emitter_sigkilled_during_publish_then_restarted(tmp_path):
         "1",
         "--push",
         f"http://127.0.0.1:{port}/v1/push/bank",
+        *extra,
     ]
     try:
         wait_up(port)
+        yield args, port
+    finally:
+        receiver.terminate()
+        receiver.wait(timeout=30)
+
+
+def test_emitter_sigkilled_during_publish_then_restarted(tmp_path):
+    with three_transactions(tmp_path) as (args, port):
         killed = tidefeed(*args, env={"TIDEFEED_TEST_KILL_AT": "during_publish:2"})
         assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
         partial = collection(port)
@@ -227,9 +240,6 @@ def test_emitter_sigkilled_during_publish_then_restarted(tmp_path):
         again = tidefeed(*args)
         assert again.returncode == 0, again.stderr.decode()[-3000:]
         assert collection(port) == TRUTH
-    finally:
-        receiver.terminate()
-        receiver.wait(timeout=30)
 
 
 def test_a_restarted_feed_server_resumes_its_subscriptions(tmp_path):
@@ -316,43 +326,7 @@ def test_eager_push_before_commit_rolls_back_after_sigkill_and_ends_equal(tmp_pa
     commit. Killed after those pushes and before the commit, the receiver holds them
     pending; the restarted emitter's announcement drops them and redoes the transaction,
     and the later transactions are closed by a progress alone."""
-    from .helpers import write_parts_at_transactions
-
-    src = tmp_path / "in"
-    assert len(write_parts_at_transactions(src, BANK.events, 3)) == 3
-    schema = tmp_path / "accounts.avsc"
-    schema.write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
-    port = free_port()
-    receiver = start(
-        "receive",
-        "--db",
-        str(tmp_path / "r.db"),
-        "--port",
-        str(port),
-        log=tmp_path / "receiver.log",
-    )
-    args = [
-        "emit",
-        "--source",
-        f"debezium:{src}",
-        "--feed",
-        "bank",
-        "--log",
-        str(tmp_path / "log"),
-        "--key",
-        "id",
-        "--schema",
-        str(schema),
-        "--max-files-per-txn",
-        "1",
-        "--push",
-        f"http://127.0.0.1:{port}/v1/push/bank",
-        "--eager",
-        "--format",
-        "avro",
-    ]
-    try:
-        wait_up(port)
+    with three_transactions(tmp_path, "--eager", "--format", "avro") as (args, port):
         killed = tidefeed(*args, env={"TIDEFEED_TEST_KILL_AT": "after_write:2"})
         assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
         state = receiver_state(port)
@@ -367,9 +341,6 @@ def test_eager_push_before_commit_rolls_back_after_sigkill_and_ends_equal(tmp_pa
         assert committed != TRUTH
         assert "eager: pushed" in err and "resending" not in err
         assert receiver_state(port)["pending"] == 0
-    finally:
-        receiver.terminate()
-        receiver.wait(timeout=30)
 
 
 def receiver_state(port: int) -> dict:
