@@ -98,9 +98,28 @@ def _bytes_hash(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
     return hashed
 
 
+#: a string column is hashed through its dictionary when a sample of this many values
+#: holds fewer than a quarter distinct ones (status codes, currencies, owners, ...)
+_SAMPLE = 1024
+
+
 def _binary_leaf(col: pa.Array) -> np.ndarray:
     if pa.types.is_fixed_size_binary(col.type):
         col = col.cast(pa.binary())
+    if len(col) > 4 * _SAMPLE and pc.count_distinct(col.slice(0, _SAMPLE)).as_py() < _SAMPLE // 4:
+        encoded = pc.dictionary_encode(col)
+        if 4 * len(encoded.dictionary) < len(col):
+            if not len(encoded.dictionary):  # all null: the caller patches every position
+                return np.zeros(len(col), dtype=np.uint64)
+            hashed = _plain_binary_leaf(encoded.dictionary)
+            # null positions are patched by the caller; index 0 stands in for them here
+            positions = np.asarray(encoded.indices.fill_null(0).to_numpy(), dtype=np.intp)
+            picked: np.ndarray = hashed[positions]
+            return picked
+    return _plain_binary_leaf(col)
+
+
+def _plain_binary_leaf(col: pa.Array) -> np.ndarray:
     large = pa.types.is_large_string(col.type) or pa.types.is_large_binary(col.type)
     width = np.dtype(np.int64 if large else np.int32)
     bufs = col.buffers()
