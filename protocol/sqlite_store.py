@@ -154,13 +154,6 @@ class SqliteStore:
         for blob in blobs:
             yield pa.ipc.open_stream(pa.py_buffer(blob)).read_all()
 
-    def update_count(self) -> int:
-        with self.db.lock:
-            row = self.db.conn.execute(
-                "SELECT COALESCE(SUM(rows), 0) FROM parts WHERE feed = ?", (self.feed,)
-            ).fetchone()
-        return int(row[0])
-
     def collection(self, at: int | None = None) -> Iterator[tuple[Any, int]]:
         """``(record, count)`` of every record with a non-zero multiplicity at time ``at``
         (default: everything committed, i.e. the collection at the frontier), in the order

@@ -115,10 +115,6 @@ class ApplyResult:
     late_count: int = 0
     duplicate_count: int = 0
 
-    @property
-    def committed_count(self) -> int:
-        return sum(t.num_rows for t in self.committed)
-
 
 @dataclass(frozen=True, slots=True)
 class _Piece:
