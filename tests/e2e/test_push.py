@@ -187,7 +187,7 @@ def test_receiver_sigkilled_mid_push_ends_equal(tmp_path):
 
 
 @contextlib.contextmanager
-def three_transactions(tmp_path: Path, *extra: str):
+def three_transactions(tmp_path: Path):
     """A receiver process, and the emit command line that pushes the bank feed to it in
     three transactions (input cut between source transactions)."""
     from .helpers import write_parts_at_transactions
@@ -221,7 +221,6 @@ def three_transactions(tmp_path: Path, *extra: str):
         "1",
         "--push",
         f"http://127.0.0.1:{port}/v1/push/bank",
-        *extra,
     ]
     try:
         wait_up(port)
@@ -231,15 +230,37 @@ def three_transactions(tmp_path: Path, *extra: str):
         receiver.wait(timeout=30)
 
 
-def test_emitter_sigkilled_during_publish_then_restarted(tmp_path):
+def test_emitter_sigkilled_after_eager_pushes_and_during_publish_then_restarted(tmp_path):
+    """Three transactions, two crashes, one receiver.
+
+    1. ``--eager``, SIGKILL after the executors pushed the 2nd transaction and before its
+       commit: the receiver holds those updates pending.
+    2. committed delivery, SIGKILL while publishing the redone 2nd transaction (the
+       receiver kept the body, the emitter never learned): the start-up announcement
+       dropped the eager leftovers, and the receiver has 2 of the 3 transactions.
+    3. ``--eager`` to the end: the 3rd transaction is closed by a progress alone, and
+       the receiver's collection equals the table.
+    """
     with three_transactions(tmp_path) as (args, port):
+        eager = [*args, "--eager", "--format", "avro"]
+        killed = tidefeed(*eager, env={"TIDEFEED_TEST_KILL_AT": "after_write:2"})
+        assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+        state = receiver_state(port)
+        assert state["frontier"] > 0 and state["pending"] > 0
+        first = collection(port)
+
         killed = tidefeed(*args, env={"TIDEFEED_TEST_KILL_AT": "during_publish:2"})
         assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
         partial = collection(port)
-        assert partial and partial != TRUTH  # some, not all, was delivered
-        again = tidefeed(*args)
-        assert again.returncode == 0, again.stderr.decode()[-3000:]
+        assert first != partial != TRUTH  # one more transaction, not all of them
+        assert receiver_state(port)["pending"] == 0
+
+        again = tidefeed(*eager)
+        err = again.stderr.decode()
+        assert again.returncode == 0, err[-3000:]
         assert collection(port) == TRUTH
+        assert "eager: pushed" in err and "resending" not in err
+        assert receiver_state(port)["pending"] == 0
 
 
 def test_a_restarted_feed_server_resumes_its_subscriptions(tmp_path):
@@ -319,28 +340,6 @@ def _wait(cond, log_path: Path, timeout: float = 90) -> None:
             return
         time.sleep(0.2)
     raise AssertionError("timed out; server log:\n" + log_path.read_text()[-3000:])
-
-
-def test_eager_push_before_commit_rolls_back_after_sigkill_and_ends_equal(tmp_path):
-    """emit --push --eager: the executors push each transaction's updates before the
-    commit. Killed after those pushes and before the commit, the receiver holds them
-    pending; the restarted emitter's announcement drops them and redoes the transaction,
-    and the later transactions are closed by a progress alone."""
-    with three_transactions(tmp_path, "--eager", "--format", "avro") as (args, port):
-        killed = tidefeed(*args, env={"TIDEFEED_TEST_KILL_AT": "after_write:2"})
-        assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
-        state = receiver_state(port)
-        # the first transaction is committed and closed; the second one's updates were
-        # pushed eagerly and wait for a progress that never came
-        assert state["frontier"] > 0 and state["pending"] > 0
-        committed = collection(port)
-        again = tidefeed(*args)
-        err = again.stderr.decode()
-        assert again.returncode == 0, err[-3000:]
-        assert collection(port) == TRUTH
-        assert committed != TRUTH
-        assert "eager: pushed" in err and "resending" not in err
-        assert receiver_state(port)["pending"] == 0
 
 
 def receiver_state(port: int) -> dict:
