@@ -216,20 +216,17 @@ def _push_delivery(
 
     def deliver(cp: Any, *, fresh: bool = False) -> None:
         eager = eager_of()
-        if eager is not None and not fresh:
-            acked = eager.close(cp.progress, cp.epoch)
-            if acked is not None and acked >= cp.frontier:
-                print(f"tidefeed emit: {args.push} ACKed frontier {acked}", file=sys.stderr)
-                return
-        acked = deliver_log(
-            config.log,
-            config.feed,
-            args.push,
-            epoch=cp.epoch,
-            fmt=args.format,
-            token=args.token,
-            give_up_after=float(args.push_timeout),
-        )
+        acked = eager.close(cp.progress, cp.epoch) if eager is not None and not fresh else None
+        if acked is None or acked < cp.frontier:
+            acked = deliver_log(
+                config.log,
+                config.feed,
+                args.push,
+                epoch=cp.epoch,
+                fmt=args.format,
+                token=args.token,
+                give_up_after=float(args.push_timeout),
+            )
         print(f"tidefeed emit: {args.push} ACKed frontier {acked}", file=sys.stderr)
 
     return deliver
