@@ -165,6 +165,8 @@ def cmd_emit(args: argparse.Namespace) -> int:
         max_files_per_txn=int(args.max_files_per_txn),
         order=args.order,
         deleted=args.deleted,
+        table=args.table or None,
+        tx_metadata=args.tx_metadata or None,
     )
     import signal
 
@@ -346,6 +348,18 @@ def build_parser() -> argparse.ArgumentParser:
     _option(p, "--max-files-per-txn", default="1000", help="input files per transaction")
     _option(p, "--order", help="upsert source: the column that orders the upserts")
     _option(p, "--deleted", help="upsert source: the boolean column that marks a delete")
+    _option(
+        p,
+        "--table",
+        help="debezium source: the SCHEMA.TABLE the feed holds; other tables' events are "
+        "skipped (default: the table of the first change event)",
+    )
+    _option(
+        p,
+        "--tx-metadata",
+        help="debezium source: a folder of Debezium transaction metadata records, when "
+        "they are not in the source folder itself",
+    )
     commands["emit"] = cmd_emit
 
     p = sub.add_parser("inspect", help="print a committed feed from its log (no Spark)")

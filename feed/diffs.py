@@ -25,10 +25,13 @@ from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
+from .transactions import order_column
+
 __all__ = [
     "Diffs",
     "assign_units",
     "consolidate_diffs",
+    "fill_unavailable",
     "keyed_diffs",
     "snapshot_diffs",
     "unkeyed_diffs",
@@ -50,7 +53,7 @@ def assign_units(changes: DataFrame, granularity: str) -> tuple[DataFrame, int]:
     """Add ``unit`` (0, 1, …: the offset from ``next``) and return how many there are."""
     if granularity == "batch":
         return changes.withColumn("unit", F.lit(0).cast("long")), 1
-    order = changes.groupBy("txn").agg(F.min(F.struct("ord_file", "ord_row")).alias("o"))
+    order = changes.groupBy("txn").agg(F.min(order_column()).alias("o"))
     ranked = order.select(
         "txn", (F.row_number().over(Window.orderBy("o")) - 1).cast("long").alias("unit")
     ).collect()
@@ -83,7 +86,7 @@ def keyed_diffs(changes: DataFrame, state: DataFrame | None, key: Sequence[str])
         "unit",
         "op",
         "after",
-        F.struct("ord_file", "ord_row").alias("o"),
+        order_column().alias("o"),
         "_file",
         "_raw",
     )
@@ -140,6 +143,72 @@ def keyed_diffs(changes: DataFrame, state: DataFrame | None, key: Sequence[str])
     else:
         new_state = new_rows
     return Diffs(diffs=minus.unionByName(plus), units=0, state=new_state, bad=bad, cached=last)
+
+
+def fill_unavailable(changes: DataFrame, state: DataFrame | None, key: Sequence[str]) -> Diffs:
+    """Fill Debezium's unavailable-value placeholders (``_toast`` names the columns) from the
+    key's latest earlier value: an earlier change read in the same transaction, else the
+    keyed state. Returns the changes with the values filled in (``diffs``) and, as ``bad``,
+    the changes whose key has no earlier value to take (they are left out of ``diffs``).
+
+    Only the keys that meet a placeholder are sorted; the other changes pass untouched.
+    """
+    after_t = changes.schema["after"].dataType
+    columns = [f.name for f in after_t.fields]  # type: ignore[attr-defined]
+    k = _key_of(F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after")), key)
+    keyed = changes.withColumn("_k", k)
+    toast_keys = keyed.where(F.col("_toast").isNotNull()).select("_k").distinct()
+    hit = keyed.join(F.broadcast(toast_keys), "_k", "left_semi")
+    rest = keyed.join(F.broadcast(toast_keys), "_k", "left_anti").drop("_k")
+    events = hit.select("*", F.lit(1).alias("_src"))
+    if state is not None:
+        earlier = (
+            state.select(_key_of(F.col("data"), key).alias("_k"), F.col("data").alias("after"))
+            .join(F.broadcast(toast_keys), "_k", "left_semi")
+            .select("_k", "after", F.lit(0).alias("_src"))
+        )
+        events = events.unionByName(earlier, allowMissingColumns=True)
+    names = F.split(F.coalesce(F.col("_toast"), F.lit("")), ",")
+    w = (
+        Window.partitionBy("_k")
+        .orderBy("_src", F.col("unit").asc_nulls_first(), order_column())
+        .rowsBetween(Window.unboundedPreceding, -1)
+    )
+    filled, missing = [], []
+    for c in columns:
+        toasted = F.array_contains(names, c)
+        # a value wrapped in a struct, so that a real NULL still counts as a value
+        known = F.when(
+            F.col("after").isNotNull() & ~toasted, F.struct(F.col(f"after.{c}").alias("v"))
+        )
+        earlier_v = F.last(known, ignorenulls=True).over(w)
+        filled.append(F.when(toasted, earlier_v["v"]).otherwise(F.col(f"after.{c}")).alias(c))
+        missing.append(F.when(toasted & earlier_v.isNull(), F.lit(c)))
+    out = events.select(
+        "*",
+        F.when(F.col("after").isNull(), F.col("after"))
+        .otherwise(F.struct(*filled))
+        .cast(after_t)
+        .alias("_filled"),
+        F.concat_ws(", ", *missing).alias("_missing"),
+    ).where(F.col("_src") == 1)
+    bad = out.where(F.col("_missing") != "").select(
+        "_file",
+        "_raw",
+        F.concat(
+            F.lit("unavailable value (unchanged TOASTed column) in "),
+            F.col("_missing"),
+            F.lit(" and key "),
+            F.to_json("_k"),
+            F.lit(" has no earlier row to take it from"),
+        ).alias("_error"),
+    )
+    good = (
+        out.where(F.col("_missing") == "")
+        .withColumn("after", F.col("_filled"))
+        .select(*changes.columns)
+    )
+    return Diffs(diffs=rest.unionByName(good), units=0, bad=bad)
 
 
 def consolidate_diffs(diffs: DataFrame, next_time: int) -> DataFrame:

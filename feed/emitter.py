@@ -83,6 +83,8 @@ class EmitterConfig:
     max_files_per_txn: int = DEFAULT_MAX_FILES
     order: str | None = None  # upsert: the column that orders upserts
     deleted: str | None = None  # upsert: the boolean column that marks deletes
+    table: str | None = None  # debezium: the schema.table the feed holds
+    tx_metadata: str | None = None  # debezium: a folder of transaction metadata records
 
 
 @dataclass(slots=True)
@@ -96,18 +98,27 @@ class TxnReport:
     updates: int
     bad_rows: int
     seconds: dict[str, float] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)  # lines with no change, by reason
+    held: int = 0  # source transactions held back (incomplete)
+    redelivered: int = 0  # events dropped as already turned into updates, or repeated
 
     def line(self) -> str:
         secs = " ".join(f"{k}={v:.2f}s" for k, v in self.seconds.items())
         times = f"[{self.progress.lower}, {self.progress.upper})"
+        skipped = "".join(
+            f" skipped[{k.replace(' ', '_')}]={v}" for k, v in sorted(self.skipped.items())
+        )
+        extra = f" redelivered={self.redelivered}" if self.redelivered else ""
+        extra += f" held_back_txns={self.held}" if self.held else ""
         return (
             f"txn {self.seq}: times {times} files={self.files} input_rows={self.input_rows} "
-            f"updates={self.updates} bad_rows={self.bad_rows} {secs}"
+            f"updates={self.updates} bad_rows={self.bad_rows}{skipped}{extra} {secs}"
         )
 
 
 def _edge_txn(kind: str, path: str, *, last: bool) -> str | None:
-    """The source transaction of the first (or last) row of a JSON-lines file, if known."""
+    """The source transaction of the first (or last) change of a JSON-lines file, if known.
+    Lines that carry no change (tombstones, heartbeats, transaction metadata) are passed."""
     if kind not in ("debezium", "cdf") or path.endswith(".parquet"):
         return None
     try:
@@ -115,26 +126,40 @@ def _edge_txn(kind: str, path: str, *, last: bool) -> str | None:
             if last:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - (1 << 20)))
-                lines = [x for x in f.read().splitlines() if x.strip()]
-                line = lines[-1] if lines else b""
+                lines = [x for x in f.read().splitlines() if x.strip()][::-1]
             else:
-                line = b""
-                for raw in f:
-                    if raw.strip():
-                        line = raw
-                        break
-        row = orjson.loads(line)
-    except (OSError, orjson.JSONDecodeError):
+                lines = [x for x in (f.readline() for _ in range(100)) if x.strip()]
+    except OSError:
         return None
-    if not isinstance(row, dict):
-        return None
-    if kind == "cdf":
-        v = row.get("_commit_version")
-    else:
-        payload = row.get("payload", row)
-        src = payload.get("source") if isinstance(payload, dict) else None
-        v = src.get("txId") if isinstance(src, dict) else None
-    return None if v is None else str(v)
+    for line in lines:
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(row, dict):
+            continue
+        if kind == "cdf":
+            v = row.get("_commit_version")
+        else:
+            payload = row.get("payload", row)
+            if not isinstance(payload, dict) or payload.get("op") is None:
+                continue
+            src = payload.get("source")
+            v = src.get("txId") if isinstance(src, dict) else None
+        return None if v is None else str(v)
+    return None
+
+
+#: what :meth:`Emitter._txn` returns when nothing in its input is complete yet but more
+#: input files are pending
+_NEED_MORE = object()
+
+
+def _base_name(uri: str) -> str:
+    """The file name in a path or in Spark's ``_metadata.file_path`` (a quoted URI)."""
+    import urllib.parse
+
+    return urllib.parse.unquote(uri.rstrip("/").rsplit("/", 1)[-1])
 
 
 def now_ms() -> int:
@@ -203,7 +228,7 @@ class Emitter:
                 seq=0,
                 progress=Progress(0, 0, ()),
                 next=start,
-                source={"files": [], "pos": [0, 0]},
+                source={"files": [], "pos": [0, 0, 0]},
                 schema=self.info.fingerprint,
             )
         claimed = latest.successor(epoch=latest.epoch + 1)
@@ -232,16 +257,21 @@ class Emitter:
         self.state = State.CLOSED
 
     def _create_feed(self) -> Any:
+        from .sources import debezium_table, infer_record_schema
+
         cfg = self.config
         schema = cfg.schema
+        table = cfg.table
+        if cfg.source_kind == "debezium" and table is None:
+            # a feed is one table: the first change event's, unless --table names it
+            table = debezium_table(self._all_files()[:5])
         if schema is None:
-            from .sources import infer_record_schema
-
             schema = infer_record_schema(
                 self.spark,
                 cfg.source_kind,
                 self._all_files()[:5],
                 exclude=tuple(c for c in (cfg.order, cfg.deleted) if c),
+                table=table,
             )
         names = {f["name"] for f in schema.get("fields", [])}
         clash = [n for n in RESERVED if n in names]
@@ -257,7 +287,9 @@ class Emitter:
                 f"schema (columns: {sorted(names)})"
             )
         fingerprint(schema)  # validates
-        return self.feedlog.create(schema=schema, key=cfg.key, clock=cfg.clock)
+        if table:
+            self.log.info("feed %s: holds source table %s", cfg.feed, table)
+        return self.feedlog.create(schema=schema, key=cfg.key, clock=cfg.clock, table=table)
 
     def _check_feed_matches(self) -> None:
         cfg, info = self.config, self.info
@@ -272,14 +304,18 @@ class Emitter:
             )
         if cfg.clock != info.clock:
             raise SourceError(f"feed {cfg.feed!r} uses the {info.clock} clock, not {cfg.clock}")
+        if cfg.table and cfg.table != info.table:
+            raise SourceError(
+                f"feed {cfg.feed!r} holds table {info.table or '(any)'}, not {cfg.table}"
+            )
 
     # ---- input -----------------------------------------------------------------------
-    def _all_files(self) -> list[str]:
-        path = os.path.abspath(self.config.source_path)
+    def _all_files(self, where: str | None = None) -> list[str]:
+        path = os.path.abspath(where or self.config.source_path)
         if os.path.isfile(path):
             return [path]
         if not os.path.isdir(path):
-            raise SourceError(f"source path {self.config.source_path!r} does not exist")
+            raise SourceError(f"source path {where or self.config.source_path!r} does not exist")
         return sorted(
             os.path.join(path, n)
             for n in os.listdir(path)
@@ -291,9 +327,21 @@ class Emitter:
         done = set(self.cp.source.get("files", []))
         return [f for f in self._all_files() if os.path.basename(f) not in done]
 
+    def _pending_tx_files(self) -> list[str]:
+        """Transaction metadata files (``--tx-metadata``) not yet consumed: all of them go
+        into every read, they are small and say which transactions are complete."""
+        assert self.cp is not None
+        if not self.config.tx_metadata:
+            return []
+        done = set(self.cp.source.get("tx_files", []))
+        return [
+            f for f in self._all_files(self.config.tx_metadata) if os.path.basename(f) not in done
+        ]
+
     # ---- one transaction -------------------------------------------------------------
     def step(self) -> TxnReport | None:
-        """Run one transaction over the pending input; ``None`` when there was none."""
+        """Run one transaction over the pending input; ``None`` when there was none, or when
+        every source transaction in it is still incomplete (held back for more input)."""
         self._require(State.OPENED)
         pending = self.pending_files()
         files = pending[: self.config.max_files_per_txn]
@@ -309,7 +357,13 @@ class Emitter:
                 ):
                     break
                 files.append(pending[len(files)])
-        return self._txn(files)
+        while True:
+            report = self._txn(files, more=len(files) < len(pending))
+            if report is not _NEED_MORE:
+                assert report is None or isinstance(report, TxnReport)
+                return report
+            # nothing complete in this window: a source transaction is longer than it
+            files = pending[: 2 * len(files)]
 
     def heartbeat(self) -> Checkpoint | None:
         """Commit an empty progress up to now (wallclock feeds) so consumers can close times."""
@@ -327,46 +381,103 @@ class Emitter:
             self.on_commit(cp)
         return cp
 
-    def _txn(self, files: list[str]) -> TxnReport:
+    def _txn(self, files: list[str], *, more: bool = False) -> Any:
         from pyspark.sql import functions as F
 
         from .diffs import (
             assign_units,
             consolidate_diffs,
+            fill_unavailable,
             keyed_diffs,
             snapshot_diffs,
             unkeyed_diffs,
         )
         from .sources import read_changes
+        from .transactions import assemble
 
         assert self.cp is not None
         cfg, cp, fl = self.config, self.cp, self.feedlog
         seq = cp.seq + 1
         secs: dict[str, float] = {}
         t0 = time.perf_counter()
-        options = {k: v for k, v in (("order", cfg.order), ("deleted", cfg.deleted)) if v}
+        options: dict[str, Any] = {
+            k: v for k, v in (("order", cfg.order), ("deleted", cfg.deleted)) if v
+        }
+        options.update(table=self.info.table, schema=self.info.schema)
+        tx_files = self._pending_tx_files()
         changes = read_changes(
-            self.spark, cfg.source_kind, files, self._record_type, self.info.key, options
+            self.spark,
+            cfg.source_kind,
+            [*files, *tx_files],
+            self._record_type,
+            self.info.key,
+            options,
         )
         # keep the raw text only where a bad row may need it (parse errors; deletes and
         # snapshot rows, which the keyed checks may still find bad): the cache stays small
-        keep_raw = F.col("_error").isNotNull() | (F.col("op") == "d")
+        keep_raw = F.col("_error").isNotNull() | (F.col("op") == "d") | F.col("_toast").isNotNull()
         if cfg.source_kind == "snapshot":
             keep_raw = F.lit(True)
         changes = changes.withColumn("_raw", F.when(keep_raw, F.col("_raw"))).persist(_spillable())
-        input_rows = changes.count()
         bad = changes.where(F.col("_error").isNotNull()).select("_file", "_raw", "_error")
-        good = changes.where(F.col("_error").isNull())
+        good = changes.where(F.col("_error").isNull() & (F.col("op") != "x"))
+        held_files: frozenset[str] = frozenset()
+        held = redelivered = 0
         if cfg.source_kind == "debezium":
-            hi, lo = cp.source.get("pos", [0, 0])
-            good = good.where(
-                (F.col("pos_hi") > hi) | ((F.col("pos_hi") == hi) & (F.col("pos_lo") > lo))
-            ).dropDuplicates(["pos_hi", "pos_lo", "op"])
+            assembled = assemble(good, cp.source.get("pos", [0, 0]), logger=self.log, feed=cfg.feed)
+            good, held_files = assembled.changes, assembled.held_files
+            held, redelivered = assembled.held, assembled.redelivered
+            if held and not assembled.ready:
+                changes.unpersist()
+                if more:
+                    return _NEED_MORE
+                self.log.info(
+                    "feed %s: waiting for the rest of %d source transaction(s)", cfg.feed, held
+                )
+                return None
+        if held_files:
+            # a file that is read again later is quarantined and counted then
+            held_list = sorted(held_files)
+            bad = bad.where(~F.col("_file").isin(held_list))
+            counted = changes.where(~F.col("_file").isin(held_list))
+        else:
+            counted = changes
+        tally = counted.groupBy("_skip").agg(
+            F.count(F.lit(1)).alias("n"), F.count("_toast").alias("toast")
+        )
+        input_rows, skipped, toast_rows = 0, {}, 0
+        for r in tally.collect():
+            input_rows += r["n"]
+            toast_rows += r["toast"]
+            if r["_skip"] is not None:
+                skipped[r["_skip"]] = r["n"]
         secs["read"] = time.perf_counter() - t0
         maybe_die("after_read")
 
         t1 = time.perf_counter()
         good, units = assign_units(good, cfg.granularity)
+        if toast_rows:
+            if self.info.key:
+                filled = fill_unavailable(good, self._load_state(cp), self.info.key)
+                good = filled.diffs
+                assert filled.bad is not None
+                bad = bad.unionByName(filled.bad)
+            else:
+                bad = bad.unionByName(
+                    good.where(F.col("_toast").isNotNull()).select(
+                        "_file",
+                        "_raw",
+                        F.concat(
+                            F.lit("unavailable value (unchanged TOASTed column) in "),
+                            F.col("_toast"),
+                            F.lit(
+                                ": give --key so the feed's state fills it in, or set "
+                                "REPLICA IDENTITY FULL on the table"
+                            ),
+                        ).alias("_error"),
+                    )
+                )
+                good = good.where(F.col("_toast").isNull())
         new_state = None
         cached = None
         if cfg.source_kind == "snapshot":
@@ -395,7 +506,9 @@ class Emitter:
                 f"feed {cfg.feed!r}: {bad_rows} bad input row(s), e.g. {reasons}; "
                 "nothing was committed (--on-bad-record fail)"
             )
-        max_pos = good.agg(F.max(F.struct("pos_hi", "pos_lo")).alias("m")).collect()[0]["m"]
+        max_pos = good.agg(F.max(F.struct("pos_hi", "pos_lo", "pos_n")).alias("m")).collect()[0][
+            "m"
+        ]
         secs["compute"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
@@ -435,12 +548,22 @@ class Emitter:
         writers = cp.writers
         if not writers or writers[-1][1] != cp.epoch:
             writers = (*writers, (cp.frontier, cp.epoch))
+        held_names = {_base_name(f) for f in held_files}
         source = {
-            "files": [*cp.source.get("files", []), *(os.path.basename(f) for f in files)],
-            "pos": [max_pos["pos_hi"], max_pos["pos_lo"]]
+            **cp.source,
+            "files": [
+                *cp.source.get("files", []),
+                *(os.path.basename(f) for f in files if os.path.basename(f) not in held_names),
+            ],
+            "pos": [max_pos["pos_hi"], max_pos["pos_lo"], max_pos["pos_n"]]
             if max_pos is not None
-            else cp.source.get("pos", [0, 0]),
+            else cp.source.get("pos", [0, 0, 0]),
         }
+        if tx_files:
+            source["tx_files"] = [
+                *cp.source.get("tx_files", []),
+                *(os.path.basename(f) for f in tx_files if os.path.basename(f) not in held_names),
+            ]
         new_cp = cp.successor(
             progress=progress,
             next=next_time,
@@ -464,6 +587,9 @@ class Emitter:
             updates=sum(counts.values()),
             bad_rows=bad_rows,
             seconds=secs,
+            skipped=skipped,
+            held=held,
+            redelivered=redelivered,
         )
         self.log.info("feed %s: %s", cfg.feed, report.line())
         if self.on_commit:

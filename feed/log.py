@@ -65,6 +65,7 @@ class FeedInfo:
     key: tuple[str, ...]
     clock: str
     created: str
+    table: str | None = None  # the source table the feed holds (schema.table), if named
 
     @property
     def fingerprint(self) -> str:
@@ -79,6 +80,7 @@ class FeedInfo:
                 "clock": self.clock,
                 "created": self.created,
                 "fingerprint": self.fingerprint,
+                **({"table": self.table} if self.table else {}),
             },
             option=orjson.OPT_INDENT_2,
         )
@@ -201,15 +203,24 @@ class FeedLog:
             key=tuple(d.get("key") or ()),
             clock=d["clock"],
             created=d["created"],
+            table=d.get("table"),
         )
 
-    def create(self, *, schema: dict[str, Any], key: tuple[str, ...], clock: str) -> FeedInfo:
+    def create(
+        self,
+        *,
+        schema: dict[str, Any],
+        key: tuple[str, ...],
+        clock: str,
+        table: str | None = None,
+    ) -> FeedInfo:
         info = FeedInfo(
             name=self.feed,
             schema=schema,
             key=key,
             clock=clock,
             created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            table=table,
         )
         self.write_bytes(self.path("feed.json"), info.to_json())
         return info

@@ -6,18 +6,24 @@ Every input row becomes one row of :data:`CHANGE_COLUMNS`:
 column     meaning
 ========== ================================================================================
 op         ``c`` insert, ``u`` update, ``d`` delete, ``r`` snapshot read, ``w`` weighted,
-           ``s`` a row of a full snapshot, ``p`` a Delta update pre-image
+           ``s`` a row of a full snapshot, ``p`` a Delta update pre-image; ``E`` the END
+           record of a source transaction, ``x`` a line skipped (see ``_skip``)
 before     the row before the change (a record struct), or null
 after      the row after the change, or null
 weight     the multiplicity of the change (1, or a weighted row's delta)
-pos_hi     position in the source, major part (Debezium: commit LSN of ``source.sequence``)
+pos_hi     position in the source, major part (Debezium: the commit LSN)
 pos_lo     position in the source, minor part (Debezium: ``source.lsn``)
+pos_n      position in the source, last part (Debezium: ``transaction.total_order``)
 txn        the source transaction the change belongs to (as a string)
-ord_file   index of the input file in name order  } together: delivery order, which is
-ord_row    increasing row id within the file      } the source's commit order
+tx_meta    the source announces the transaction's end and size (Debezium metadata)
+tx_count   on an END record: how many of the feed table's events the transaction has
+ord_file   index of the input file in name order  } together: delivery order
+ord_row    increasing row id within the file      }
 _file      the input file
 _raw       the raw input text of the row
 _error     why the row is bad, or null
+_skip      why the line carries no change for this feed (tombstone, heartbeat, …), or null
+_toast     the columns holding Debezium's unavailable-value placeholder, or null
 ========== ================================================================================
 
 Bad rows are kept with a reason so the transaction driver can quarantine them (DESIGN §10):
@@ -26,7 +32,8 @@ nothing is silently dropped. Spark's native expressions do all the parsing and c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -53,12 +60,17 @@ CHANGE_COLUMNS = (
     "weight",
     "pos_hi",
     "pos_lo",
+    "pos_n",
     "txn",
+    "tx_meta",
+    "tx_count",
     "ord_file",
     "ord_row",
     "_file",
     "_raw",
     "_error",
+    "_skip",
+    "_toast",
 )
 
 _CONNECT_TYPES = {
@@ -73,6 +85,106 @@ _CONNECT_TYPES = {
     "bytes": "bytes",
 }
 
+#: the ``connect.name`` attribute a record field keeps: how its JSON value is encoded
+CONNECT_NAME = "connect.name"
+DECIMAL = "org.apache.kafka.connect.data.Decimal"
+VARIABLE_DECIMAL = "io.debezium.data.VariableScaleDecimal"
+#: PostgreSQL ``numeric`` without a declared precision has no fixed scale: tidefeed holds it
+#: as decimal(38, 18) (20 integer digits, 18 after the point); a value with more digits is
+#: a type mismatch, quarantined, never rounded
+VARIABLE_DECIMAL_TYPE = (38, 18)
+#: Debezium's marker for an unchanged TOASTed column (REPLICA IDENTITY DEFAULT)
+TOAST_PLACEHOLDER = "__debezium_unavailable_value"
+
+# Kafka Connect / Debezium logical types -> Avro logical types
+_CONNECT_LOGICAL: dict[str, dict[str, Any]] = {
+    "io.debezium.time.ZonedTimestamp": {"type": "long", "logicalType": "timestamp-micros"},
+    "io.debezium.time.MicroTimestamp": {"type": "long", "logicalType": "local-timestamp-micros"},
+    "io.debezium.time.Timestamp": {"type": "long", "logicalType": "local-timestamp-micros"},
+    "io.debezium.time.NanoTimestamp": {"type": "long", "logicalType": "local-timestamp-micros"},
+    "org.apache.kafka.connect.data.Timestamp": {
+        "type": "long",
+        "logicalType": "local-timestamp-micros",
+    },
+    "io.debezium.time.Date": {"type": "int", "logicalType": "date"},
+    "org.apache.kafka.connect.data.Date": {"type": "int", "logicalType": "date"},
+    # Spark 4 cannot hold TIME columns yet: a time of day is its microseconds since midnight
+    "io.debezium.time.MicroTime": {"type": "long"},
+    "io.debezium.time.Time": {"type": "long"},
+    "io.debezium.time.NanoTime": {"type": "long"},
+    "org.apache.kafka.connect.data.Time": {"type": "long"},
+    "io.debezium.data.Uuid": {"type": "string", "logicalType": "uuid"},
+    "io.debezium.data.Json": {"type": "string"},
+    "io.debezium.data.Xml": {"type": "string"},
+    "io.debezium.data.Enum": {"type": "string"},
+    "io.debezium.time.ZonedTime": {"type": "string"},
+    "io.debezium.time.MicroDuration": {"type": "long"},
+}
+
+
+def _connect_field_type(f: dict[str, Any], name: str) -> Any:
+    """The Avro type of one Kafka Connect schema field, logical types decoded."""
+    kind = f.get("type")
+    logical = f.get("name")
+    if logical == DECIMAL:
+        params = f.get("parameters") or {}
+        scale = int(params.get("scale", 0))
+        precision = int(params.get("connect.decimal.precision", 38))
+        if precision > 38:
+            # wider than Spark's decimals: keep the exact digits as text
+            return {"type": "string", CONNECT_NAME: DECIMAL}
+        return {
+            "type": "bytes",
+            "logicalType": "decimal",
+            "precision": precision,
+            "scale": scale,
+            CONNECT_NAME: DECIMAL,
+        }
+    if logical == VARIABLE_DECIMAL:
+        precision, scale = VARIABLE_DECIMAL_TYPE
+        return {
+            "type": "bytes",
+            "logicalType": "decimal",
+            "precision": precision,
+            "scale": scale,
+            CONNECT_NAME: VARIABLE_DECIMAL,
+        }
+    if isinstance(logical, str) and logical in _CONNECT_LOGICAL:
+        return {**_CONNECT_LOGICAL[logical], CONNECT_NAME: logical}
+    if kind == "struct":
+        return _connect_to_avro(f.get("fields", []), name)
+    if kind == "array":
+        items = f.get("items") or {}
+        return {"type": "array", "items": _connect_field_type(items, f"{name}_item")}
+    if kind == "map":
+        values = f.get("values") or {}
+        return {"type": "map", "values": _connect_field_type(values, f"{name}_value")}
+    return _CONNECT_TYPES.get(str(kind), "string")
+
+
+def _connect_to_avro(fields: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """An Avro record schema from Kafka Connect struct fields, in their column order."""
+    out = []
+    for f in fields:
+        avro = _connect_field_type(f, f"{name}_{f['field']}")
+        entry: dict[str, Any] = {"name": f["field"], "type": avro}
+        if f.get("optional"):
+            entry = {"name": f["field"], "type": ["null", avro], "default": None}
+        out.append(entry)
+    return {"type": "record", "name": name, "fields": out}
+
+
+def connect_names(schema: dict[str, Any]) -> dict[str, str]:
+    """Each top-level field's ``connect.name`` (how Debezium encodes its value), if any."""
+    out = {}
+    for f in schema.get("fields", []):
+        t = f.get("type")
+        if isinstance(t, list):
+            t = next((b for b in t if b != "null"), None)
+        if isinstance(t, dict) and isinstance(t.get(CONNECT_NAME), str):
+            out[f["name"]] = t[CONNECT_NAME]
+    return out
+
 
 def spark_record_type(avro_schema: dict[str, Any]) -> T.StructType:
     """The Spark struct type of a feed's record schema."""
@@ -81,36 +193,57 @@ def spark_record_type(avro_schema: dict[str, Any]) -> T.StructType:
     return t
 
 
-def _connect_to_avro(fields: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    out = []
-    for f in fields:
-        kind = f.get("type")
-        if kind == "struct":
-            avro: Any = _connect_to_avro(f.get("fields", []), f"{name}_{f['field']}")
-        elif kind == "array":
-            items = f.get("items", {}).get("type", "string")
-            avro = {"type": "array", "items": _CONNECT_TYPES.get(items, "string")}
-        else:
-            avro = _CONNECT_TYPES.get(str(kind), "string")
-        entry: dict[str, Any] = {"name": f["field"], "type": avro}
-        if f.get("optional"):
-            entry = {"name": f["field"], "type": ["null", avro], "default": None}
-        out.append(entry)
-    return {"type": "record", "name": name, "fields": out}
-
-
 _META_COLUMNS = ("_change_type", "_commit_version", "_commit_timestamp")
+_SAMPLE_LINES = 1000
+
+
+def _debezium_events(files: Sequence[str]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(wrapper, payload) of the first Debezium data events of ``files`` (tombstones,
+    transaction metadata and heartbeats left out)."""
+    for path in files[:5]:
+        with open(path, "rb") as f:
+            for n, line in enumerate(f):
+                if n > _SAMPLE_LINES:
+                    break
+                try:
+                    e = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    continue
+                if not isinstance(e, dict):
+                    continue
+                payload = e.get("payload", e) if "payload" in e else e
+                if isinstance(payload, dict) and payload.get("op") is not None:
+                    yield e, payload
+
+
+def _table_of(payload: dict[str, Any]) -> str | None:
+    src = payload.get("source")
+    if not isinstance(src, dict) or not src.get("table"):
+        return None
+    return f"{src['schema']}.{src['table']}" if src.get("schema") else str(src["table"])
+
+
+def debezium_table(files: Sequence[str]) -> str | None:
+    """The ``schema.table`` of the first Debezium data event in ``files``, if any."""
+    for _, payload in _debezium_events(files):
+        return _table_of(payload)
+    return None
 
 
 def infer_record_schema(
-    spark: SparkSession, kind: str, files: Sequence[str], exclude: Sequence[str] = ()
+    spark: SparkSession,
+    kind: str,
+    files: Sequence[str],
+    exclude: Sequence[str] = (),
+    table: str | None = None,
 ) -> dict[str, Any]:
     """The record schema of a new feed, read from its first input.
 
-    Debezium: the Kafka Connect schema of the first wrapped event, else Spark's JSON
-    inference over the before/after images. Weighted: JSON inference over ``record``.
-    Table-shaped kinds (cdf, upsert, snapshot): the columns of the input (Parquet's own
-    schema, or JSON inference), less Delta's metadata columns and ``exclude``.
+    Debezium: the Kafka Connect schema of the first wrapped event of ``table`` (logical
+    types decoded, columns in table order), else Spark's JSON inference over the images of
+    that table's events, in the column order of the first image. Weighted: JSON inference
+    over ``record``. Table-shaped kinds (cdf, upsert, snapshot): the columns of the input
+    (Parquet's own schema, or JSON inference), less Delta's metadata columns and ``exclude``.
     """
     from pyspark.sql.pandas.types import to_arrow_type
 
@@ -119,56 +252,72 @@ def infer_record_schema(
     if not files:
         raise SourceError(f"no input files to infer the {kind} record schema from")
     if kind == "debezium":
-        found = _connect_schema(files)
-        if found is not None:
-            return found
-        images = ["payload.after", "after", "payload.before", "before"]
-    elif kind == "weighted":
-        images = ["record"]
-    else:
-        parquet = [f for f in files if f.endswith(".parquet")]
-        df = spark.read.parquet(*parquet) if parquet else spark.read.json(list(files))
-        drop = set(_META_COLUMNS) | set(exclude) | {"_corrupt_record"}
-        fields = [f for f in df.schema.fields if f.name not in drop]
-        if not fields:
-            raise SourceError(f"no record columns in {kind} input {files[0]}")
-        schema: dict[str, Any] = arrow_to_avro(to_arrow_type(T.StructType(fields)), name="record")
+        return _debezium_schema(spark, files, table)
+    if kind == "weighted":
+        t = spark.read.json(list(files)).schema["record"].dataType
+        if not isinstance(t, T.StructType):
+            raise SourceError(f"no 'record' objects in weighted input {files[0]}")
+        schema: dict[str, Any] = arrow_to_avro(to_arrow_type(t), name="record")
         return schema
-    df = spark.read.json(list(files))
-    for path in images:
-        head, _, rest = path.partition(".")
-        if head not in df.columns:
+    parquet = [f for f in files if f.endswith(".parquet")]
+    df = spark.read.parquet(*parquet) if parquet else spark.read.json(list(files))
+    drop = set(_META_COLUMNS) | set(exclude) | {"_corrupt_record"}
+    fields = [f for f in df.schema.fields if f.name not in drop]
+    if not parquet:
+        fields = _in_first_row_order(fields, files)
+    if not fields:
+        raise SourceError(f"no record columns in {kind} input {files[0]}")
+    schema = arrow_to_avro(to_arrow_type(T.StructType(fields)), name="record")
+    return schema
+
+
+def _in_first_row_order(fields: list[T.StructField], files: Sequence[str]) -> list[T.StructField]:
+    """``fields`` (sorted by name, as Spark infers JSON) in the key order of the first row."""
+    with open(files[0], "rb") as f:
+        for line in f:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                row = orjson.loads(line)
+                if isinstance(row, dict):
+                    return _ordered(fields, list(row))
+    return fields
+
+
+def _ordered(fields: list[T.StructField], order: list[str]) -> list[T.StructField]:
+    rank = {n: i for i, n in enumerate(order)}
+    return sorted(fields, key=lambda f: rank.get(f.name, len(rank)))
+
+
+def _debezium_schema(
+    spark: SparkSession, files: Sequence[str], table: str | None
+) -> dict[str, Any]:
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    from protocol import arrow_to_avro
+
+    images: list[str] = []
+    first_image: dict[str, Any] | None = None
+    for wrapper, payload in _debezium_events(files):
+        if table is not None and _table_of(payload) not in (table, None):
             continue
-        t = df.schema[head].dataType
-        if rest:
-            if not isinstance(t, T.StructType) or rest not in t.fieldNames():
-                continue
-            t = t[rest].dataType
-        if isinstance(t, T.StructType):
-            schema = arrow_to_avro(to_arrow_type(t), name="record")
-            return schema
-    raise SourceError(
-        f"cannot infer a record schema from {kind} input {files[0]}: "
-        "give --schema FILE (an Avro record schema)"
-    )
-
-
-def _connect_schema(files: Sequence[str]) -> dict[str, Any] | None:
-    """The record schema from the Kafka Connect schema of a wrapped Debezium event, if any."""
-    for path in files[:5]:
-        with open(path, "rb") as f:
-            for n, line in enumerate(f):
-                if n > 1000:
-                    break
-                try:
-                    e = orjson.loads(line)
-                except orjson.JSONDecodeError:
-                    continue
-                if isinstance(e, dict) and isinstance(e.get("schema"), dict):
-                    for fld in e["schema"].get("fields", []):
-                        if fld.get("field") in ("after", "before") and fld.get("fields"):
-                            return _connect_to_avro(fld["fields"], "record")
-    return None
+        schema = wrapper.get("schema")
+        if isinstance(schema, dict):
+            for fld in schema.get("fields", []):
+                if fld.get("field") in ("after", "before") and fld.get("fields"):
+                    return _connect_to_avro(fld["fields"], "record")
+        image = payload.get("after") or payload.get("before")
+        if isinstance(image, dict):
+            first_image = first_image or image
+            images.append(orjson.dumps(image).decode())
+    if first_image is None:
+        where = f" of table {table}" if table else ""
+        raise SourceError(
+            f"cannot infer a record schema: no Debezium change event{where} in the first "
+            f"input files ({files[0]} …); give --schema FILE (an Avro record schema)"
+        )
+    # no Connect schema: let Spark type the images, then restore the table's column order
+    inferred = spark.read.json(spark.sparkContext.parallelize(images))
+    fields = _ordered(list(inferred.schema.fields), list(first_image))
+    return dict(arrow_to_avro(to_arrow_type(T.StructType(fields)), name="record"))
 
 
 def _read_text(spark: SparkSession, files: Sequence[str]) -> DataFrame:
@@ -223,39 +372,163 @@ def _as_strings(t: T.StructType) -> T.StructType:
     return T.StructType([T.StructField(f.name, T.StringType()) for f in t.fields])
 
 
-def _typed(raw: Column, record: T.StructType, label: str) -> tuple[Column, list[Column]]:
+def _be_integer(b: Column) -> Column:
+    """A big-endian two's-complement byte string as decimal(38, 0) (null past 38 digits)."""
+    h = F.hex(b)
+    pairs = F.filter(F.split(F.regexp_replace(h, "(..)", "$1,"), ","), lambda x: x != "")
+    negative = F.conv(F.substring(h, 1, 2), 16, 10).cast("int") >= 128
+    start = F.when(negative, F.lit(-1)).otherwise(F.lit(0)).cast(_UNSCALED)
+    return F.aggregate(
+        pairs,
+        start,
+        lambda acc, x: F.try_add(
+            F.try_multiply(acc, F.lit(256)), F.conv(x, 16, 10).cast("int")
+        ).cast(_UNSCALED),
+    )
+
+
+_UNSCALED = T.DecimalType(38, 0)
+
+
+def _scaled_text(unscaled: Column, scale: Column) -> Column:
+    """The exact decimal text of ``unscaled * 10^-scale``."""
+    text = F.abs(unscaled).cast("string")
+    # lpad also cuts longer strings: pad only the short ones
+    digits = F.when(F.length(text) <= scale, F.lpad(text, scale + 1, "0")).otherwise(text)
+    whole = F.substring(digits, F.lit(1), F.length(digits) - scale)
+    frac = F.substring(digits, F.length(digits) - scale + 1, scale)
+    sign = F.when(unscaled < 0, F.lit("-")).otherwise(F.lit(""))
+    return F.when(scale > 0, F.concat(sign, whole, F.lit("."), frac)).otherwise(
+        F.concat(sign, whole)
+    )
+
+
+_TIME_UNITS = {  # Debezium/Connect numeric time encodings -> factor to microseconds
+    "io.debezium.time.MicroTimestamp": 1,
+    "io.debezium.time.Timestamp": 1000,
+    "org.apache.kafka.connect.data.Timestamp": 1000,
+    "io.debezium.time.MicroTime": 1,
+    "io.debezium.time.Time": 1000,
+    "org.apache.kafka.connect.data.Time": 1000,
+}
+_NANOS = ("io.debezium.time.NanoTimestamp", "io.debezium.time.NanoTime")
+
+
+def _micros(r: Column, enc: str) -> Column:
+    n = r.try_cast("long")
+    return F.floor(n / 1000).cast("long") if enc in _NANOS else n * _TIME_UNITS[enc]
+
+
+def _decode(r: Column, t: T.DataType, enc: str | None) -> Column:
+    """A raw JSON value (as text) read as type ``t``; ``enc`` is the field's Connect logical
+    type when the value is encoded (base64 decimals, epoch numbers), else plain text."""
+    if isinstance(t, T.StringType):
+        if enc == DECIMAL:  # wider than 38 digits: keep the exact text
+            raw = F.unbase64(r)
+            return _scaled_text(_be_integer(raw), F.lit(0))
+        return r
+    if isinstance(t, T.DecimalType):
+        if enc == DECIMAL:
+            text = _scaled_text(_be_integer(F.unbase64(r)), F.lit(t.scale))
+            return text.try_cast(t)
+        if enc == VARIABLE_DECIMAL:
+            v = F.from_json(r, "scale int, value string")
+            text = _scaled_text(_be_integer(F.unbase64(v["value"])), v["scale"])
+            # more fractional digits than the column holds would be rounded: a mismatch
+            return F.when(v["scale"] <= t.scale, text.try_cast(t))
+        return r.try_cast(t)
+    if isinstance(t, T.TimestampType | T.TimestampNTZType) and enc in (*_TIME_UNITS, *_NANOS):
+        ts = F.timestamp_micros(_micros(r, enc))
+        return ts.cast(t) if isinstance(t, T.TimestampNTZType) else ts
+    if isinstance(t, T.DateType) and enc in (
+        "io.debezium.time.Date",
+        "org.apache.kafka.connect.data.Date",
+    ):
+        return F.date_from_unix_date(r.try_cast("int"))
+    if isinstance(t, T.LongType) and enc in (*_TIME_UNITS, *_NANOS):
+        return _micros(r, enc)
+    if isinstance(t, T.StructType | T.ArrayType | T.MapType):
+        return F.from_json(r, t)
+    if isinstance(t, T.BinaryType):
+        return F.try_to_binary(r, F.lit("base64"))
+    return r.try_cast(t)
+
+
+def _typed(
+    raw: Column, record: T.StructType, label: str, encodings: dict[str, str] | None = None
+) -> tuple[Column, list[Column]]:
     """``raw`` (a struct of strings) cast to ``record``, and one column per field naming it
-    (``label`` + name) when its raw value does not fit the field's type."""
+    (``label`` + name) when its raw value does not fit the field's type. ``encodings`` maps
+    a field to its Kafka Connect logical type (see :func:`connect_names`)."""
     values, mismatches = [], []
     for f in record.fields:
         r = raw[f.name]
-        t = f.dataType
-        if isinstance(t, T.StringType):
-            v = r
-        elif isinstance(t, T.StructType | T.ArrayType | T.MapType):
-            v = F.from_json(r, t)
-        elif isinstance(t, T.BinaryType):
-            v = F.try_to_binary(r, F.lit("base64"))
-        else:
-            v = r.try_cast(t)
+        v = _decode(r, f.dataType, (encodings or {}).get(f.name))
         values.append(v.alias(f.name))
         mismatches.append(F.when(r.isNotNull() & v.isNull(), F.lit(label + f.name)))
     typed = F.when(raw.isNull(), F.lit(None).cast(record)).otherwise(F.struct(*values))
     return typed, mismatches
 
 
+#: what a Debezium line that is not a change event of the feed's table is: skipped, counted
+SKIP_TOMBSTONE = "tombstone"
+SKIP_HEARTBEAT = "heartbeat"
+SKIP_TX_METADATA = "transaction metadata"
+SKIP_OTHER_TABLE = "other table"
+
+
 def _read_debezium(
-    spark: SparkSession, files: Sequence[str], record: T.StructType, key: Sequence[str]
+    spark: SparkSession,
+    files: Sequence[str],
+    record: T.StructType,
+    key: Sequence[str],
+    options: dict[str, Any],
 ) -> DataFrame:
+    """Debezium change events, with or without the ``{"schema","payload"}`` wrapper.
+
+    Besides change events (ops c/u/r/d, and t for truncate) a Debezium topic directory holds
+    lines that carry no row change: Kafka tombstones (``null`` after a delete), heartbeats,
+    transaction metadata (BEGIN/END) and other tables' events. Those are skipped and
+    counted (``_skip``), except END records, which come out as op ``E`` with the number of
+    the feed table's events in the transaction (``tx_count``) and the transaction's commit
+    LSN (``pos_hi``): the emitter uses them to tell complete transactions.
+
+    Positions: ``pos_hi`` is the commit LSN of ``source.sequence`` (0 when absent),
+    ``pos_lo`` the event's own LSN, ``pos_n`` its ``transaction.total_order`` (0 without
+    transaction metadata). A primary-key update's delete and create share an LSN but not
+    a total order; a snapshot's rows share everything but their row.
+    """
+    table = options.get("table")
+    encodings = connect_names(options.get("schema") or {})
     raw_record = _as_strings(record)
     source = T.StructType(
-        [T.StructField(n, T.StringType()) for n in ("lsn", "txId", "ts_ms", "sequence")]
+        [
+            T.StructField(n, T.StringType())
+            for n in ("lsn", "txId", "ts_ms", "sequence", "schema", "table", "snapshot")
+        ]
+    )
+    transaction = T.StructType(
+        [T.StructField("id", T.StringType()), T.StructField("total_order", T.LongType())]
+    )
+    collections = T.ArrayType(
+        T.StructType(
+            [
+                T.StructField("data_collection", T.StringType()),
+                T.StructField("event_count", T.LongType()),
+            ]
+        )
     )
     envelope = [
         T.StructField("before", raw_record),
         T.StructField("after", raw_record),
         T.StructField("source", source),
         T.StructField("op", T.StringType()),
+        T.StructField("transaction", transaction),
+        # transaction metadata records (BEGIN/END)
+        T.StructField("status", T.StringType()),
+        T.StructField("id", T.StringType()),
+        T.StructField("event_count", T.LongType()),
+        T.StructField("data_collections", collections),
     ]
     # one parse reads both shapes: {"schema", "payload": {…}} and the bare envelope
     line = T.StructType(
@@ -279,12 +552,35 @@ def _read_debezium(
         field("after").alias("raw_after"),
         field("source").alias("src"),
         field("op").alias("op"),
+        field("transaction").alias("tx"),
+        field("status").alias("status"),
+        field("id").alias("tx_id"),
+        field("event_count").alias("tx_events"),
+        field("data_collections").alias("tx_tables"),
     )
-    before, mism_b = _typed(F.col("raw_before"), record, "before.")
-    after, mism_a = _typed(F.col("raw_after"), record, "after.")
+    before, mism_b = _typed(F.col("raw_before"), record, "before.", encodings)
+    after, mism_a = _typed(F.col("raw_after"), record, "after.", encodings)
     lsn = F.col("src.lsn").try_cast("long")
     seq = F.from_json(F.col("src.sequence"), T.ArrayType(T.StringType()))
     op = F.col("op")
+    status = F.col("status")
+    event_table = F.concat_ws(".", F.col("src.schema"), F.col("src.table"))
+    malformed = F.col("p").isNull() | F.col(f"p.{CORRUPT}").isNotNull()
+    skip = (
+        F.when(F.trim(F.col("_raw")) == "null", F.lit(SKIP_TOMBSTONE))
+        .when(malformed, F.lit(None))
+        .when(status.isNotNull() & (status != "END"), F.lit(SKIP_TX_METADATA))
+        .when(
+            op.isNull() & status.isNull() & F.col("raw_after").isNull(),
+            F.lit(SKIP_HEARTBEAT),
+        )
+    )
+    if table:
+        skip = skip.when(
+            op.isNotNull() & F.col("src.table").isNotNull() & (event_table != table),
+            F.lit(SKIP_OTHER_TABLE),
+        )
+    is_end = (status == "END") & skip.isNull()
     mism_list = F.concat_ws(", ", *mism_b, *mism_a)
     key_cols = list(key)
     image = F.when(op == "d", before).otherwise(after)
@@ -294,10 +590,16 @@ def _read_debezium(
         else F.lit("")
     )
     error = _first_error(
+        (skip.isNotNull(), F.lit(None).cast("string")),
         (F.col("ord_file").isNull(), "input file could not be placed in order"),
-        (F.col("p").isNull() | F.col(f"p.{CORRUPT}").isNotNull(), "malformed JSON"),
+        (malformed, "malformed JSON"),
+        (is_end & F.col("tx_id").isNull(), "transaction END record without an 'id'"),
+        (is_end, F.lit(None).cast("string")),
         (op.isNull(), "missing 'op'"),
-        (op == "t", "truncate events are not supported: re-snapshot the table into a new feed"),
+        (
+            op == "t",
+            "truncate events are not supported: re-snapshot the table into a new feed",
+        ),
         (~op.isin("c", "u", "d", "r"), F.concat(F.lit("unknown op '"), op, F.lit("'"))),
         _mismatch_error(mism_list),
         (lsn.isNull(), "missing source.lsn"),
@@ -312,23 +614,59 @@ def _read_debezium(
             "update without a before-image: give --key so the emitter keeps state",
         ),
     )
+    # the transaction: the xid part of transaction.id ("<xid>:<lsn>", whose LSN part
+    # differs from event to event), else source.txId
+    tx_xid = F.substring_index(F.col("tx.id"), ":", 1)
+    end_xid = F.substring_index(F.col("tx_id"), ":", 1)
+    end_lsn = F.substring_index(F.col("tx_id"), ":", -1).try_cast("long")
+    if table:
+        ours = F.filter(F.col("tx_tables"), lambda c: c["data_collection"] == table)
+        end_count = F.coalesce(
+            F.aggregate(ours, F.lit(0).cast("long"), lambda acc, c: acc + c["event_count"]),
+            F.lit(0).cast("long"),
+        )
+    else:
+        end_count = F.col("tx_events")
+    txn = F.coalesce(tx_xid, F.col("src.txId"), F.concat(F.lit("lsn:"), F.col("src.lsn")))
     # Debezium/Postgres puts ["<last commit LSN>", "<LSN>"] in source.sequence; the commit
     # LSN orders changes across concurrent transactions, so it is the major position.
     pos_hi = F.coalesce(seq.getItem(0).try_cast("long"), F.lit(0).cast("long"))
-    return df.select(
-        op.alias("op"),
-        before.alias("before"),
-        after.alias("after"),
-        F.lit(1).cast("long").alias("weight"),
-        pos_hi.alias("pos_hi"),
-        lsn.alias("pos_lo"),
-        F.coalesce(F.col("src.txId"), F.concat(F.lit("lsn:"), F.col("src.lsn"))).alias("txn"),
-        "ord_file",
-        "ord_row",
-        "_file",
-        "_raw",
-        error.alias("_error"),
+    return _canonical(
+        df,
+        op=F.when(skip.isNotNull(), F.lit("x")).when(is_end, F.lit("E")).otherwise(op),
+        before=before,
+        after=after,
+        weight=F.lit(1),
+        pos_hi=F.when(is_end, end_lsn).otherwise(pos_hi),
+        pos_lo=F.when(is_end, end_lsn).otherwise(lsn),
+        pos_n=F.coalesce(F.col("tx.total_order"), F.lit(0)),
+        txn=F.when(is_end, end_xid).otherwise(txn),
+        tx_meta=F.col("tx").isNotNull() | is_end,
+        tx_count=F.when(is_end, end_count),
+        ord_file=F.col("ord_file"),
+        ord_row=F.col("ord_row"),
+        error=error,
+        skip=skip,
+        toast=_toast_columns(after, record),
     )
+
+
+def _toast_columns(image: Column, record: T.StructType) -> Column:
+    """The names of the columns of ``image`` that hold Debezium's unavailable-value
+    placeholder (comma-separated), or null."""
+    marks = []
+    for f in record.fields:
+        if isinstance(f.dataType, T.StringType):
+            hit = image[f.name] == F.lit(TOAST_PLACEHOLDER)
+        elif isinstance(f.dataType, T.BinaryType):
+            hit = image[f.name] == F.lit(TOAST_PLACEHOLDER.encode())
+        else:
+            continue
+        marks.append(F.when(hit, F.lit(f.name)))
+    if not marks:
+        return F.lit(None).cast("string")
+    names = F.concat_ws(",", *marks)
+    return F.when(names != "", names)
 
 
 def _read_weighted(spark: SparkSession, files: Sequence[str], record: T.StructType) -> DataFrame:
@@ -352,19 +690,18 @@ def _read_weighted(spark: SparkSession, files: Sequence[str], record: T.StructTy
         (delta == 0, "'delta' is 0"),
         _mismatch_error(mism_list),
     )
-    return df.select(
-        F.lit("w").alias("op"),
-        F.lit(None).cast(record).alias("before"),
-        rec.alias("after"),
-        delta.alias("weight"),
-        F.lit(0).cast("long").alias("pos_hi"),
-        F.lit(0).cast("long").alias("pos_lo"),
-        F.concat(F.lit("file:"), F.col("ord_file").cast("string")).alias("txn"),
-        "ord_file",
-        "ord_row",
-        "_file",
-        "_raw",
-        error.alias("_error"),
+    return _canonical(
+        df,
+        op=F.lit("w"),
+        before=F.lit(None).cast(record),
+        after=rec,
+        weight=delta,
+        pos_hi=F.lit(0),
+        pos_lo=F.lit(0),
+        txn=F.concat(F.lit("file:"), F.col("ord_file").cast("string")),
+        ord_file=F.col("ord_file"),
+        ord_row=F.col("ord_row"),
+        error=error,
     )
 
 
@@ -440,6 +777,8 @@ def _table_errors(key: Sequence[str], image: Column, *extra: tuple[Column, Colum
 
 
 def _canonical(df: DataFrame, **c: Column) -> DataFrame:
+    """``df`` as the canonical change columns; ``pos_n``, ``tx_meta``, ``tx_count``,
+    ``skip`` and ``toast`` default to "none"."""
     return df.select(
         c["op"].alias("op"),
         c["before"].alias("before"),
@@ -447,12 +786,17 @@ def _canonical(df: DataFrame, **c: Column) -> DataFrame:
         c["weight"].cast("long").alias("weight"),
         c["pos_hi"].cast("long").alias("pos_hi"),
         c["pos_lo"].cast("long").alias("pos_lo"),
+        c.get("pos_n", F.lit(0)).cast("long").alias("pos_n"),
         c["txn"].cast("string").alias("txn"),
+        c.get("tx_meta", F.lit(False)).cast("boolean").alias("tx_meta"),
+        c.get("tx_count", F.lit(None)).cast("long").alias("tx_count"),
         c["ord_file"].cast("long").alias("ord_file"),
         c["ord_row"].cast("long").alias("ord_row"),
         "_file",
         "_raw",
         c["error"].alias("_error"),
+        c.get("skip", F.lit(None)).cast("string").alias("_skip"),
+        c.get("toast", F.lit(None)).cast("string").alias("_toast"),
     )
 
 
@@ -493,9 +837,11 @@ def _read_cdf(
         pos_hi=F.col("r._commit_version"),
         pos_lo=F.lit(0),
         txn=F.col("r._commit_version"),
-        # a Delta version is one transaction: versions order the feed, whatever the files
+        # a Delta version is one transaction: versions order the feed, whatever the files.
+        # Inside a version the rows are a set, not a sequence: what a version removes
+        # (deletes, pre-images) comes before what it adds, whatever the row order
         ord_file=F.col("r._commit_version"),
-        ord_row=F.col("ord_row"),
+        ord_row=F.when(is_before, F.lit(0)).otherwise(F.lit(1)),
         error=error,
     )
 
@@ -571,17 +917,23 @@ def read_changes(
     files: Sequence[str],
     record: T.StructType,
     key: Sequence[str],
-    options: dict[str, str] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> DataFrame:
-    """Read ``files`` of source ``kind`` into the canonical change shape (bad rows marked)."""
+    """Read ``files`` of source ``kind`` into the canonical change shape (bad rows marked).
+
+    ``options``: ``order``/``deleted`` (upsert), ``table`` (the ``schema.table`` a Debezium
+    feed holds) and ``schema`` (the feed's Avro record schema, whose ``connect.name``
+    attributes say how Debezium encoded each column).
+    """
+    options = options or {}
     if kind == "debezium":
-        return _read_debezium(spark, files, record, key)
+        return _read_debezium(spark, files, record, key, options)
     if kind == "weighted":
         return _read_weighted(spark, files, record)
     if kind == "cdf":
         return _read_cdf(spark, files, record, key)
     if kind == "upsert":
-        return _read_upsert(spark, files, record, key, options or {})
+        return _read_upsert(spark, files, record, key, options)
     if kind == "snapshot":
         return _read_snapshot(spark, files, record, key)
     raise SourceError(f"unknown source kind {kind!r}; known kinds: {', '.join(SOURCE_KINDS)}")

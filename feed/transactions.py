@@ -1,0 +1,167 @@
+"""Source transactions: drop redeliveries, hold back incomplete transactions, keep order.
+
+Debezium delivers at least once and in commit order, but not in whole transactions: a
+transaction may straddle input files, arrive partly before a connector crash and again in
+full after it, or have its END record in a separate transaction-metadata topic. This module
+decides, for the changes one emitter transaction has read, which of them may be turned into
+updates now:
+
+* **Redelivery.** An event at or below the committed position ``(pos_hi, pos_lo, pos_n)``
+  was turned into updates already and is dropped. Snapshot reads (op ``r``) of one snapshot
+  share a position, so at the committed position they are kept (a keyed feed absorbs a
+  repeated row as a no-op; an unkeyed feed must not see a snapshot redelivered across
+  emitter transactions). Repeated events inside what was read are dropped down to one copy:
+  same transaction, position and op, and for snapshot reads the same row.
+* **Completeness.** With transaction metadata (Debezium's ``provide.transaction.metadata``)
+  a transaction is complete when its END record has been read and as many of the feed
+  table's events as END counts for that table are in. A transaction without metadata is
+  complete as soon as it is seen (a snapshot, or a connector that gives no metadata).
+* **Hold-back.** The first incomplete transaction in delivery order and every transaction
+  delivered after it are held back: their events are not turned into updates, and the input
+  files holding any of their events or END records are not marked consumed, so the next
+  emitter transaction reads them again (the position filter drops what was done).
+* **Order.** A transaction with metadata takes its END record's commit LSN as ``pos_hi``:
+  times then follow the source's commit order whichever copy of a redelivered event was
+  read first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+
+__all__ = ["Assembled", "Position", "assemble", "order_column"]
+
+Position = tuple[int, int, int]
+#: a position below every real one: a new feed's
+START: Position = (0, 0, 0)
+DATA_OPS = ("c", "u", "d", "r")
+
+
+def order_column() -> Column:
+    """The order of changes inside what one emitter transaction read: source position
+    first, delivery order to break ties (and for sources without positions)."""
+    return F.struct("pos_hi", "pos_lo", "pos_n", "ord_file", "ord_row")
+
+
+@dataclass(frozen=True, slots=True)
+class Assembled:
+    """What :func:`assemble` decided for one emitter transaction's read."""
+
+    changes: DataFrame  # the events to turn into updates now (END records removed)
+    held_files: frozenset[str]  # input files that must be read again
+    ready: int  # source transactions released
+    held: int  # source transactions held back
+    redelivered: int  # events dropped as already done or repeated
+
+
+def _position_filter(df: DataFrame, pos: Position) -> DataFrame:
+    hi, lo, n = pos
+    hi_c, lo_c, n_c = F.col("pos_hi"), F.col("pos_lo"), F.col("pos_n")
+    after = (hi_c > hi) | ((hi_c == hi) & (lo_c > lo)) | ((hi_c == hi) & (lo_c == lo) & (n_c > n))
+    same_snapshot = (F.col("op") == "r") & (hi_c == hi) & (lo_c == lo)
+    # an event of a transaction whose END has not been read has no commit position yet
+    return df.where(hi_c.isNull() | after | same_snapshot)
+
+
+def assemble(
+    changes: DataFrame,
+    pos: Sequence[int],
+    *,
+    logger: logging.Logger | None = None,
+    feed: str = "",
+) -> Assembled:
+    """Decide which of ``changes`` (good Debezium rows: data events and END records) can
+    become updates, given the committed position ``pos``. See the module docstring."""
+    log = logger or logging.getLogger("tidefeed.emit")
+    committed: Position = (int(pos[0]), int(pos[1]), int(pos[2]) if len(pos) > 2 else 1 << 62)
+    ends = (
+        changes.where(F.col("op") == "E")
+        .groupBy("txn")
+        .agg(
+            F.max("pos_hi").alias("commit_lsn"),
+            F.max("tx_count").alias("expected"),
+            F.collect_set("_file").alias("end_files"),
+        )
+        .where(F.col("commit_lsn") > committed[0])
+    )
+    data = changes.where(F.col("op").isin(*DATA_OPS))
+    data = data.join(F.broadcast(ends.select("txn", "commit_lsn")), "txn", "left").select(
+        *[
+            F.when(F.col("tx_meta"), F.col("commit_lsn")).otherwise(F.col("pos_hi")).alias(c)
+            if c == "pos_hi"
+            else F.col(c)
+            for c in changes.columns
+        ]
+    )
+    total = data.count()
+    data = _position_filter(data, committed)
+    dup = F.when(F.col("op") == "r", F.to_json("after")).otherwise(F.lit(""))
+    data = (
+        data.withColumn("_dup", dup)
+        .dropDuplicates(["txn", "pos_lo", "pos_n", "op", "_dup"])
+        .drop("_dup")
+    )
+    data = data.persist()
+    stats = (
+        data.groupBy("txn")
+        .agg(
+            F.count(F.lit(1)).alias("events"),
+            F.max("tx_meta").alias("meta"),
+            F.min(F.struct("ord_file", "ord_row")).alias("first"),
+            F.collect_set("_file").alias("files"),
+        )
+        .join(ends, "txn", "full")
+        .collect()
+    )
+    kept = sum(r["events"] or 0 for r in stats)
+    incomplete = []
+    for r in stats:
+        meta = bool(r["meta"]) or r["expected"] is not None
+        if not meta:
+            continue
+        events, expected = r["events"] or 0, r["expected"]
+        if expected is not None and events > expected:
+            log.warning(
+                "feed %s: source transaction %s has %d events, its END record counts %d",
+                feed,
+                r["txn"],
+                events,
+                expected,
+            )
+        if expected is None or events < expected:
+            incomplete.append(r)
+    held_txns = {r["txn"] for r in incomplete}
+    delivered = [tuple(r["first"]) for r in incomplete if r["first"] is not None]
+    if delivered:
+        cut = min(delivered)
+        held_txns.update(
+            r["txn"] for r in stats if r["first"] is not None and tuple(r["first"]) >= cut
+        )
+    held_files: set[str] = set()
+    for r in stats:
+        if r["txn"] in held_txns:
+            held_files.update(r["files"] or ())
+            held_files.update(r["end_files"] or ())
+    if held_txns:
+        spark = changes.sparkSession
+        held_df = spark.createDataFrame([(t,) for t in held_txns], "txn string")
+        data = data.join(F.broadcast(held_df), "txn", "left_anti")
+        log.info(
+            "feed %s: %d source transaction(s) incomplete or behind an incomplete one: "
+            "held back until the rest arrives",
+            feed,
+            len(held_txns),
+        )
+    ready = sum(1 for r in stats if r["txn"] not in held_txns and r["events"])
+    return Assembled(
+        changes=data.select(*changes.columns),
+        held_files=frozenset(held_files),
+        ready=ready,
+        held=len(held_txns),
+        redelivered=total - kept,
+    )
