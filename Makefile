@@ -11,7 +11,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[spark,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[spark,postgres,delta,dev]'
 	touch $(STAMP)
 
 java-check:

@@ -283,6 +283,31 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_capture(args: argparse.Namespace) -> int:
+    import logging
+
+    from .capture import DEFAULT_SLOT, CaptureConfig, run_capture
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr
+    )
+    extra = {}
+    for kv in args.debezium or []:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            raise SystemExit(f"tidefeed capture: --debezium takes KEY=VALUE, got {kv!r}")
+        extra[k] = v
+    return run_capture(
+        CaptureConfig(
+            dsn=args.dsn,
+            tables=tuple(t for t in args.table.split(",") if t),
+            out=args.out,
+            slot=args.slot or DEFAULT_SLOT,
+            extra=extra,
+        )
+    )
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -395,6 +420,22 @@ def build_parser() -> argparse.ArgumentParser:
     _option(p, "--port", default="9090")
     _option(p, "--token", help="require this bearer token")
     commands["receive"] = cmd_receive
+
+    p = sub.add_parser(
+        "capture", help="capture a database's changes into a source folder (Debezium)"
+    )
+    p.add_argument("database", choices=("postgres",), help="the source database kind")
+    _option(p, "--dsn", required=True, help="postgresql://USER:PASSWORD@HOST:PORT/DBNAME")
+    _option(p, "--table", required=True, help="SCHEMA.TABLE[,…] to capture")
+    _option(p, "--out", required=True, help="source folder to write change event files into")
+    _option(p, "--slot", help="replication slot name (default: tidefeed)")
+    p.add_argument(
+        "--debezium",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a Debezium connector setting to add or override (repeatable)",
+    )
+    commands["capture"] = cmd_capture
 
     p = sub.add_parser("demo", help="run the demo end to end")
     _option(p, "--workdir", help="where the demo writes (default: a fresh temporary folder)")

@@ -264,12 +264,12 @@ class Emitter:
         table = cfg.table
         if cfg.source_kind == "debezium" and table is None:
             # a feed is one table: the first change event's, unless --table names it
-            table = debezium_table(self._all_files()[:5])
+            table = debezium_table(self._all_files())
         if schema is None:
             schema = infer_record_schema(
                 self.spark,
                 cfg.source_kind,
-                self._all_files()[:5],
+                self._all_files() if cfg.source_kind == "debezium" else self._all_files()[:5],
                 exclude=tuple(c for c in (cfg.order, cfg.deleted) if c),
                 table=table,
             )
@@ -422,13 +422,16 @@ class Emitter:
         bad = changes.where(F.col("_error").isNotNull()).select("_file", "_raw", "_error")
         good = changes.where(F.col("_error").isNull() & (F.col("op") != "x"))
         held_files: frozenset[str] = frozenset()
+        txn_cached: tuple[Any, ...] = ()
         held = redelivered = 0
         if cfg.source_kind == "debezium":
             assembled = assemble(good, cp.source.get("pos", [0, 0]), logger=self.log, feed=cfg.feed)
             good, held_files = assembled.changes, assembled.held_files
             held, redelivered = assembled.held, assembled.redelivered
+            txn_cached = assembled.cached
             if held and not assembled.ready:
-                changes.unpersist()
+                for df in (changes, *txn_cached):
+                    df.unpersist()
                 if more:
                     return _NEED_MORE
                 self.log.info(
@@ -576,7 +579,7 @@ class Emitter:
         secs["commit"] = time.perf_counter() - t3
         maybe_die("after_commit")
         self._prune_state(new_cp)
-        for df in (changes, bad, cached):
+        for df in (changes, bad, cached, *txn_cached):
             if df is not None:
                 df.unpersist()
         report = TxnReport(

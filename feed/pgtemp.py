@@ -1,0 +1,128 @@
+"""A throwaway PostgreSQL cluster on 127.0.0.1, for ``tidefeed demo --postgres`` and tests.
+
+It needs PostgreSQL's server programs (Debian: ``apt-get install postgresql``; they live in
+``/usr/lib/postgresql/<version>/bin``). PostgreSQL refuses to run as root: as root the
+cluster is created and run as the ``postgres`` system user, which the Debian package adds.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+
+from protocol import SourceError
+
+__all__ = ["TempPostgres", "find_pg_bin"]
+
+
+def find_pg_bin() -> str | None:
+    """The folder holding ``initdb`` and ``pg_ctl``, or None when PostgreSQL is absent."""
+    found = shutil.which("initdb")
+    if found and shutil.which("pg_ctl"):
+        return os.path.dirname(os.path.realpath(found))
+    versions = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+        key=lambda p: int(p.split("/")[-3]) if p.split("/")[-3].isdigit() else 0,
+    )
+    return os.path.dirname(versions[-1]) if versions else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class TempPostgres:
+    """``start()`` a fresh cluster with ``wal_level=logical``; ``stop()`` deletes it."""
+
+    port: int = 0
+    root: str = ""
+
+    def start(self) -> TempPostgres:
+        pg_bin = find_pg_bin()
+        if pg_bin is None:
+            raise SourceError(
+                "PostgreSQL's server programs (initdb, pg_ctl) are not installed; on Debian or "
+                "Ubuntu: apt-get install postgresql"
+            )
+        self.port = self.port or _free_port()
+        self.root = tempfile.mkdtemp(prefix="tidefeed-pg-")
+        as_user: list[str] = []
+        if os.geteuid() == 0:
+            # the server refuses to run as root
+            as_user = ["runuser", "-u", "postgres", "--"]
+            shutil.chown(self.root, user="postgres")
+        data = os.path.join(self.root, "data")
+        self._run(
+            [
+                *as_user,
+                f"{pg_bin}/initdb",
+                "-D",
+                data,
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--locale=C",
+            ],
+            "initdb",
+        )
+        options = (
+            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c wal_level=logical "
+            "-c max_wal_senders=8 -c max_replication_slots=8 -c fsync=off"
+        )
+        self._as_user = as_user
+        self._pg_ctl = f"{pg_bin}/pg_ctl"
+        self._data = data
+        self._run(
+            [
+                *as_user,
+                self._pg_ctl,
+                "-D",
+                data,
+                "-o",
+                options,
+                "-l",
+                os.path.join(self.root, "server.log"),
+                "-w",
+                "start",
+            ],
+            "pg_ctl start",
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.2)
+        raise SourceError(f"PostgreSQL did not start on 127.0.0.1:{self.port}")
+
+    @property
+    def dsn(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def stop(self) -> None:
+        if self.root:
+            subprocess.run(
+                [*self._as_user, self._pg_ctl, "-D", self._data, "-m", "immediate", "stop"],
+                capture_output=True,
+                check=False,
+            )
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = ""
+
+    @staticmethod
+    def _run(cmd: list[str], what: str) -> None:
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            raise SourceError(f"{what} failed: {(r.stderr or r.stdout).strip()[-500:]}")
