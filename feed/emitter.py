@@ -189,6 +189,7 @@ class Emitter:
         self.store = CheckpointStore(self.feedlog)
         self.state = State.UNOPENED
         self.cp: Checkpoint | None = None
+        self._delta_source: Any = None
         self.info: Any = None
         self._record_type: Any = None
 
@@ -265,6 +266,8 @@ class Emitter:
         if cfg.source_kind == "debezium" and table is None:
             # a feed is one table: the first change event's, unless --table names it
             table = debezium_table(self._all_files())
+        if schema is None and cfg.source_kind == "delta":
+            schema = self._delta().record_schema()
         if schema is None:
             schema = infer_record_schema(
                 self.spark,
@@ -322,8 +325,17 @@ class Emitter:
             if not n.startswith((".", "_")) and os.path.isfile(os.path.join(path, n))
         )
 
+    def _delta(self) -> Any:
+        from .delta import DeltaSource
+
+        if self._delta_source is None:
+            self._delta_source = DeltaSource(self.config.source_path)
+        return self._delta_source
+
     def pending_files(self) -> list[str]:
         assert self.cp is not None
+        if self.config.source_kind == "delta":
+            return []
         done = set(self.cp.source.get("files", []))
         return [f for f in self._all_files() if os.path.basename(f) not in done]
 
@@ -343,6 +355,8 @@ class Emitter:
         """Run one transaction over the pending input; ``None`` when there was none, or when
         every source transaction in it is still incomplete (held back for more input)."""
         self._require(State.OPENED)
+        if self.config.source_kind == "delta":
+            return self._delta_step()
         pending = self.pending_files()
         files = pending[: self.config.max_files_per_txn]
         if not files:
@@ -365,6 +379,28 @@ class Emitter:
             # nothing complete in this window: a source transaction is longer than it
             files = pending[: 2 * len(files)]
 
+    def _delta_step(self) -> TxnReport | None:
+        """One transaction over the Delta versions after the committed one."""
+        from .delta import MAX_VERSIONS
+
+        assert self.cp is not None
+        done = int(self.cp.source.get("version", -1))
+        source = self._delta()
+        latest = source.latest()
+        if latest <= done:
+            return None
+        last = min(latest, done + MAX_VERSIONS)
+        fl = self.feedlog
+        staged = fl.path("_staging", f"delta-v{done + 1}-v{last}.parquet")
+        fl.fs.create_dir(fl.path("_staging"), recursive=True)
+        source.stage(done + 1, last, staged, fl.fs)
+        try:
+            report = self._txn([self._spark_path(staged)], source_update={"version": last})
+        finally:
+            fl.delete_file(staged)
+        assert isinstance(report, TxnReport)
+        return report
+
     def heartbeat(self) -> Checkpoint | None:
         """Commit an empty progress up to now (wallclock feeds) so consumers can close times."""
         self._require(State.OPENED)
@@ -381,7 +417,13 @@ class Emitter:
             self.on_commit(cp)
         return cp
 
-    def _txn(self, files: list[str], *, more: bool = False) -> Any:
+    def _txn(
+        self,
+        files: list[str],
+        *,
+        more: bool = False,
+        source_update: dict[str, Any] | None = None,
+    ) -> Any:
         from pyspark.sql import functions as F
 
         from .diffs import (
@@ -407,7 +449,7 @@ class Emitter:
         tx_files = self._pending_tx_files()
         changes = read_changes(
             self.spark,
-            cfg.source_kind,
+            "cdf" if cfg.source_kind == "delta" else cfg.source_kind,
             [*files, *tx_files],
             self._record_type,
             self.info.key,
@@ -562,6 +604,9 @@ class Emitter:
             if max_pos is not None
             else cp.source.get("pos", [0, 0, 0]),
         }
+        if source_update is not None:
+            # not a folder of files: the source's own position replaces the file list
+            source.update(source_update, files=cp.source.get("files", []))
         if tx_files:
             source["tx_files"] = [
                 *cp.source.get("tx_files", []),

@@ -52,7 +52,8 @@ __all__ = [
     "spark_record_type",
 ]
 
-SOURCE_KINDS = ("debezium", "cdf", "upsert", "snapshot", "weighted")
+#: ``delta`` is read through :mod:`feed.delta` and then as ``cdf`` rows
+SOURCE_KINDS = ("debezium", "cdf", "upsert", "snapshot", "weighted", "delta")
 CHANGE_COLUMNS = (
     "op",
     "before",
@@ -260,7 +261,7 @@ def infer_record_schema(
         t = spark.read.json(list(files)).schema["record"].dataType
         if not isinstance(t, T.StructType):
             raise SourceError(f"no 'record' objects in weighted input {files[0]}")
-        schema: dict[str, Any] = arrow_to_avro(to_arrow_type(t), name="record")
+        schema: dict[str, Any] = arrow_to_avro(to_arrow_type(t, timezone="UTC"), name="record")
         return schema
     parquet = [f for f in files if f.endswith(".parquet")]
     df = spark.read.parquet(*parquet) if parquet else spark.read.json(list(files))
@@ -270,7 +271,7 @@ def infer_record_schema(
         fields = _in_first_row_order(fields, files)
     if not fields:
         raise SourceError(f"no record columns in {kind} input {files[0]}")
-    schema = arrow_to_avro(to_arrow_type(T.StructType(fields)), name="record")
+    schema = arrow_to_avro(to_arrow_type(T.StructType(fields), timezone="UTC"), name="record")
     return schema
 
 
@@ -322,7 +323,7 @@ def _debezium_schema(
     # no Connect schema: let Spark type the images, then restore the table's column order
     inferred = spark.read.json(spark.sparkContext.parallelize(images))
     fields = _ordered(list(inferred.schema.fields), list(first_image))
-    return dict(arrow_to_avro(to_arrow_type(T.StructType(fields)), name="record"))
+    return dict(arrow_to_avro(to_arrow_type(T.StructType(fields), timezone="UTC"), name="record"))
 
 
 def _read_text(spark: SparkSession, files: Sequence[str]) -> DataFrame:
