@@ -309,6 +309,10 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.postgres:
+        from .demo_postgres import run_postgres_demo
+
+        return run_postgres_demo(workdir=args.workdir)
     from .demo import run_demo
 
     return run_demo(workdir=args.workdir)
@@ -439,6 +443,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="run the demo end to end")
     _option(p, "--workdir", help="where the demo writes (default: a fresh temporary folder)")
+    _option(
+        p,
+        "--postgres",
+        action="store_true",
+        help="run a throwaway PostgreSQL and capture it with Debezium (needs PostgreSQL "
+        "installed and the postgres extra)",
+    )
     commands["demo"] = cmd_demo
 
     parser.set_defaults(_commands=commands)

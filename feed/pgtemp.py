@@ -1,4 +1,5 @@
-"""A throwaway PostgreSQL cluster on 127.0.0.1, for ``tidefeed demo --postgres`` and tests.
+"""A throwaway PostgreSQL cluster on 127.0.0.1 and its ground truth, for ``tidefeed demo
+--postgres`` and the real-source tests.
 
 It needs PostgreSQL's server programs (Debian: ``apt-get install postgresql``; they live in
 ``/usr/lib/postgresql/<version>/bin``). PostgreSQL refuses to run as root: as root the
@@ -7,18 +8,24 @@ cluster is created and run as the ``postgres`` system user, which the Debian pac
 
 from __future__ import annotations
 
+import datetime as dt
+import decimal
 import glob
+import json
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from protocol import SourceError
 
-__all__ = ["TempPostgres", "find_pg_bin"]
+__all__ = ["TempPostgres", "feed_multiset", "find_pg_bin", "normalize", "table_multiset"]
 
 
 def find_pg_bin() -> str | None:
@@ -126,3 +133,46 @@ class TempPostgres:
         r = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if r.returncode != 0:
             raise SourceError(f"{what} failed: {(r.stderr or r.stdout).strip()[-500:]}")
+
+
+def normalize(v: Any) -> Any:
+    """A column value in one comparable form, whichever side read it: PostgreSQL's driver
+    (Decimal, aware datetimes, time, dict for jsonb) or the feed (Arrow's Python values,
+    times of day as microseconds, json as text)."""
+    if isinstance(v, decimal.Decimal):
+        return format(v.normalize(), "f")
+    if isinstance(v, dt.datetime):
+        return (v.astimezone(dt.UTC) if v.tzinfo else v).isoformat()
+    if isinstance(v, dt.time):
+        return ((v.hour * 60 + v.minute) * 60 + v.second) * 1_000_000 + v.microsecond
+    if isinstance(v, dt.date):
+        return v.isoformat()
+    if isinstance(v, dict | list):
+        return json.dumps(v, sort_keys=True)
+    return v
+
+
+def table_multiset(cursor: Any, table: str) -> Counter[tuple[Any, ...]]:
+    """``SELECT * FROM table`` as a multiset of normalized rows."""
+    cursor.execute(f"SELECT * FROM {table}")
+    cols = [d[0] for d in cursor.description]
+    return Counter(
+        tuple((c, normalize(v)) for c, v in zip(cols, row, strict=True)) for row in cursor
+    )
+
+
+def feed_multiset(
+    reader: Any, at: int | None = None, json_columns: Iterable[str] = ()
+) -> Counter[tuple[Any, ...]]:
+    """A feed's collection at ``at`` as a multiset of rows normalized like
+    :func:`table_multiset` (``json_columns`` hold JSON text, compared parsed)."""
+    json_cols = set(json_columns)
+    out: Counter[tuple[Any, ...]] = Counter()
+    for row in reader.snapshot(at).to_pylist():
+        n = row.pop("count")
+        key = tuple(
+            (k, normalize(json.loads(v) if k in json_cols and v is not None else v))
+            for k, v in row.items()
+        )
+        out[key] += n
+    return out

@@ -15,20 +15,16 @@ Skipped only where PostgreSQL or the postgres extra is absent; ``.ci/run`` sets
 
 from __future__ import annotations
 
-import datetime as dt
-import decimal
-import json
 import os
 import signal
 import subprocess
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from feed.pgtemp import TempPostgres, find_pg_bin
+from feed.pgtemp import TempPostgres, feed_multiset, find_pg_bin, table_multiset
 from feed.reader import FeedReader
 from protocol import check_messages
 
@@ -124,45 +120,6 @@ AFTER_CRASH = [
 ]
 
 
-def _norm(v: Any) -> Any:
-    if isinstance(v, decimal.Decimal):
-        return format(v.normalize(), "f")
-    if isinstance(v, dt.datetime):
-        return (v.astimezone(dt.UTC) if v.tzinfo else v).isoformat()
-    if isinstance(v, dt.time):
-        return ((v.hour * 60 + v.minute) * 60 + v.second) * 1_000_000 + v.microsecond
-    if isinstance(v, dt.date):
-        return v.isoformat()
-    if isinstance(v, dict | list):
-        return json.dumps(v, sort_keys=True)
-    return v
-
-
-def _norm_feed(row: dict[str, Any], json_cols: set[str]) -> tuple:
-    out = []
-    for k, v in row.items():
-        if k in json_cols and v is not None:
-            v = json.loads(v)
-        if isinstance(v, dt.datetime) and v.tzinfo is None and k == "opened":
-            v = v.replace(tzinfo=dt.UTC)
-        out.append((k, _norm(v)))
-    return tuple(out)
-
-
-def _table(cur: Any, name: str) -> Counter:
-    cur.execute(f"SELECT * FROM {name}")
-    cols = [d[0] for d in cur.description]
-    return Counter(tuple((c, _norm(v)) for c, v in zip(cols, r, strict=True)) for r in cur)
-
-
-def _feed_at(reader: FeedReader, at: int, json_cols: set[str]) -> Counter:
-    c: Counter = Counter()
-    for row in reader.snapshot(at).to_pylist():
-        n = row.pop("count")
-        c[_norm_feed(row, json_cols)] += n
-    return c
-
-
 class Capture:
     def __init__(self, pg: TempPostgres, out: Path, logs: Path) -> None:
         self.pg, self.out, self.logs = pg, out, logs
@@ -229,7 +186,7 @@ def captured(tmp_path_factory):
         cur = conn.cursor()
         cur.execute(SCHEMA_SQL)
         cur.execute("INSERT INTO accounts VALUES " + ", ".join(_row_sql(i) for i in range(1, 46)))
-        truths = [_table(cur, "accounts")]  # the snapshot is the first transaction
+        truths = [table_multiset(cur, "accounts")]  # the snapshot is the first transaction
         ledger_truths: list[Counter] = []
         capture.start()
         capture.wait_for('"snapshot":"last"')
@@ -262,9 +219,9 @@ def captured(tmp_path_factory):
             conn.commit()
             conn.autocommit = True
             if any("accounts" in s for s in txn):
-                truths.append(_table(cur, "accounts"))
+                truths.append(table_multiset(cur, "accounts"))
             if any("ledger" in s for s in txn):
-                ledger_truths.append(_table(cur, "ledger"))
+                ledger_truths.append(table_multiset(cur, "ledger"))
 
         for txn in WORKLOAD:
             run(txn)
@@ -288,7 +245,7 @@ def captured(tmp_path_factory):
             "tmp": tmp,
             "truths": truths,
             "ledger_truths": ledger_truths,
-            "final_ledger": _table(cur, "ledger"),
+            "final_ledger": table_multiset(cur, "ledger"),
             "follower": follower,
             "written_before_kill": written_before_kill,
         }
@@ -309,7 +266,7 @@ def _assert_each_time(reader: FeedReader, truths: list[Counter]) -> None:
     assert check_messages(reader.messages(), non_negative=True, key=key) == []
     assert reader.frontier == 1 + len(truths), "one time per PostgreSQL transaction"
     for i, truth in enumerate(truths):
-        got = _feed_at(reader, 1 + i, JSON_COLS)
+        got = feed_multiset(reader, 1 + i, JSON_COLS)
         assert got == truth, f"after PostgreSQL transaction {i} (time {1 + i})"
 
 
@@ -382,4 +339,4 @@ def test_second_table_from_the_same_folder(spark, captured):
     ledger = captured["ledger_truths"]
     assert reader.frontier == 1 + len(ledger)
     for i, truth in enumerate(ledger):
-        assert _feed_at(reader, 1 + i, set()) == truth, f"ledger transaction {i}"
+        assert feed_multiset(reader, 1 + i) == truth, f"ledger transaction {i}"
