@@ -21,6 +21,7 @@ import contextlib
 import datetime as dt
 import os
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,9 +161,16 @@ class FeedLog:
         _fsync(path.rsplit("/", 1)[0])
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
-        """Create ``path`` holding ``data`` only if it does not exist, durably; ``False``
-        when it existed. Locally ``O_CREAT | O_EXCL`` then fsync of file and folder; other
-        filesystems get check-then-write (pyarrow has no conditional put)."""
+        """Create ``path`` holding ``data`` only if it does not exist, durably and whole;
+        ``False`` when it existed.
+
+        Locally the bytes go to a hidden temporary file in the same folder, which is
+        fsynced and then hard-linked to ``path`` (``link`` fails if ``path`` exists: the
+        exclusive create), then the folder is fsynced. A crash at any point leaves either
+        no ``path`` or the whole file, never an empty or partial one; a leftover temporary
+        file is only litter. Other filesystems get check-then-write (pyarrow has no
+        conditional put): there a racing writer is not excluded (docs/emitter.md).
+        """
         parent = path.rsplit("/", 1)[0]
         self.fs.create_dir(parent, recursive=True)
         if self.local_root is None:
@@ -171,19 +179,27 @@ class FeedLog:
             with self.fs.open_output_stream(path) as f:
                 f.write(data)
             return True
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
+        if os.path.exists(path):
             return False
+        tmp = f"{parent}/.{path.rsplit('/', 1)[1]}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
         except OSError as e:
             raise CheckpointError(f"feed {self.feed!r}: cannot create {path}: {e}") from e
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
         finally:
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         _fsync(parent)
         return True
 
