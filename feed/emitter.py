@@ -467,8 +467,15 @@ class Emitter:
         txn_cached: tuple[Any, ...] = ()
         held = redelivered = 0
         if cfg.source_kind == "debezium":
-            assembled = assemble(good, cp.source.get("pos", [0, 0]), logger=self.log, feed=cfg.feed)
+            assembled = assemble(
+                good,
+                cp.source.get("pos", [0, 0]),
+                snapshot_lsn=cp.source.get("snapshot_lsn"),
+                logger=self.log,
+                feed=cfg.feed,
+            )
             good, held_files = assembled.changes, assembled.held_files
+            bad = bad.unionByName(assembled.bad)
             held, redelivered = assembled.held, assembled.redelivered
             txn_cached = assembled.cached
             if held and not assembled.ready:
@@ -604,6 +611,10 @@ class Emitter:
             if max_pos is not None
             else cp.source.get("pos", [0, 0, 0]),
         }
+        if cfg.source_kind == "debezium" and "snapshot_lsn" not in source:
+            # the first snapshot read committed: later reads at another LSN are a new one
+            reads = good.where(F.col("op") == "r").agg(F.min("pos_lo").alias("m"))
+            source["snapshot_lsn"] = reads.collect()[0]["m"]  # None: the feed had none
         if source_update is not None:
             # not a folder of files: the source's own position replaces the file list
             source.update(source_update, files=cp.source.get("files", []))

@@ -57,22 +57,42 @@ class Assembled:
     ready: int  # source transactions released
     held: int  # source transactions held back
     redelivered: int  # events dropped as already done or repeated
+    bad: DataFrame  # snapshot reads of a new snapshot behind the committed position
     cached: tuple[DataFrame, ...] = ()  # persisted here: unpersist after the commit
 
 
-def _position_filter(df: DataFrame, pos: Position) -> DataFrame:
+def _position_filter(
+    df: DataFrame, pos: Position, snapshot_lsn: int | None
+) -> tuple[DataFrame, DataFrame]:
+    """The events after ``pos``, and the snapshot reads of a *new* snapshot that arrive
+    behind it (bad: see :data:`NEW_SNAPSHOT`)."""
     hi, lo, n = pos
     hi_c, lo_c, n_c = F.col("pos_hi"), F.col("pos_lo"), F.col("pos_n")
     after = (hi_c > hi) | ((hi_c == hi) & (lo_c > lo)) | ((hi_c == hi) & (lo_c == lo) & (n_c > n))
-    same_snapshot = (F.col("op") == "r") & (hi_c == hi) & (lo_c == lo)
+    is_read = F.col("op") == "r"
+    same_snapshot = is_read & (hi_c == hi) & (lo_c == lo)
     # an event of a transaction whose END has not been read has no commit position yet
-    return df.where(hi_c.isNull() | after | same_snapshot)
+    keep = hi_c.isNull() | after | same_snapshot
+    behind = df.where(~keep & is_read)
+    if snapshot_lsn is not None:
+        behind = behind.where(lo_c != snapshot_lsn)  # the feed's own snapshot, redelivered
+    bad = behind.select("_file", "_raw", F.lit(NEW_SNAPSHOT).alias("_error"))
+    return df.where(keep), bad
+
+
+#: why a snapshot read behind the committed position is quarantined
+NEW_SNAPSHOT = (
+    "a new snapshot of the table arrived after the feed's own (Debezium snapshotted again: "
+    "offsets lost, snapshot.mode=always, or an incremental snapshot); a snapshot cannot say "
+    "which rows went, so it is not applied: start a new feed from it"
+)
 
 
 def assemble(
     changes: DataFrame,
     pos: Sequence[int],
     *,
+    snapshot_lsn: int | None = None,
     logger: logging.Logger | None = None,
     feed: str = "",
 ) -> Assembled:
@@ -100,7 +120,7 @@ def assemble(
         ]
     )
     total = data.count()
-    data = _position_filter(data, committed)
+    data, bad = _position_filter(data, committed, snapshot_lsn)
     dup = F.when(F.col("op") == "r", F.to_json("after")).otherwise(F.lit(""))
     data = (
         data.withColumn("_dup", dup)
@@ -167,5 +187,6 @@ def assemble(
         ready=ready,
         held=len(held_txns),
         redelivered=total - kept,
+        bad=bad,
         cached=(ends, persisted),
     )
