@@ -237,7 +237,13 @@ class Emitter:
         self.cp = claimed
         gone = self.feedlog.delete_times_from(claimed.progress.upper)
         self.feedlog.delete_dir(self.feedlog.path("_staging"))
-        for name in ("quarantine", "state"):
+        from .state import BucketedState
+
+        self._state = BucketedState(
+            lambda: self.spark, self.feedlog, self._record_type, self.info.key, self._spark_path
+        )
+        self._prune_state(claimed)
+        for name in ("quarantine",):
             for n in self.feedlog.numbered_dirs(name):
                 if n > latest.seq and f"{name}/{n}" != claimed.state:
                     self.feedlog.delete_dir(self.feedlog.path(name, str(n)))
@@ -508,9 +514,14 @@ class Emitter:
 
         t1 = time.perf_counter()
         good, units = assign_units(good, cfg.granularity)
+        loaded = None
+        if self.info.key and cfg.source_kind != "snapshot":
+            # only the state buckets this transaction's keys fall in
+            image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
+            loaded = self._state.load(cp.state, good, image)
         if toast_rows:
-            if self.info.key:
-                filled = fill_unavailable(good, self._load_state(cp), self.info.key)
+            if loaded is not None:
+                filled = fill_unavailable(good, loaded.rows, self.info.key)
                 good = filled.diffs
                 assert filled.bad is not None
                 bad = bad.unionByName(filled.bad)
@@ -537,10 +548,9 @@ class Emitter:
             diffs, new_state, cached = d.diffs, d.state, d.cached
             if d.bad is not None:
                 bad = bad.unionByName(d.bad)
-        elif self.info.key:
-            state_df = self._load_state(cp)
+        elif loaded is not None:
             # a Delta update pre-image says nothing the keyed state does not know already
-            d = keyed_diffs(good.where(F.col("op") != "p"), state_df, self.info.key)
+            d = keyed_diffs(good.where(F.col("op") != "p"), loaded.rows, self.info.key)
             diffs, new_state, cached = d.diffs, d.state, d.cached
             assert d.bad is not None
             bad = bad.unionByName(d.bad)
@@ -568,8 +578,12 @@ class Emitter:
         flat = updates.select("time", "data.*", "diff")
         flat.write.partitionBy("time").parquet(self._spark_path(staging))
         counts = self._install(staging, cp.epoch)
-        if new_state is not None:
+        state_ref = cp.state
+        if new_state is not None and loaded is not None:
+            state_ref = self._state.write(seq, new_state, loaded)
+        elif new_state is not None:  # successive snapshots: the last one, whole
             new_state.select("data.*").write.parquet(self._spark_path(fl.path("state", str(seq))))
+            state_ref = f"state/{seq}"
         if bad_rows:
             bad.select(
                 F.col("_file").alias("file"),
@@ -628,7 +642,7 @@ class Emitter:
             next=next_time,
             source=source,
             writers=writers,
-            state=f"state/{seq}" if new_state is not None else cp.state,
+            state=state_ref,
         )
         self.store.commit(new_cp)  # the commit point
         self.cp = new_cp
@@ -684,15 +698,13 @@ class Emitter:
         return df.select(F.struct(*[F.col(c) for c in df.columns]).alias("data"))
 
     def _prune_state(self, cp: Checkpoint) -> None:
-        keep = {cp.state}
-        older = self.store._seqs()
-        for s in older:
+        """Delete the state files no kept commit needs (and an uncommitted transaction's)."""
+        refs = {cp.state}
+        for s in self.store._seqs():
             if s != cp.seq:
                 with contextlib.suppress(CheckpointError):
-                    keep.add(self.store.read(s).state)
-        for n in self.feedlog.numbered_dirs("state"):
-            if f"state/{n}" not in keep:
-                self.feedlog.delete_dir(self.feedlog.path("state", str(n)))
+                    refs.add(self.store.read(s).state)
+        self._state.prune(refs)
 
     # ---- loops -------------------------------------------------------------------------
     def run(self, *, stop: Callable[[], bool] | None = None) -> list[TxnReport]:

@@ -1,0 +1,180 @@
+"""Keyed state bucketed by a hash of the key: a transaction costs O(its changes).
+
+A keyed feed keeps the current row of every key (feed/diffs.py). Kept whole, every
+transaction would read and rewrite the whole table. Here the rows are split into
+:data:`BUCKETS` buckets by ``pmod(xxhash64(key columns), BUCKETS)``; a transaction reads
+only the buckets its changes touch and writes new versions of those buckets alone.
+
+Layout and the commit point::
+
+    state/<seq>/_bucket=<b>/*.parquet   bucket b as transaction <seq> left it
+    state/<seq>.json                    the state manifest of commit <seq>: {"format": 1,
+                                        "buckets": B, "files": {"<b>": "state/<s>/_bucket=<b>"}}
+
+The manifest lists, for every non-empty bucket, the folder holding its latest version
+(written by this or an earlier transaction). Both are written before the commit, and the
+checkpoint's ``state`` names the manifest: a transaction that never commits leaves files
+no commit names, which the next start deletes. Bucket folders that no kept commit's
+manifest names are pruned after each commit.
+
+A feed written before buckets existed has ``state`` naming one folder with every row: its
+next transaction reads that folder whole once and writes every bucket (a migration that
+costs O(table) once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from protocol import CheckpointError
+
+from .log import FeedLog
+
+__all__ = ["BUCKETS", "BucketedState", "LoadedState", "bucket_of"]
+
+#: buckets of a new feed's state: a 10-row transaction on a 3M-row table reads and writes
+#: about 10 * 3M / 1024, some 30k rows
+BUCKETS = 1024
+_FORMAT = 1
+_BUCKET_DIR = "_bucket="
+
+
+def bucket_of(row: Column, key: Sequence[str], buckets: int) -> Column:
+    """The bucket of a record struct ``row`` (hash of its key columns)."""
+    return F.pmod(F.xxhash64(*[row[k] for k in key]), F.lit(buckets)).cast("int")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedState:
+    """The part of the state one transaction needs."""
+
+    rows: DataFrame | None  # record struct column ``data``: the rows of the touched buckets
+    touched: frozenset[int]  # buckets this transaction's changes fall in (all: migration)
+    buckets: int
+    files: dict[int, str]  # the committed manifest: bucket -> folder (relative to the feed)
+
+
+class BucketedState:
+    """Reads and writes one feed's bucketed keyed state (see the module docstring)."""
+
+    def __init__(
+        self,
+        spark: Callable[[], Any],
+        feedlog: FeedLog,
+        record_type: T.StructType,
+        key: Sequence[str],
+        spark_path: Callable[[str], str],
+    ) -> None:
+        self._spark = spark  # started only when state is read or written
+        self.log = feedlog
+        self.record_type = record_type
+        self.key = tuple(key)
+        self._spark_path = spark_path
+
+    # ---- reading ------------------------------------------------------------------------
+    def _manifest(self, ref: str) -> tuple[int, dict[int, str]]:
+        path = self.log.path(ref)
+        try:
+            d = orjson.loads(self.log.read_bytes(path))
+        except (OSError, orjson.JSONDecodeError) as e:
+            raise CheckpointError(
+                f"feed {self.log.feed!r}: cannot read the state manifest {path}: {e}"
+            ) from e
+        return int(d["buckets"]), {int(b): f for b, f in d["files"].items()}
+
+    def _read(self, folders: Iterable[str]) -> DataFrame | None:
+        paths = [self._spark_path(self.log.path(f)) for f in folders]
+        if not paths:
+            return None
+        df = self._spark().read.schema(self.record_type).parquet(*paths)
+        rows: DataFrame = df.select(
+            F.struct(*[F.col(c) for c in self.record_type.fieldNames()]).alias("data")
+        )
+        return rows
+
+    def load(self, ref: str | None, changes: DataFrame, image: Column) -> LoadedState:
+        """The state rows that ``changes`` (whose record is ``image``) can meet."""
+        if ref is not None and not ref.endswith(".json"):
+            # a whole-state folder from before buckets: read it all, rewrite every bucket
+            return LoadedState(self._read([ref]), frozenset(range(BUCKETS)), BUCKETS, {})
+        buckets, files = self._manifest(ref) if ref else (BUCKETS, {})
+        touched = frozenset(
+            r["b"]
+            for r in changes.select(bucket_of(image, self.key, buckets).alias("b"))
+            .distinct()
+            .collect()
+        )
+        rows = self._read(files[b] for b in sorted(touched) if b in files)
+        return LoadedState(rows, touched, buckets, files)
+
+    # ---- writing ------------------------------------------------------------------------
+    def write(self, seq: int, new_rows: DataFrame, loaded: LoadedState) -> str:
+        """Write the touched buckets' new rows (``new_rows``: column ``data``) and the
+        manifest of commit ``seq``; return the manifest's path for the checkpoint."""
+        folder = f"state/{seq}"
+        out = new_rows.select(
+            "data.*", bucket_of(F.col("data"), self.key, loaded.buckets).alias("_bucket")
+        )
+        out.write.partitionBy("_bucket").parquet(self._spark_path(self.log.path(folder)))
+        written = {
+            int(i.base_name[len(_BUCKET_DIR) :])
+            for i in self.log.list_dir(self.log.path(folder))
+            if i.base_name.startswith(_BUCKET_DIR)
+        }
+        files = {b: f for b, f in loaded.files.items() if b not in loaded.touched}
+        for b in written:
+            files[b] = f"{folder}/{_BUCKET_DIR}{b}"
+        ref = f"state/{seq}.json"
+        manifest = {
+            "format": _FORMAT,
+            "buckets": loaded.buckets,
+            "files": {str(b): files[b] for b in sorted(files)},
+        }
+        if not self.log.create_exclusive(self.log.path(ref), orjson.dumps(manifest)):
+            raise CheckpointError(f"feed {self.log.feed!r}: state manifest {ref} exists already")
+        return ref
+
+    # ---- pruning ------------------------------------------------------------------------
+    def referenced(self, refs: Iterable[str | None]) -> set[str]:
+        """Every state folder the given checkpoint ``state`` values need."""
+        keep: set[str] = set()
+        for ref in refs:
+            if not ref:
+                continue
+            if not ref.endswith(".json"):
+                keep.add(ref)
+                continue
+            keep.add(ref)
+            with contextlib.suppress(CheckpointError):
+                keep.update(self._manifest(ref)[1].values())
+        return keep
+
+    def prune(self, refs: Iterable[str | None]) -> None:
+        """Delete state files that none of ``refs`` (the kept commits' ``state``) needs."""
+        keep = self.referenced(refs)
+        kept_seqs = {k.split("/")[1].split(".")[0] for k in keep}
+        root = self.log.path("state")
+        for info in self.log.list_dir(root):
+            name = info.base_name
+            seq = name.split(".")[0]
+            if name.endswith(".json"):
+                if f"state/{name}" not in keep:
+                    self.log.delete_file(info.path)
+            elif name.isdigit():
+                if seq not in kept_seqs:
+                    self.log.delete_dir(info.path)
+                elif f"state/{name}" not in keep:
+                    # some of its buckets were rewritten since: drop those
+                    for b in self.log.list_dir(info.path):
+                        if b.base_name.startswith(_BUCKET_DIR) and (
+                            f"state/{name}/{b.base_name}" not in keep
+                        ):
+                            self.log.delete_dir(b.path)
