@@ -196,4 +196,8 @@ def run_capture(cfg: CaptureConfig) -> int:
         return 130 if stop_signal[0] == signal.SIGINT else 143
     if failure:
         raise SourceError(f"the Debezium connector stopped: {failure[0]}")
-    return 0
+    # the engine only returns by itself when the connector failed (its log says why)
+    raise SourceError(
+        f"the Debezium connector stopped after {sink.files} file(s): see its error above "
+        "(is PostgreSQL reachable with wal_level=logical, and may the user replicate?)"
+    )

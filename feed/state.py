@@ -123,6 +123,8 @@ class BucketedState:
         out = new_rows.select(
             "data.*", bucket_of(F.col("data"), self.key, loaded.buckets).alias("_bucket")
         )
+        # all of a bucket's rows in one task: one file per bucket, not one per task and bucket
+        out = out.repartition("_bucket")
         out.write.partitionBy("_bucket").parquet(self._spark_path(self.log.path(folder)))
         written = {
             int(i.base_name[len(_BUCKET_DIR) :])
