@@ -275,26 +275,33 @@ def _assert_each_time(reader: FeedReader, truths: list[Counter]) -> None:
         assert got == truth, f"after PostgreSQL transaction {i} (time {1 + i})"
 
 
-def test_batch_feed_equals_the_table_after_every_transaction(spark, captured):
+def _batch(spark, captured, table: str, **kw):
+    """Run a batch emitter over the captured folder for one table; its reports."""
     from tests.feed.model import run_emitter
 
-    src, tmp = captured["src"], captured["tmp"]
-    # the large transaction went through the capture more than once
-    assert captured["written_before_kill"] >= 1
     e, reports = run_emitter(
         spark,
         source_kind="debezium",
-        source_path=str(src),
-        feed="accounts",
-        log=str(tmp / "batch-log"),
+        source_path=str(captured["src"]),
+        feed=table.split(".")[1],
+        log=str(captured["tmp"] / "batch-log"),
         key=("id",),
-        table="public.accounts",
+        table=table,
         granularity="transaction",
         clock="logical",
-        max_files_per_txn=4,  # transactions straddle the windows
+        **kw,
     )
     e.close()
     assert sum(r.bad_rows for r in reports) == 0
+    return reports
+
+
+def test_batch_feed_equals_the_table_after_every_transaction(spark, captured):
+    tmp = captured["tmp"]
+    # the large transaction went through the capture more than once
+    assert captured["written_before_kill"] >= 1
+    # four files a transaction at first: source transactions straddle the windows
+    reports = _batch(spark, captured, "public.accounts", max_files_per_txn=4)
     skipped = Counter()
     for r in reports:
         skipped.update(r.skipped)
@@ -323,22 +330,8 @@ def test_follow_feed_equals_the_table_after_every_transaction(captured):
 
 
 def test_second_table_from_the_same_folder(spark, captured):
-    from tests.feed.model import run_emitter
-
-    src, tmp = captured["src"], captured["tmp"]
-    e, reports = run_emitter(
-        spark,
-        source_kind="debezium",
-        source_path=str(src),
-        feed="ledger",
-        log=str(tmp / "batch-log"),
-        key=("id",),
-        table="public.ledger",
-        granularity="transaction",
-        clock="logical",
-    )
-    e.close()
-    assert sum(r.bad_rows for r in reports) == 0
+    tmp = captured["tmp"]
+    _batch(spark, captured, "public.ledger")
     reader = FeedReader(str(tmp / "batch-log"), "ledger")
     assert check_messages(reader.messages(), non_negative=True, key=["id"]) == []
     ledger = captured["ledger_truths"]
