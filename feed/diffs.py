@@ -49,19 +49,23 @@ class Diffs:
     cached: DataFrame | None = None  # persisted along the way: unpersist after the commit
 
 
-def assign_units(changes: DataFrame, granularity: str) -> tuple[DataFrame, int]:
-    """Add ``unit`` (0, 1, …: the offset from ``next``) and return how many there are."""
+def assign_units(
+    changes: DataFrame, granularity: str, order: Sequence[str] | None = None
+) -> tuple[DataFrame, int]:
+    """Add ``unit`` (0, 1, …: the offset from ``next``) and return how many there are.
+    ``order``, when the caller knows it already, lists the source transactions in order."""
     if granularity == "batch":
         return changes.withColumn("unit", F.lit(0).cast("long")), 1
-    order = changes.groupBy("txn").agg(F.min(order_column()).alias("o"))
-    ranked = order.select(
-        "txn", (F.row_number().over(Window.orderBy("o")) - 1).cast("long").alias("unit")
-    ).collect()
-    if not ranked:
+    if order is None:
+        first = changes.groupBy("txn").agg(F.min(order_column()).alias("o"))
+        order = [r["txn"] for r in first.orderBy("o").select("txn").collect()]
+    if not order:
         return changes.withColumn("unit", F.lit(0).cast("long")), 0
     spark = changes.sparkSession
-    units = spark.createDataFrame([(r["txn"], r["unit"]) for r in ranked], "txn string, unit long")
-    return changes.join(F.broadcast(units), "txn"), len(ranked)
+    units = spark.createDataFrame(
+        list(zip(order, range(len(order)), strict=True)), "txn string, unit long"
+    )
+    return changes.join(F.broadcast(units), "txn"), len(order)
 
 
 def unkeyed_diffs(changes: DataFrame) -> DataFrame:

@@ -470,6 +470,8 @@ class Emitter:
         bad = changes.where(F.col("_error").isNotNull()).select("_file", "_raw", "_error")
         good = changes.where(F.col("_error").isNull() & (F.col("op") != "x"))
         held_files: frozenset[str] = frozenset()
+        order: list[str] | None = None
+        position: Any = None  # the highest source position, when the source tells it
         txn_cached: tuple[Any, ...] = ()
         held = redelivered = 0
         if cfg.source_kind == "debezium":
@@ -481,6 +483,7 @@ class Emitter:
                 feed=cfg.feed,
             )
             good, held_files = assembled.changes, assembled.held_files
+            order, position = assembled.order, assembled.position
             bad = bad.unionByName(assembled.bad)
             held, redelivered = assembled.held, assembled.redelivered
             txn_cached = assembled.cached
@@ -513,7 +516,7 @@ class Emitter:
         maybe_die("after_read")
 
         t1 = time.perf_counter()
-        good, units = assign_units(good, cfg.granularity)
+        good, units = assign_units(good, cfg.granularity, order)
         loaded = None
         if self.info.key and cfg.source_kind != "snapshot":
             # only the state buckets this transaction's keys fall in
@@ -568,9 +571,11 @@ class Emitter:
                 f"feed {cfg.feed!r}: {bad_rows} bad input row(s), e.g. {reasons}; "
                 "nothing was committed (--on-bad-record fail)"
             )
-        max_pos = good.agg(F.max(F.struct("pos_hi", "pos_lo", "pos_n")).alias("m")).collect()[0][
-            "m"
-        ]
+        if cfg.source_kind != "debezium":
+            # (Debezium's position came with the transaction figures, without a job)
+            last = good.agg(F.max(F.struct("pos_hi", "pos_lo", "pos_n")).alias("m"))
+            row = last.collect()[0]["m"]
+            position = None if row is None else tuple(row)
         secs["compute"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
@@ -621,9 +626,7 @@ class Emitter:
                 *cp.source.get("files", []),
                 *(os.path.basename(f) for f in files if os.path.basename(f) not in held_names),
             ],
-            "pos": [max_pos["pos_hi"], max_pos["pos_lo"], max_pos["pos_n"]]
-            if max_pos is not None
-            else cp.source.get("pos", [0, 0, 0]),
+            "pos": list(position) if position is not None else cp.source.get("pos", [0, 0, 0]),
         }
         if cfg.source_kind == "debezium" and "snapshot_lsn" not in source:
             # the first snapshot read committed: later reads at another LSN are a new one

@@ -58,14 +58,14 @@ class Assembled:
     held: int  # source transactions held back
     redelivered: int  # events dropped as already done or repeated
     bad: DataFrame  # snapshot reads of a new snapshot behind the committed position
+    position: Position | None = None  # the highest position among ``changes``
+    order: list[str] | None = None  # the released transactions in source order
     cached: tuple[DataFrame, ...] = ()  # persisted here: unpersist after the commit
 
 
-def _position_filter(
-    df: DataFrame, pos: Position, snapshot_lsn: int | None
-) -> tuple[DataFrame, DataFrame]:
-    """The events after ``pos``, and the snapshot reads of a *new* snapshot that arrive
-    behind it (bad: see :data:`NEW_SNAPSHOT`)."""
+def _position_filter(pos: Position, snapshot_lsn: int | None) -> tuple[Column, Column]:
+    """Whether an event comes after ``pos`` (to keep), and whether it is a read of a *new*
+    snapshot arriving behind it (bad: see :data:`NEW_SNAPSHOT`)."""
     hi, lo, n = pos
     hi_c, lo_c, n_c = F.col("pos_hi"), F.col("pos_lo"), F.col("pos_n")
     after = (hi_c > hi) | ((hi_c == hi) & (lo_c > lo)) | ((hi_c == hi) & (lo_c == lo) & (n_c > n))
@@ -73,11 +73,10 @@ def _position_filter(
     same_snapshot = is_read & (hi_c == hi) & (lo_c == lo)
     # an event of a transaction whose END has not been read has no commit position yet
     keep = hi_c.isNull() | after | same_snapshot
-    behind = df.where(~keep & is_read)
+    behind = ~keep & is_read
     if snapshot_lsn is not None:
-        behind = behind.where(lo_c != snapshot_lsn)  # the feed's own snapshot, redelivered
-    bad = behind.select("_file", "_raw", F.lit(NEW_SNAPSHOT).alias("_error"))
-    return df.where(keep), bad
+        behind = behind & (lo_c != snapshot_lsn)  # the feed's own snapshot, redelivered
+    return keep, behind
 
 
 #: why a snapshot read behind the committed position is quarantined
@@ -119,28 +118,37 @@ def assemble(
             for c in changes.columns
         ]
     )
-    total = data.count()
-    data, bad = _position_filter(data, committed, snapshot_lsn)
+    keep, behind = _position_filter(committed, snapshot_lsn)
     dup = F.when(F.col("op") == "r", F.to_json("after")).otherwise(F.lit(""))
-    data = (
-        data.withColumn("_dup", dup)
-        .dropDuplicates(["txn", "pos_lo", "pos_n", "op", "_dup"])
-        .drop("_dup")
-    )
-    data = persisted = data.persist()
+    flagged = data.withColumn("_keep", keep).withColumn("_dup", dup)
+    bad = flagged.where(behind).select("_file", "_raw", F.lit(NEW_SNAPSHOT).alias("_error"))
+    kept_only = F.col("_keep")
+    # one job for all a transaction's figures: what arrived, what is new, where it stands
     stats = (
-        data.groupBy("txn")
+        flagged.groupBy("txn")
         .agg(
-            F.count(F.lit(1)).alias("events"),
+            F.count(F.lit(1)).alias("total"),
+            F.count_distinct(F.when(kept_only, F.struct("pos_lo", "pos_n", "op", "_dup"))).alias(
+                "events"
+            ),
             F.max("tx_meta").alias("meta"),
-            F.min(F.struct("ord_file", "ord_row")).alias("first"),
+            F.min(F.when(kept_only, F.struct("ord_file", "ord_row"))).alias("first"),
+            F.max(F.when(kept_only, F.struct("pos_hi", "pos_lo", "pos_n"))).alias("last"),
+            F.min(F.when(kept_only, order_column())).alias("order"),
             F.collect_set("_file").alias("files"),
         )
         # a transaction redelivered whole after it was turned into updates: its events
-        # are filtered out above and its END is done with
+        # are filtered out and its END is done with
         .join(ends.where(F.col("commit_lsn") > committed[0]), "txn", "full")
         .collect()
     )
+    data = (
+        flagged.where(kept_only)
+        .dropDuplicates(["txn", "pos_lo", "pos_n", "op", "_dup"])
+        .drop("_keep", "_dup")
+    )
+    data = persisted = data.persist()
+    total = sum(r["total"] or 0 for r in stats)
     kept = sum(r["events"] or 0 for r in stats)
     incomplete = []
     for r in stats:
@@ -180,12 +188,15 @@ def assemble(
             feed,
             len(held_txns),
         )
-    ready = sum(1 for r in stats if r["txn"] not in held_txns and r["events"])
+    ready_rows = [r for r in stats if r["txn"] not in held_txns and r["events"]]
+    lasts = [tuple(r["last"]) for r in ready_rows if r["last"] is not None]
     return Assembled(
         changes=data.select(*changes.columns),
         held_files=frozenset(held_files),
-        ready=ready,
+        ready=len(ready_rows),
         held=len(held_txns),
+        position=max(lasts) if lasts else None,
+        order=[r["txn"] for r in sorted(ready_rows, key=lambda r: tuple(r["order"]))],
         redelivered=total - kept,
         bad=bad,
         cached=(ends, persisted),
