@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import re
+import threading
 from dataclasses import dataclass
 
 import orjson
@@ -64,11 +65,21 @@ def _feed(request: web.Request) -> str:
     return name
 
 
+_CREATING = threading.Lock()
+
+
 def _consumer(app: web.Application, feed: str) -> Consumer:
+    """The one consumer of ``feed`` (built from the store on first use). Runs in worker
+    threads: creation is locked, or a status GET racing the first POST could build a
+    second consumer from the store's old state and leave the POST's one orphaned."""
     consumers: dict[str, Consumer] = app[CONSUMERS]
-    if feed not in consumers:
-        consumers[feed] = Consumer(app[DB].store(feed), feed=feed)
-    return consumers[feed]
+    found = consumers.get(feed)
+    if found is not None:
+        return found
+    with _CREATING:
+        if feed not in consumers:
+            consumers[feed] = Consumer(app[DB].store(feed), feed=feed)
+        return consumers[feed]
 
 
 def _lock(app: web.Application, feed: str) -> asyncio.Lock:

@@ -189,3 +189,30 @@ async def test_a_storage_failure_is_503_with_retry_after_and_commits_nothing(rec
     assert await state(base) == before  # nothing committed, nothing pending
     status, ack, _ = await raw_post(base, NDJSON.encode(FEED[3:]))  # the retry goes through
     assert (status, ack["frontier"]) == (200, 4)
+
+
+async def test_a_status_get_racing_the_first_push_never_commits_a_time_twice(receiver):
+    import asyncio
+
+    base = await receiver()
+    body = get_codec("ndjson").encode(FEED[:3])
+    headers = {"Content-Type": "application/x-ndjson", "Tidefeed-Epoch": "1"}
+    async with aiohttp.ClientSession() as s:
+        for n in range(40):
+            feed = f"race{n}"
+
+            async def get(feed=feed):
+                async with s.get(f"{base}/v1/push/{feed}") as r:
+                    assert r.status == 200
+
+            async def post(feed=feed):
+                async with s.post(f"{base}/v1/push/{feed}", data=body, headers=headers) as r:
+                    assert r.status == 200, await r.text()
+
+            await asyncio.gather(*[get() for _ in range(4)], post(), *[get() for _ in range(4)])
+            # the same time again: the receiver must answer from the one consumer that
+            # committed it (a duplicate below the frontier is ignored)
+            await post()
+            async with s.get(f"{base}/v1/collections/{feed}") as r:
+                rows = [orjson.loads(x) for x in (await r.read()).splitlines()]
+            assert sorted(x["count"] for x in rows) == [1, 1], (feed, rows)
