@@ -216,3 +216,10 @@ async def test_a_status_get_racing_the_first_push_never_commits_a_time_twice(rec
             async with s.get(f"{base}/v1/collections/{feed}") as r:
                 rows = [orjson.loads(x) for x in (await r.read()).splitlines()]
             assert sorted(x["count"] for x in rows) == [1, 1], (feed, rows)
+
+
+async def test_the_collection_of_an_unknown_feed_is_404(receiver):
+    base = await receiver()
+    async with aiohttp.ClientSession() as s, s.get(f"{base}/v1/collections/nobody") as r:
+        assert r.status == 404
+        assert (await r.json())["error"] == "unknown_feed"
