@@ -39,6 +39,15 @@ log = logging.getLogger("tidefeed.capture")
 DEFAULT_SLOT = "tidefeed"
 OFFSETS_FILE = "_offsets.dat"
 _EVENTS = re.compile(r"^events-(\d{12})\.json$")
+_LOG4J2 = """\
+rootLogger.level = WARN
+rootLogger.appenderRef.stderr.ref = stderr
+appender.stderr.type = Console
+appender.stderr.name = stderr
+appender.stderr.target = SYSTEM_ERR
+appender.stderr.layout.type = PatternLayout
+appender.stderr.layout.pattern = %d{yyyy-MM-dd HH:mm:ss,SSS} debezium [%level] %c{1} - %m%n
+"""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,7 +167,15 @@ def run_capture(cfg: CaptureConfig) -> int:
             if name:
                 log.info("capture: %s (%d records)", name, len(values))
 
-    engine = DebeziumJsonEngine(properties=debezium_properties(cfg), handler=Handler())
+    # the connector's own log: warnings and errors on stderr, no log files in the cwd
+    log_config = os.path.join(cfg.out, "_log4j2.properties")
+    with open(log_config, "w", encoding="utf-8") as f:
+        f.write(_LOG4J2)
+    engine = DebeziumJsonEngine(
+        properties=debezium_properties(cfg),
+        handler=Handler(),
+        jvm_opts=[f"-Dlog4j2.configurationFile={log_config}"],
+    )
     failure: list[BaseException] = []
 
     done = threading.Event()

@@ -30,7 +30,8 @@ from protocol import check_messages
 
 from .helpers import start
 
-pytestmark = pytest.mark.slow
+# a real cluster, a JVM for Debezium and two Spark emitters: generous on a loaded machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _require() -> None:
