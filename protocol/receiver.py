@@ -134,11 +134,11 @@ async def post_push(request: web.Request) -> web.Response:
 
 async def get_collection(request: web.Request) -> web.StreamResponse:
     feed = _feed(request)
+    if feed not in request.app[CONSUMERS] and feed not in await asyncio.to_thread(
+        request.app[DB].feeds
+    ):
+        raise HttpError(404, "unknown_feed", f"no producer has pushed feed {feed!r} here")
     consumer = await asyncio.to_thread(_consumer, request.app, feed)
-    if consumer.frontier is None:
-        raise HttpError(
-            404, "unknown_feed", f"feed {feed!r} has committed nothing at this receiver"
-        )
     at_raw = request.query.get("at")
     at = None
     if at_raw is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -26,8 +27,14 @@ BANK = generate_bank(transactions=40, seed=41)
 
 
 def collection(port: int, feed: str = "bank") -> dict[bytes, int]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/collections/{feed}") as r:
-        rows = [orjson.loads(x) for x in r.read().splitlines()]
+    """The receiver's collection; empty while no producer has pushed the feed (404)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/collections/{feed}") as r:
+            rows = [orjson.loads(x) for x in r.read().splitlines()]
+    except urllib.error.HTTPError as e:
+        if e.code != 404:
+            raise
+        return {}
     return {record_key(x["data"]): x["count"] for x in rows}
 
 
