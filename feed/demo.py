@@ -44,12 +44,12 @@ def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = N
         print(s, file=out, flush=True)
 
     started = time.monotonic()
-    work = Path(workdir or tempfile.mkdtemp(prefix="tidefeed-demo-"))
-    # a fresh run each time: remove what an earlier demo left here (and nothing else)
-    for old in ("bank-events", "log"):
-        shutil.rmtree(work / old, ignore_errors=True)
-    for old in ("receiver.db", "receiver.db-wal", "receiver.db-shm", "accounts.cdcv2.avro"):
-        (work / old).unlink(missing_ok=True)
+    work = fresh_workdir(
+        workdir,
+        "tidefeed-demo-",
+        folders=("bank-events", "log"),
+        files=("receiver.db", "receiver.db-wal", "receiver.db-shm", "accounts.cdcv2.avro"),
+    )
     src = work / "bank-events"
     src.mkdir(parents=True, exist_ok=True)
     bank = generate_bank(transactions=transactions)
@@ -154,6 +154,19 @@ def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = N
         return 0
     say("MISMATCH: the receiver's collection differs from the bank's final table")
     return 1
+
+
+def fresh_workdir(
+    workdir: str | None, prefix: str, *, folders: tuple[str, ...], files: tuple[str, ...]
+) -> Path:
+    """The demo's folder, with what an earlier run of it left removed (and nothing else)."""
+    work = Path(workdir or tempfile.mkdtemp(prefix=prefix))
+    for old in folders:
+        shutil.rmtree(work / old, ignore_errors=True)
+    for old in files:
+        (work / old).unlink(missing_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    return work
 
 
 class _Receiver:

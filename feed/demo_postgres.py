@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import logging
 import random
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -113,7 +111,7 @@ def run_postgres_demo(
         raise SourceError(
             "tidefeed demo --postgres needs the postgres extra: pip install 'tidefeed[postgres]'"
         ) from e
-    from .demo import _Receiver
+    from .demo import _Receiver, fresh_workdir
     from .emitter import Emitter, EmitterConfig
     from .publisher import deliver_log
     from .reader import FeedReader
@@ -122,12 +120,12 @@ def run_postgres_demo(
         print(s, file=out, flush=True)
 
     started = time.monotonic()
-    work = Path(workdir or tempfile.mkdtemp(prefix="tidefeed-pg-demo-"))
-    for old in ("pg-events", "pg-log"):
-        shutil.rmtree(work / old, ignore_errors=True)
-    for old in ("pg-receiver.db", "pg-receiver.db-wal", "pg-receiver.db-shm"):
-        (work / old).unlink(missing_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
+    work = fresh_workdir(
+        workdir,
+        "tidefeed-pg-demo-",
+        folders=("pg-events", "pg-log"),
+        files=("pg-receiver.db", "pg-receiver.db-wal", "pg-receiver.db-shm", "capture.log"),
+    )
     src, log = work / "pg-events", work / "pg-log"
     pg = TempPostgres().start()
     capture = None

@@ -131,20 +131,20 @@ def _edge_txn(kind: str, path: str, *, last: bool) -> str | None:
                 lines = [x for x in (f.readline() for _ in range(100)) if x.strip()]
     except OSError:
         return None
+    from .sources import debezium_event
+
     for line in lines:
-        try:
-            row = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            continue
-        if not isinstance(row, dict):
-            continue
         if kind == "cdf":
-            v = row.get("_commit_version")
-        else:
-            payload = row.get("payload", row)
-            if not isinstance(payload, dict) or payload.get("op") is None:
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError:
                 continue
-            src = payload.get("source")
+            v = row.get("_commit_version") if isinstance(row, dict) else None
+        else:
+            found = debezium_event(line)
+            if found is None:
+                continue
+            src = found[1].get("source")
             v = src.get("txId") if isinstance(src, dict) else None
         return None if v is None else str(v)
     return None

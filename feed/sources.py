@@ -47,6 +47,7 @@ from protocol import SourceError, avro_to_arrow
 __all__ = [
     "CHANGE_COLUMNS",
     "SOURCE_KINDS",
+    "debezium_event",
     "infer_record_schema",
     "read_changes",
     "spark_record_type",
@@ -209,15 +210,25 @@ def _debezium_events(files: Sequence[str]) -> Iterator[tuple[dict[str, Any], dic
                 seen += 1
                 if seen > _SAMPLE_LINES:
                     return
-                try:
-                    e = orjson.loads(line)
-                except orjson.JSONDecodeError:
-                    continue
-                if not isinstance(e, dict):
-                    continue
-                payload = e.get("payload", e) if "payload" in e else e
-                if isinstance(payload, dict) and payload.get("op") is not None:
-                    yield e, payload
+                found = debezium_event(line)
+                if found is not None:
+                    yield found
+
+
+def debezium_event(line: bytes) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(wrapper, payload) of one JSON line if it is a Debezium change event, with or
+    without the ``{"schema","payload"}`` wrapper; None for anything else (tombstones,
+    heartbeats, transaction metadata, malformed lines)."""
+    try:
+        e = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(e, dict):
+        return None
+    payload = e.get("payload", e)
+    if isinstance(payload, dict) and payload.get("op") is not None:
+        return e, payload
+    return None
 
 
 def _table_of(payload: dict[str, Any]) -> str | None:
