@@ -547,7 +547,9 @@ class Emitter:
         new_state = None
         cached = None
         if cfg.source_kind == "snapshot":
-            d = snapshot_diffs(good, self._load_state(cp), self.info.key, cfg.granularity)
+            # the previous snapshot, whole: diffing full snapshots is O(table) by nature
+            last = self._state.read([cp.state]) if cp.state else None
+            d = snapshot_diffs(good, last, self.info.key, cfg.granularity)
             diffs, new_state, cached = d.diffs, d.state, d.cached
             if d.bad is not None:
                 bad = bad.unionByName(d.bad)
@@ -690,15 +692,6 @@ class Emitter:
             if n:
                 counts[t] = n
         return counts
-
-    def _load_state(self, cp: Checkpoint) -> Any:
-        from pyspark.sql import functions as F
-
-        if not cp.state:
-            return None
-        path = self._spark_path(self.feedlog.path(cp.state))
-        df = self.spark.read.schema(self._record_type).parquet(path)
-        return df.select(F.struct(*[F.col(c) for c in df.columns]).alias("data"))
 
     def _prune_state(self, cp: Checkpoint) -> None:
         """Delete the state files no kept commit needs (and an uncommitted transaction's)."""

@@ -90,7 +90,8 @@ class BucketedState:
             ) from e
         return int(d["buckets"]), {int(b): f for b, f in d["files"].items()}
 
-    def _read(self, folders: Iterable[str]) -> DataFrame | None:
+    def read(self, folders: Iterable[str]) -> DataFrame | None:
+        """The rows of these state folders (relative to the feed) as column ``data``."""
         paths = [self._spark_path(self.log.path(f)) for f in folders]
         if not paths:
             return None
@@ -104,7 +105,7 @@ class BucketedState:
         """The state rows that ``changes`` (whose record is ``image``) can meet."""
         if ref is not None and not ref.endswith(".json"):
             # a whole-state folder from before buckets: read it all, rewrite every bucket
-            return LoadedState(self._read([ref]), frozenset(range(BUCKETS)), BUCKETS, {})
+            return LoadedState(self.read([ref]), frozenset(range(BUCKETS)), BUCKETS, {})
         buckets, files = self._manifest(ref) if ref else (BUCKETS, {})
         touched = frozenset(
             r["b"]
@@ -112,7 +113,7 @@ class BucketedState:
             .distinct()
             .collect()
         )
-        rows = self._read(files[b] for b in sorted(touched) if b in files)
+        rows = self.read(files[b] for b in sorted(touched) if b in files)
         return LoadedState(rows, touched, buckets, files)
 
     # ---- writing ------------------------------------------------------------------------

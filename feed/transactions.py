@@ -37,8 +37,6 @@ from pyspark.sql import functions as F
 __all__ = ["Assembled", "Position", "assemble", "order_column"]
 
 Position = tuple[int, int, int]
-#: a position below every real one: a new feed's
-START: Position = (0, 0, 0)
 DATA_OPS = ("c", "u", "d", "r")
 
 
