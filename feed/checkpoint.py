@@ -20,11 +20,14 @@ Contract (DESIGN §4):
 Extensions to the DESIGN fields: ``since`` (the compaction point, 0 until compacted),
 ``writers`` (``[[from_time, epoch], …]``: which epoch's files hold the times from
 ``from_time`` on, so files left by a fenced-out writer are never read) and ``state`` (the
-folder of the keyed-state snapshot this commit goes with, or null).
+folder of the keyed-state snapshot this commit goes with, or null) and ``manifest`` (the
+manifest, feed/manifest.py, that says which files hold each committed time; null only in a
+feed written before manifests, which ``writers`` then describes).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -39,6 +42,7 @@ __all__ = ["FORMAT", "KEEP_COMMITS", "Checkpoint", "CheckpointStore"]
 
 FORMAT = 1
 KEEP_COMMITS = 5
+log = logging.getLogger("tidefeed.checkpoint")
 _COMMIT_NAME = re.compile(r"^(\d{20})\.json$")
 
 
@@ -56,6 +60,7 @@ class Checkpoint:
     since: int = 0
     writers: tuple[tuple[int, int], ...] = ()
     state: str | None = None
+    manifest: str | None = None
     format: int = FORMAT
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -118,12 +123,27 @@ class CheckpointStore:
             int(m.group(1)) for i in infos if (m := _COMMIT_NAME.match(i.base_name)) is not None
         )
 
-    def latest(self) -> Checkpoint | None:
-        """The checkpoint with the highest seq, or ``None`` for a feed never committed."""
+    def latest(self, *, repair: bool = False) -> Checkpoint | None:
+        """The checkpoint with the highest seq, or ``None`` for a feed never committed.
+
+        A newest commit file that is empty or cut short was never published whole (a crash
+        while an older tidefeed, or an object store without conditional create, wrote it):
+        its transaction did not commit, so the one before it is the latest. With ``repair``
+        (the emitter's start-up) the broken file is renamed ``<seq>.json.broken`` so its
+        seq can be committed again."""
         seqs = self._seqs()
         if not seqs:
             return None
-        return self.read(seqs[-1])
+        try:
+            return self.read(seqs[-1])
+        except CheckpointError as e:
+            if not isinstance(e.__cause__, orjson.JSONDecodeError):
+                raise
+            path = f"{self.dir}/{seqs[-1]:020d}.json"
+            log.warning("feed %s: ignoring %s, written only in part: %s", self.log.feed, path, e)
+            if repair:
+                self.log.fs.move(path, f"{path}.broken")
+            return self.read(seqs[-2]) if len(seqs) > 1 else None
 
     def read(self, seq: int) -> Checkpoint:
         path = f"{self.dir}/{seq:020d}.json"

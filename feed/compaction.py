@@ -8,19 +8,17 @@ policy) does, in this order:
    the times ``>= F``; a subscription that never ACKed holds everything);
 2. write the collection at ``C`` (every record with its multiplicity as its diff, consolidated)
    to ``compacted/C/part-00000.parquet`` and make it durable (fsync locally);
-3. **commit** ``since = C`` by creating ``compacted/C/_committed.json`` exclusively (the
-   commit point: readers take the highest committed ``compacted/<c>`` as ``since``);
+3. **commit** ``since = C``: a manifest without the folded times and naming the collection
+   file, then the next checkpoint (the same commit sequence as the emitter's, in the
+   emitter's epoch; an emitter that finds its next seq taken by it commits on top);
 4. delete the folded segments: every ``times/<t>`` with ``t < C`` and every older
    ``compacted/<c>``.
 
 ``times/C`` itself is kept: a consumer that ACKed ``C`` resumes from ``after=C`` and needs the
 updates *at* ``C``, which the snapshot has folded into the collection. So ``after >= since``
 is always served exactly and ``after < since`` is 410. A crash before 3 leaves an
-uncommitted ``compacted/C`` that readers ignore and the next compaction replaces; a crash
-after 3 leaves folded segments that readers no longer look at, deleted by the next run.
-
-The compaction commit is its own file, not a checkpoint, so it never races a running
-emitter for the next checkpoint number (which would fence that emitter out).
+uncommitted ``compacted/C`` that no manifest names and the next compaction replaces; a crash
+after 3 leaves folded segments that no manifest names, deleted by the next run.
 """
 
 from __future__ import annotations
@@ -29,13 +27,14 @@ import logging
 import time
 from dataclasses import dataclass
 
-import orjson
 import pyarrow.parquet as pq
 
-from protocol import CheckpointError
+from protocol import CheckpointError, CommitConflict
 
 from ._faults import maybe_die
-from .log import COMPACTION_COMMITTED, FeedLog
+from .checkpoint import Checkpoint, CheckpointStore
+from .log import FeedLog
+from .manifest import ManifestStore, legacy_manifest
 from .reader import FeedReader
 from .subscriptions import SubscriptionStore
 
@@ -107,11 +106,7 @@ def compact(log_uri: str, feed: str, to: int) -> CompactResult:
         pq.write_table(table, f)
     flog.sync(part)
     maybe_die("compact_before_commit")
-    marker = orjson.dumps(
-        {"since": to, "folded_from": before, "records": table.num_rows, "at": time.time()}
-    )
-    if not flog.create_exclusive(f"{folder}/{COMPACTION_COMMITTED}", marker):
-        raise CheckpointError(f"feed {feed!r}: another compaction to {to} committed first")
+    _commit(reader, to, (part[len(flog.root) + 1 :],), table.num_rows)
     maybe_die("compact_after_commit")
     deleted = _drop_folded(flog, to)
     log.info(
@@ -122,6 +117,39 @@ def compact(log_uri: str, feed: str, to: int) -> CompactResult:
         time.monotonic() - started,
     )
     return CompactResult(feed, before, to, table.num_rows, deleted)
+
+
+def _commit(reader: FeedReader, to: int, files: tuple[str, ...], records: int) -> Checkpoint:
+    """Commit ``since = to`` as the next checkpoint, on top of whatever the emitter has
+    committed meanwhile (a conflict means it committed first: take its commit as the base
+    and try again). The epoch stays the emitter's, so the emitter is not fenced out."""
+    flog = reader.log
+    store = CheckpointStore(flog)
+    manifests = ManifestStore(flog)
+    for _ in range(16):
+        latest = store.latest()
+        assert latest is not None  # the reader found it
+        base = (
+            manifests.read(latest.manifest)
+            if latest.manifest
+            else legacy_manifest(manifests, latest)
+        )
+        if base.since >= to:
+            raise CheckpointError(f"feed {flog.feed!r}: another compaction to {to} committed first")
+        m = manifests.write(
+            seq=latest.seq + 1,
+            epoch=latest.epoch,
+            base=base,
+            since=to,
+            compacted=(files, records),
+        )
+        cp = latest.successor(since=to, manifest=m.name, writers=())
+        try:
+            store.commit(cp)
+            return cp
+        except CommitConflict:
+            manifests.prune((), written=manifests.written)
+    raise CheckpointError(f"feed {flog.feed!r}: could not commit the compaction (busy emitter)")
 
 
 def _drop_folded(flog: FeedLog, since: int) -> int:

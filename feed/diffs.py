@@ -25,6 +25,7 @@ from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
+from .state import GONE_COLUMN, POS_COLUMN, POS_TYPE
 from .transactions import order_column
 
 __all__ = [
@@ -82,8 +83,15 @@ def _key_of(image: Column, key: Sequence[str]) -> Column:
     return F.struct(*[image[k].alias(k) for k in key])
 
 
-def keyed_diffs(changes: DataFrame, state: DataFrame | None, key: Sequence[str]) -> Diffs:
-    """Diffs of keyed changes against ``state`` (a DataFrame with a record column ``data``)."""
+def keyed_diffs(
+    changes: DataFrame, state: DataFrame | None, key: Sequence[str], *, per_key: bool = False
+) -> Diffs:
+    """Diffs of keyed changes against ``state`` (a DataFrame with a record column ``data``).
+
+    With ``per_key`` (sources whose positions order each key's changes: upsert order values,
+    CDF commit versions) the new state keeps each key's last position (``_pos``), and a
+    key's changes at or below the position its state row holds are dropped: a redelivered
+    or older row in a later file never overwrites newer state."""
     image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
     events = changes.select(
         _key_of(image, key).alias("k"),
@@ -91,23 +99,35 @@ def keyed_diffs(changes: DataFrame, state: DataFrame | None, key: Sequence[str])
         "op",
         "after",
         order_column().alias("o"),
+        F.struct("pos_hi", "pos_lo", "pos_n").alias("p"),
         "_file",
         "_raw",
     )
     last = events.groupBy("k", "unit").agg(
         F.max_by(F.struct("op", "after"), "o").alias("last"),
         F.max((F.col("op") != "d").cast("int")).alias("has_upsert"),
+        F.max("p").alias("p"),
     )
     last = last.select(
         "k",
         "unit",
         "has_upsert",
+        "p",
         F.when(F.col("last.op") == "d", F.lit(None)).otherwise(F.col("last.after")).alias("img"),
     )
     by_key = Window.partitionBy("k").orderBy("unit")
     if state is not None:
-        st = state.select(_key_of(F.col("data"), key).alias("k"), F.col("data").alias("old"))
+        pos = F.col(POS_COLUMN) if POS_COLUMN in state.columns else F.lit(None).cast(POS_TYPE)
+        gone = F.col(GONE_COLUMN) if GONE_COLUMN in state.columns else F.lit(False)
+        st = state.select(
+            _key_of(F.col("data"), key).alias("k"),
+            F.when(~gone, F.col("data")).alias("old"),
+            pos.cast(POS_TYPE).alias("old_pos"),
+        )
         last = last.join(st, "k", "left")
+        if per_key:
+            # a unit whose newest change is not past the key's state is a redelivery
+            last = last.where(F.col("old_pos").isNull() | (F.col("p") > F.col("old_pos")))
     else:
         last = last.withColumn("old", F.lit(None).cast(changes.schema["after"].dataType))
     last = last.withColumn(
@@ -137,13 +157,30 @@ def keyed_diffs(changes: DataFrame, state: DataFrame | None, key: Sequence[str])
     )
     # new state: the last image of every touched key, plus the untouched keys' rows
     final = Window.partitionBy("k").orderBy(F.col("unit").desc())
-    touched = last.select("k", "img", F.row_number().over(final).alias("rn")).where("rn = 1")
+    touched = last.select("k", "img", "p", F.row_number().over(final).alias("rn")).where("rn = 1")
     new_rows = touched.where(F.col("img").isNotNull()).select(F.col("img").alias("data"))
+    if per_key:
+        # deleted keys stay as tombstones: the key columns, the position, _gone
+        record_t = changes.schema["after"].dataType
+        key_only = F.struct(
+            *[
+                (F.col(f"k.{f.name}") if f.name in key else F.lit(None))
+                .cast(f.dataType)
+                .alias(f.name)
+                for f in record_t.fields  # type: ignore[attr-defined]
+            ]
+        )
+        new_rows = touched.select(
+            F.coalesce(F.col("img"), key_only).alias("data"),
+            F.col("p").cast(POS_TYPE).alias(POS_COLUMN),
+            F.col("img").isNull().alias(GONE_COLUMN),
+        )
     if state is not None:
+        carried = [c for c in (POS_COLUMN, GONE_COLUMN) if per_key and c in state.columns]
         kept = state.join(
             touched.select("k"), _key_of(F.col("data"), key) == F.col("k"), "left_anti"
-        ).select("data")
-        new_state = kept.unionByName(new_rows)
+        ).select("data", *carried)
+        new_state = kept.unionByName(new_rows, allowMissingColumns=True)
     else:
         new_state = new_rows
     return Diffs(diffs=minus.unionByName(plus), units=0, state=new_state, bad=bad, cached=last)

@@ -30,19 +30,21 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
 import orjson
 
-from protocol import CheckpointError, Progress, SourceError, fingerprint
+from protocol import CheckpointError, CommitConflict, Progress, SourceError, fingerprint
 
 from ._faults import maybe_die
 from .checkpoint import Checkpoint, CheckpointStore
 from .eager import EagerPusher
+from .inputs import FilePosition, list_files, without_legacy
 from .log import FeedLog
+from .manifest import Manifest, ManifestStore, Segment, legacy_manifest
 
 __all__ = ["Emitter", "EmitterConfig", "TxnReport", "load_schema_file"]
 
@@ -50,6 +52,7 @@ log = logging.getLogger("tidefeed.emit")
 
 DEFAULT_TRIGGER = 5.0
 DEFAULT_MAX_FILES = 1000
+LIST_PRUNE_EVERY = 256
 RESERVED = ("time", "diff")
 
 
@@ -187,11 +190,14 @@ class Emitter:
         self._clock = clock
         self.feedlog = FeedLog(config.log, config.feed)
         self.store = CheckpointStore(self.feedlog)
+        self.manifests = ManifestStore(self.feedlog)
         self.state = State.UNOPENED
         self.cp: Checkpoint | None = None
         self._delta_source: Any = None
         self.info: Any = None
         self._record_type: Any = None
+        self._listed: list[str] = []  # file names the last poll saw (input, tx metadata)
+        self._tx_listed: list[str] = []
 
     # ---- lifecycle -------------------------------------------------------------------
     @property
@@ -220,7 +226,7 @@ class Emitter:
         from .sources import spark_record_type
 
         self._record_type = spark_record_type(self.info.schema)
-        latest = self.store.latest()
+        latest = self.store.latest(repair=True)
         if latest is None:
             start = self._clock() if self.info.clock == "wallclock" else 1
             latest = Checkpoint(
@@ -229,12 +235,19 @@ class Emitter:
                 seq=0,
                 progress=Progress(0, 0, ()),
                 next=start,
-                source={"files": [], "pos": [0, 0, 0]},
+                source={"file": None, "file_beyond": [], "pos": [0, 0, 0]},
                 schema=self.info.fingerprint,
             )
         claimed = latest.successor(epoch=latest.epoch + 1)
+        if latest.seq and latest.manifest is None:
+            # a feed from before manifests: publish the one its folders imply
+            legacy = legacy_manifest(self.manifests, latest)
+            m = self.manifests.write(seq=claimed.seq, epoch=claimed.epoch, base=legacy)
+            claimed = replace(claimed, manifest=m.name, writers=())
+            self.log.info("feed %s: migrated to a manifest-based log (%s)", cfg.feed, m.name)
         self.store.commit(claimed)
         self.cp = claimed
+        self.manifests.prune(self._kept_refs(claimed)[1])
         gone = self.feedlog.delete_times_from(claimed.progress.upper)
         self.feedlog.delete_dir(self.feedlog.path("_staging"))
         from .state import BucketedState
@@ -242,7 +255,7 @@ class Emitter:
         self._state = BucketedState(
             lambda: self.spark, self.feedlog, self._record_type, self.info.key, self._spark_path
         )
-        self._prune_state(claimed)
+        self._state.prune(self._kept_refs(claimed)[0])
         for name in ("quarantine",):
             for n in self.feedlog.numbered_dirs(name):
                 if n > latest.seq and f"{name}/{n}" != claimed.state:
@@ -320,16 +333,7 @@ class Emitter:
 
     # ---- input -----------------------------------------------------------------------
     def _all_files(self, where: str | None = None) -> list[str]:
-        path = os.path.abspath(where or self.config.source_path)
-        if os.path.isfile(path):
-            return [path]
-        if not os.path.isdir(path):
-            raise SourceError(f"source path {where or self.config.source_path!r} does not exist")
-        return sorted(
-            os.path.join(path, n)
-            for n in os.listdir(path)
-            if not n.startswith((".", "_")) and os.path.isfile(os.path.join(path, n))
-        )
+        return list_files(where or self.config.source_path)
 
     def _delta(self) -> Any:
         from .delta import DeltaSource
@@ -339,11 +343,13 @@ class Emitter:
         return self._delta_source
 
     def pending_files(self) -> list[str]:
+        """Input files not consumed yet, in name order (also noted for the next commit)."""
         assert self.cp is not None
         if self.config.source_kind == "delta":
             return []
-        done = set(self.cp.source.get("files", []))
-        return [f for f in self._all_files() if os.path.basename(f) not in done]
+        listed = self._all_files()
+        self._listed = [os.path.basename(f) for f in listed]
+        return FilePosition.from_source(self.cp.source).pending(listed)
 
     def _pending_tx_files(self) -> list[str]:
         """Transaction metadata files (``--tx-metadata``) not yet consumed: all of them go
@@ -351,10 +357,9 @@ class Emitter:
         assert self.cp is not None
         if not self.config.tx_metadata:
             return []
-        done = set(self.cp.source.get("tx_files", []))
-        return [
-            f for f in self._all_files(self.config.tx_metadata) if os.path.basename(f) not in done
-        ]
+        listed = list_files(self.config.tx_metadata, what="--tx-metadata path")
+        self._tx_listed = [os.path.basename(f) for f in listed]
+        return FilePosition.from_source(self.cp.source, "tx_file").pending(listed)
 
     # ---- one transaction -------------------------------------------------------------
     def step(self) -> TxnReport | None:
@@ -367,9 +372,9 @@ class Emitter:
         files = pending[: self.config.max_files_per_txn]
         if not files:
             return None
-        if self.config.granularity == "transaction":
-            # never split a source transaction: take the next file too while it goes on
-            # with the transaction the last file ended in
+        if self.config.granularity == "transaction" or self.config.source_kind == "cdf":
+            # never split a source transaction (a Delta commit version: always): take the
+            # next file too while it goes on with the transaction the last file ended in
             while len(files) < len(pending):
                 last = _edge_txn(self.config.source_kind, files[-1], last=True)
                 if last is None or last != _edge_txn(
@@ -416,9 +421,10 @@ class Emitter:
         upper = max(self._clock(), self.cp.next)
         if upper <= self.cp.frontier:
             return None
-        cp = self.cp.successor(progress=Progress(self.cp.frontier, upper, ()), next=upper)
-        self.store.commit(cp)
-        self.cp = cp
+        cp = self._commit(
+            lambda base: base.successor(progress=Progress(base.frontier, upper, ()), next=upper),
+            (),
+        )
         if self.on_commit:
             self.on_commit(cp)
         return cp
@@ -503,13 +509,23 @@ class Emitter:
             counted = changes.where(~F.col("_file").isin(held_list))
         else:
             counted = changes
+        done_version = cp.source.get("cdf_version") if cfg.source_kind == "cdf" else None
+        stale = F.lit(False)
+        if done_version is not None:
+            # a Delta commit is whole in one emitter transaction (the file window never
+            # splits a version): a version at or below the committed one is a redelivery
+            stale = (F.col("op") != "x") & (F.col("pos_hi") <= F.lit(done_version))
+            good = good.where(~stale)
         tally = counted.groupBy("_skip").agg(
-            F.count(F.lit(1)).alias("n"), F.count("_toast").alias("toast")
+            F.count(F.lit(1)).alias("n"),
+            F.count("_toast").alias("toast"),
+            F.count(F.when(stale & F.col("_error").isNull(), 1)).alias("stale"),
         )
         input_rows, skipped, toast_rows = 0, {}, 0
         for r in tally.collect():
             input_rows += r["n"]
             toast_rows += r["toast"]
+            redelivered += r["stale"]
             if r["_skip"] is not None:
                 skipped[r["_skip"]] = r["n"]
         secs["read"] = time.perf_counter() - t0
@@ -524,7 +540,12 @@ class Emitter:
             loaded = self._state.load(cp.state, good, image)
         if toast_rows:
             if loaded is not None:
-                filled = fill_unavailable(good, loaded.rows, self.info.key)
+                from .state import GONE_COLUMN
+
+                live = loaded.rows
+                if live is not None:  # a deleted key's tombstone is no earlier value
+                    live = live.where(~F.col(GONE_COLUMN))
+                filled = fill_unavailable(good, live, self.info.key)
                 good = filled.diffs
                 assert filled.bad is not None
                 bad = bad.unionByName(filled.bad)
@@ -555,7 +576,12 @@ class Emitter:
                 bad = bad.unionByName(d.bad)
         elif loaded is not None:
             # a Delta update pre-image says nothing the keyed state does not know already
-            d = keyed_diffs(good.where(F.col("op") != "p"), loaded.rows, self.info.key)
+            d = keyed_diffs(
+                good.where(F.col("op") != "p"),
+                loaded.rows,
+                self.info.key,
+                per_key=cfg.source_kind in ("upsert", "cdf", "delta"),
+            )
             diffs, new_state, cached = d.diffs, d.state, d.cached
             assert d.bad is not None
             bad = bad.unionByName(d.bad)
@@ -584,7 +610,8 @@ class Emitter:
         staging = fl.path("_staging", f"{seq}-{uuid.uuid4().hex[:8]}")
         flat = updates.select("time", "data.*", "diff")
         flat.write.partitionBy("time").parquet(self._spark_path(staging))
-        counts = self._install(staging, cp.epoch)
+        segments = self._install(staging, cp.epoch)
+        counts = {s.time: s.count for s in segments}
         state_ref = cp.state
         if new_state is not None and loaded is not None:
             state_ref = self._state.write(seq, new_state, loaded)
@@ -601,7 +628,7 @@ class Emitter:
         secs["write"] = time.perf_counter() - t2
         if self.eager is not None and counts:
             t_eager = time.perf_counter()
-            paths = [self._spark_path(f) for t in counts for f in fl.time_files(t, cp.epoch)]
+            paths = [self._spark_path(fl.path(f)) for s in segments for f in s.files]
             pushed = self.eager.push(self.spark, paths, cp.epoch)
             secs["eager"] = time.perf_counter() - t_eager
             self.log.info(
@@ -618,42 +645,41 @@ class Emitter:
         next_time = progress.upper
         if self.info.clock == "wallclock":
             next_time = max(self._clock(), progress.upper)
-        writers = cp.writers
-        if not writers or writers[-1][1] != cp.epoch:
-            writers = (*writers, (cp.frontier, cp.epoch))
         held_names = {_base_name(f) for f in held_files}
         source = {
-            **cp.source,
-            "files": [
-                *cp.source.get("files", []),
-                *(os.path.basename(f) for f in files if os.path.basename(f) not in held_names),
-            ],
+            **without_legacy(cp.source),
             "pos": list(position) if position is not None else cp.source.get("pos", [0, 0, 0]),
         }
+        if source_update is None:
+            taken = [os.path.basename(f) for f in files]
+            position_now = FilePosition.from_source(cp.source).advance(
+                self._listed, (n for n in taken if n not in held_names)
+            )
+            source.update(position_now.to_source())
+        if cfg.source_kind == "cdf" and position is not None:
+            source["cdf_version"] = position[0]
         if cfg.source_kind == "debezium" and "snapshot_lsn" not in source:
             # the first snapshot read committed: later reads at another LSN are a new one
             reads = good.where(F.col("op") == "r").agg(F.min("pos_lo").alias("m"))
             source["snapshot_lsn"] = reads.collect()[0]["m"]  # None: the feed had none
         if source_update is not None:
-            # not a folder of files: the source's own position replaces the file list
-            source.update(source_update, files=cp.source.get("files", []))
+            # not a folder of files: the source's own position (a Delta version)
+            source.update(source_update)
         if tx_files:
-            source["tx_files"] = [
-                *cp.source.get("tx_files", []),
-                *(os.path.basename(f) for f in tx_files if os.path.basename(f) not in held_names),
-            ]
-        new_cp = cp.successor(
-            progress=progress,
-            next=next_time,
-            source=source,
-            writers=writers,
-            state=state_ref,
+            taken = [os.path.basename(f) for f in tx_files]
+            tx_now = FilePosition.from_source(cp.source, "tx_file").advance(
+                self._tx_listed, (n for n in taken if n not in held_names)
+            )
+            source.update(tx_now.to_source("tx_file"))
+        new_cp = self._commit(  # the commit point
+            lambda base: base.successor(
+                progress=progress, next=next_time, source=source, state=state_ref
+            ),
+            segments,
         )
-        self.store.commit(new_cp)  # the commit point
-        self.cp = new_cp
         secs["commit"] = time.perf_counter() - t3
         maybe_die("after_commit")
-        self._prune_state(new_cp)
+        self._prune(new_cp)
         for df in (changes, bad, cached, *txn_cached):
             if df is not None:
                 df.unpersist()
@@ -678,29 +704,83 @@ class Emitter:
         fl = self.feedlog
         return path if fl.local_root is not None else fl.spark_path(path[len(fl.root) + 1 :])
 
-    def _install(self, staging: str, epoch: int) -> dict[int, int]:
-        """Move staged ``time=<t>`` folders to ``times/<t>``; return each time's row count."""
+    def _install(self, staging: str, epoch: int) -> list[Segment]:
+        """Move staged ``time=<t>`` folders to ``times/<t>``; return each time's segment."""
         fl = self.feedlog
-        counts: dict[int, int] = {}
+        segments = []
         for d in fl.list_dir(staging):
             if not d.base_name.startswith("time="):
                 continue
             t = int(d.base_name.split("=", 1)[1])
             files = [i.path for i in fl.list_dir(d.path) if i.base_name.endswith(".parquet")]
             n = fl.row_count(files)
-            fl.install_time(t, epoch, files)
             if n:
-                counts[t] = n
-        return counts
+                installed = fl.install_time(t, epoch, files)
+                segments.append(Segment(t, epoch, n, tuple(installed)))
+        return sorted(segments, key=lambda s: s.time)
 
-    def _prune_state(self, cp: Checkpoint) -> None:
-        """Delete the state files no kept commit needs (and an uncommitted transaction's)."""
-        refs = {cp.state}
+    def _manifest_of(self, cp: Checkpoint) -> Manifest | None:
+        if cp.manifest:
+            return self.manifests.read(cp.manifest)
+        return legacy_manifest(self.manifests, cp) if cp.seq else None
+
+    def _commit(
+        self, build: Callable[[Checkpoint], Checkpoint], segments: Sequence[Segment]
+    ) -> Checkpoint:
+        """Commit ``build(latest)``: publish its manifest (the latest one plus ``segments``)
+        first, then the checkpoint. A compaction may have committed in between (same epoch,
+        a higher seq): then commit on top of it; a higher epoch means this emitter is stale."""
+        assert self.cp is not None
+        base = self.cp
+        for _ in range(16):
+            new_cp = build(base)
+            if segments:
+                m = self.manifests.write(
+                    seq=new_cp.seq,
+                    epoch=new_cp.epoch,
+                    base=self._manifest_of(base),
+                    added=segments,
+                )
+                new_cp = replace(new_cp, manifest=m.name)
+            maybe_die("before_commit")
+            try:
+                self.store.commit(new_cp)
+            except CommitConflict:
+                winner = self.store.latest()
+                if winner is None or winner.epoch != base.epoch or winner.seq <= base.seq:
+                    raise
+                self.log.info(
+                    "feed %s: commit %d was taken by a compaction (since %d); "
+                    "committing on top of it",
+                    self.config.feed,
+                    new_cp.seq,
+                    winner.since,
+                )
+                base = winner
+                continue
+            self.cp = new_cp
+            return new_cp
+        raise CommitConflict(f"feed {self.config.feed!r}: gave up committing after 16 conflicts")
+
+    def _kept_refs(self, cp: Checkpoint) -> tuple[set[str | None], set[str | None]]:
+        """The state snapshots and manifests the kept commits name."""
+        states, manifests = {cp.state}, {cp.manifest}
         for s in self.store._seqs():
             if s != cp.seq:
                 with contextlib.suppress(CheckpointError):
-                    refs.add(self.store.read(s).state)
-        self._state.prune(refs)
+                    other = self.store.read(s)
+                    states.add(other.state)
+                    manifests.add(other.manifest)
+        return states, manifests
+
+    def _prune(self, cp: Checkpoint) -> None:
+        """Delete the state and manifest files no kept commit needs (and an uncommitted
+        transaction's); every :data:`LIST_PRUNE_EVERY` commits also whatever a crashed or
+        finished process left (by listing, with a grace period)."""
+        states, manifests = self._kept_refs(cp)
+        self._state.prune(states)
+        listing = cp.seq % LIST_PRUNE_EVERY == 0
+        self.manifests.prune(manifests, written=None if listing else self.manifests.written)
 
     # ---- loops -------------------------------------------------------------------------
     def run(self, *, stop: Callable[[], bool] | None = None) -> list[TxnReport]:

@@ -4,15 +4,16 @@
 
     <log>/<feed>/feed.json               name, record schema (Avro), key, clock, created
     <log>/<feed>/_commits/<seq>.json     checkpoints (feed/checkpoint.py)
+    <log>/<feed>/_manifests/…            what each checkpoint says the log holds (feed/manifest.py)
     <log>/<feed>/times/<time>/*.parquet  consolidated updates at <time>: record columns + diff
     <log>/<feed>/compacted/<c>/*.parquet all updates at times <= c consolidated to time c
     <log>/<feed>/quarantine/<seq>/…      bad input rows with raw text and reason
     <log>/<feed>/state/<seq>/…           keyed-state snapshot that commit <seq> goes with
     <log>/<feed>/_staging/…              a transaction's output before it is moved in place
 
-Update files are named ``part-e<epoch>-<n>.parquet``: a time's files come from the epoch
-the checkpoint's ``writers`` names for it, so a fenced-out writer's late files are ignored.
-This module only moves bytes; what is committed is decided by the checkpoint.
+Update files are named ``part-e<epoch>-<n>.parquet``; which of them hold a committed time is
+said by the checkpoint's manifest, so a fenced-out writer's late files are never read. This
+module only moves bytes; what is committed is decided by the checkpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from protocol import CheckpointError, fingerprint
+
+from ._faults import maybe_die
 
 __all__ = ["FeedInfo", "FeedLog", "log_root", "valid_feed_name"]
 
@@ -191,6 +194,8 @@ class FeedLog:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            maybe_die("before_link")
+            maybe_die(f"before_link:{parent.rsplit('/', 1)[-1]}")
             try:
                 os.link(tmp, path)
             except FileExistsError:
@@ -275,14 +280,19 @@ class FeedLog:
             self.fs.delete_dir(self.path("times", str(t)))
         return gone
 
-    def install_time(self, time: int, epoch: int, staged_files: list[str]) -> None:
-        """Move a transaction's staged files for ``time`` into place, replacing this epoch's."""
+    def install_time(self, time: int, epoch: int, staged_files: list[str]) -> list[str]:
+        """Move a transaction's staged files for ``time`` into place, replacing this epoch's;
+        return their paths relative to the feed folder (as manifests name them)."""
         target = self.path("times", str(time))
         self.fs.create_dir(target, recursive=True)
         for old in self.time_files(time, epoch):
             self.fs.delete_file(old)
+        out = []
         for n, src in enumerate(sorted(staged_files)):
-            self.fs.move(src, f"{target}/part-e{epoch}-{n:05d}.parquet")
+            name = f"part-e{epoch}-{n:05d}.parquet"
+            self.fs.move(src, f"{target}/{name}")
+            out.append(f"times/{time}/{name}")
+        return out
 
     # ---- compaction (DESIGN §8; see feed/compaction.py) --------------------------------
     def compacted_since(self) -> int:

@@ -2,7 +2,9 @@
 
 :class:`FeedReader` is the public reading API used by ``tidefeed inspect``, the notebooks
 and the feed server. It only ever shows committed times (below the latest checkpoint's
-``upper``), each from the files of the epoch that committed it.
+``upper``), each from the files the latest checkpoint's manifest lists for it
+(feed/manifest.py), never from a directory listing: a listed file that is missing is an
+error naming the time and the file.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from protocol import (
     CheckpointError,
@@ -24,6 +27,7 @@ from protocol import (
 
 from .checkpoint import Checkpoint, CheckpointStore
 from .log import FeedInfo, FeedLog
+from .manifest import Manifest, ManifestStore, legacy_manifest
 
 __all__ = ["FeedReader", "flat_updates"]
 
@@ -37,15 +41,22 @@ class FeedReader:
         if info is None:
             raise CheckpointError(f"no feed {feed!r} in log {log!r}")
         self.info: FeedInfo = info
+        self._manifests = ManifestStore(self.log)
         self.refresh()
 
     def refresh(self) -> Checkpoint | None:
         """Re-read the latest checkpoint (a running emitter may have committed more) and
-        the compaction point."""
+        its manifest."""
         self.checkpoint = CheckpointStore(self.log).latest()
-        cp_since = self.checkpoint.since if self.checkpoint else 0
-        self._since = max(cp_since, self.log.compacted_since())
-        return self.checkpoint
+        cp = self.checkpoint
+        if cp is None:
+            self.manifest = Manifest(name="")
+        elif cp.manifest:
+            self.manifest = self._manifests.read(cp.manifest)
+        else:
+            self.manifest = legacy_manifest(self._manifests, cp)
+        self._since = self.manifest.since
+        return cp
 
     @property
     def name(self) -> str:
@@ -66,28 +77,38 @@ class FeedReader:
         cp = self.checkpoint
         if cp is None:
             return []
-        lo = max(after or 0, cp.since)
+        lo = max(after or 0, self.since)
         hi = min(until if until is not None else cp.frontier, cp.frontier)
-        return [t for t in self.log.time_dirs() if lo <= t < hi]
+        return [int(t) for t in self._manifests.table(self.manifest, lo, hi)["time"].to_pylist()]
 
     def counts(self) -> dict[int, int]:
-        """Update count of every committed time (read from Parquet footers, not the data)."""
-        assert self.checkpoint is not None or not self.times()
-        out = {}
-        for t in self.times():
-            files = self.log.time_files(t, self.checkpoint.epoch_for(t))  # type: ignore[union-attr]
-            n = self.log.row_count(files)
-            if n:
-                out[t] = n
-        return out
+        """Update count of every committed time, as the manifest records it."""
+        t = self._manifests.table(self.manifest, self.since, self.frontier)
+        return dict(zip(t["time"].to_pylist(), t["count"].to_pylist(), strict=True))
 
     def table(self, time: int) -> pa.Table:
         """The updates at a committed ``time``: record columns and ``diff``."""
-        assert self.checkpoint is not None
-        t = self.log.read_time(time, self.checkpoint.epoch_for(time))
-        if t is None:
+        segs = self._manifests.segments(self.manifest, time, time + 1)
+        if not segs or time >= self.frontier:
             return pa.table({"diff": pa.array([], pa.int64())})
-        return t
+        seg = segs[0]
+        tables = [self._read(f, f"time {time}") for f in seg.files]
+        out = pa.concat_tables(tables, promote_options="default")
+        if out.num_rows != seg.count:
+            raise CheckpointError(
+                f"feed {self.name!r}: time {time} holds {out.num_rows} update(s) in "
+                f"{', '.join(seg.files)}, but its manifest counts {seg.count}"
+            )
+        return out
+
+    def _read(self, rel: str, what: str) -> pa.Table:
+        try:
+            return pq.read_table(self.log.path(rel), filesystem=self.log.fs)
+        except FileNotFoundError as e:
+            raise CheckpointError(
+                f"feed {self.name!r}: {what} is committed but its file {rel} is missing "
+                "from the feed log"
+            ) from e
 
     def updates(self, time: int) -> Updates:
         """The updates at a committed ``time`` as a message (columns data, time, diff)."""
@@ -168,7 +189,11 @@ class FeedReader:
         since = self.since
         parts = []
         if since > 0:  # the collection at since, then the times after it
-            parts.append(_as_updates(self.log.read_compacted(since), since, self.record_type))
+            what = f"the collection at {since}"
+            compacted = [self._read(f, what) for f in self.manifest.compacted]
+            if compacted:
+                merged = pa.concat_tables(compacted, promote_options="default")
+                parts.append(_as_updates(merged, since, self.record_type))
             parts += [self.updates(t) for t in self.times(after=since + 1, until=hi)]
         else:
             parts += [self.updates(t) for t in self.times(until=hi)]

@@ -52,6 +52,15 @@ def bucket_of(row: Column, key: Sequence[str], buckets: int) -> Column:
     return F.pmod(F.xxhash64(*[row[k] for k in key]), F.lit(buckets)).cast("int")
 
 
+#: the column of a state row holding the source position of its key's last change
+#: (``pos_hi, pos_lo, pos_n``), for sources whose positions order changes per key
+POS_COLUMN = "_pos"
+#: with positions, a deleted key stays in the state as a tombstone (its key columns, its
+#: position and this column true), so an older row of it arriving later is recognized
+GONE_COLUMN = "_gone"
+POS_TYPE = T.StructType([T.StructField(n, T.LongType()) for n in ("pos_hi", "pos_lo", "pos_n")])
+
+
 @dataclass(frozen=True, slots=True)
 class LoadedState:
     """The part of the state one transaction needs."""
@@ -90,22 +99,36 @@ class BucketedState:
             ) from e
         return int(d["buckets"]), {int(b): f for b, f in d["files"].items()}
 
-    def read(self, folders: Iterable[str]) -> DataFrame | None:
-        """The rows of these state folders (relative to the feed) as column ``data``."""
+    def read(self, folders: Iterable[str], *, with_pos: bool = False) -> DataFrame | None:
+        """The rows of these state folders (relative to the feed) as column ``data``, and
+        with ``with_pos`` the source position of each key's last change as ``_pos`` (null
+        in state written without positions)."""
         paths = [self._spark_path(self.log.path(f)) for f in folders]
         if not paths:
             return None
-        df = self._spark().read.schema(self.record_type).parquet(*paths)
-        rows: DataFrame = df.select(
-            F.struct(*[F.col(c) for c in self.record_type.fieldNames()]).alias("data")
+        schema = T.StructType(
+            [
+                *self.record_type.fields,
+                T.StructField(POS_COLUMN, POS_TYPE),
+                T.StructField(GONE_COLUMN, T.BooleanType()),
+            ]
         )
+        df = self._spark().read.schema(schema).parquet(*paths)
+        data = F.struct(*[F.col(c) for c in self.record_type.fieldNames()]).alias("data")
+        gone = F.coalesce(F.col(GONE_COLUMN), F.lit(False))
+        if not with_pos:
+            live: DataFrame = df.where(~gone).select(data)  # a tombstone is not a row
+            return live
+        rows: DataFrame = df.select(data, POS_COLUMN, gone.alias(GONE_COLUMN))
         return rows
 
     def load(self, ref: str | None, changes: DataFrame, image: Column) -> LoadedState:
         """The state rows that ``changes`` (whose record is ``image``) can meet."""
         if ref is not None and not ref.endswith(".json"):
             # a whole-state folder from before buckets: read it all, rewrite every bucket
-            return LoadedState(self.read([ref]), frozenset(range(BUCKETS)), BUCKETS, {})
+            return LoadedState(
+                self.read([ref], with_pos=True), frozenset(range(BUCKETS)), BUCKETS, {}
+            )
         buckets, files = self._manifest(ref) if ref else (BUCKETS, {})
         touched = frozenset(
             r["b"]
@@ -113,7 +136,7 @@ class BucketedState:
             .distinct()
             .collect()
         )
-        rows = self.read(files[b] for b in sorted(touched) if b in files)
+        rows = self.read((files[b] for b in sorted(touched) if b in files), with_pos=True)
         return LoadedState(rows, touched, buckets, files)
 
     # ---- writing ------------------------------------------------------------------------
@@ -121,8 +144,9 @@ class BucketedState:
         """Write the touched buckets' new rows (``new_rows``: column ``data``) and the
         manifest of commit ``seq``; return the manifest's path for the checkpoint."""
         folder = f"state/{seq}"
+        pos = [c for c in (POS_COLUMN, GONE_COLUMN) if c in new_rows.columns]
         out = new_rows.select(
-            "data.*", bucket_of(F.col("data"), self.key, loaded.buckets).alias("_bucket")
+            "data.*", *pos, bucket_of(F.col("data"), self.key, loaded.buckets).alias("_bucket")
         )
         # all of a bucket's rows in one task: one file per bucket, not one per task and bucket
         out = out.repartition("_bucket")

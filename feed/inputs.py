@@ -1,0 +1,84 @@
+"""Input files and the emitter's position in them, in O(what is pending).
+
+A folder source is read in file-name order (connectors and tidefeed's own capture name files
+by sequence). The checkpoint does not list every file ever consumed; it keeps a
+**high-water name** — every file named at or below it is consumed — plus the few files
+above it that are consumed already while an earlier one is held back (an incomplete
+Debezium transaction keeps its file unconsumed; the files after it may hold transactions
+that did commit). ``source`` keys: ``file`` and ``file_beyond`` for the input folder,
+``tx_file`` and ``tx_beyond`` for ``--tx-metadata``. A checkpoint from before (``files`` /
+``tx_files``, the whole list) is read as "all of those beyond no high-water" and folded
+into a high-water at the next commit.
+
+A file that appears later under a name at or below the high-water is never read: name
+input files in the order they are written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from protocol import SourceError
+
+__all__ = ["FilePosition", "list_files"]
+
+
+def list_files(path: str, *, what: str = "source path") -> list[str]:
+    """The input files of ``path`` (a file, or a folder's files not named ``.*``/``_*``),
+    as absolute paths in name order."""
+    full = os.path.abspath(path)
+    if os.path.isfile(full):
+        return [full]
+    if not os.path.isdir(full):
+        raise SourceError(f"{what} {path!r} does not exist")
+    with os.scandir(full) as it:
+        names = [e.name for e in it if not e.name.startswith((".", "_")) and e.is_file()]
+    return [os.path.join(full, n) for n in sorted(names)]
+
+
+@dataclass(frozen=True, slots=True)
+class FilePosition:
+    """Which files of one folder are consumed: every name ``<= last``, and ``beyond``."""
+
+    last: str | None = None
+    beyond: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_source(cls, source: Mapping[str, Any], prefix: str = "file") -> FilePosition:
+        legacy = "files" if prefix == "file" else "tx_files"
+        beyond = set(source.get(f"{prefix}_beyond" if prefix == "file" else "tx_beyond", ()))
+        beyond.update(source.get(legacy, ()))
+        return cls(source.get(prefix), frozenset(beyond))
+
+    def consumed(self, name: str) -> bool:
+        return (self.last is not None and name <= self.last) or name in self.beyond
+
+    def pending(self, paths: Iterable[str]) -> list[str]:
+        """The paths whose file names are not consumed, in name order."""
+        return [p for p in paths if not self.consumed(os.path.basename(p))]
+
+    def advance(self, listed: Iterable[str], taken: Iterable[str]) -> FilePosition:
+        """The position once the files ``taken`` (names) are consumed too. ``listed``
+        (the names the poll saw) lets the high-water pass every consumed name up to the
+        first one still pending."""
+        done = set(self.beyond) | set(taken)
+        last = self.last
+        for name in sorted(set(listed) | done):
+            if last is not None and name <= last:
+                continue
+            if name not in done:
+                break
+            last = name
+        return FilePosition(last, frozenset(n for n in done if last is None or n > last))
+
+    def to_source(self, prefix: str = "file") -> dict[str, Any]:
+        beyond_key = "file_beyond" if prefix == "file" else "tx_beyond"
+        return {prefix: self.last, beyond_key: sorted(self.beyond)}
+
+
+def without_legacy(source: Mapping[str, Any]) -> dict[str, Any]:
+    """``source`` without the whole-list keys of checkpoints from before high-waters."""
+    return {k: v for k, v in source.items() if k not in ("files", "tx_files")}

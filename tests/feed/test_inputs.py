@@ -1,0 +1,41 @@
+"""The input position: a high-water file name plus the few files consumed past it."""
+
+from __future__ import annotations
+
+from feed.inputs import FilePosition
+
+
+def test_the_high_water_passes_every_consumed_name_up_to_the_first_pending_one():
+    listed = ["a", "b", "c", "d", "e"]
+    p = FilePosition()
+    assert p.pending(listed) == listed
+    # a, b consumed; c held back (an incomplete transaction); d consumed past it
+    p = p.advance(listed, ["a", "b", "d"])
+    assert (p.last, p.beyond) == ("b", frozenset({"d"}))
+    assert p.pending(listed) == ["c", "e"]
+    # c completes: the high-water jumps over d, and nothing is listed beyond it
+    p = p.advance(listed, ["c"])
+    assert (p.last, p.beyond) == ("d", frozenset())
+    assert p.pending([*listed, "f"]) == ["e", "f"]
+    # the checkpoint holds two keys whatever the history: no list of every file
+    assert p.to_source() == {"file": "d", "file_beyond": []}
+
+
+def test_a_checkpoint_with_the_whole_list_folds_into_a_high_water():
+    legacy = {"files": ["x1", "x2", "x4"], "tx_files": ["t1"]}
+    p = FilePosition.from_source(legacy)
+    assert p.pending(["x1", "x2", "x3", "x4", "x5"]) == ["x3", "x5"]
+    p = p.advance(["x1", "x2", "x3", "x4", "x5"], ["x3"])
+    assert (p.last, p.beyond) == ("x4", frozenset())
+    tx = FilePosition.from_source(legacy, "tx_file")
+    assert tx.pending(["t1", "t2"]) == ["t2"]
+    assert tx.advance(["t1", "t2"], ["t2"]).to_source("tx_file") == {
+        "tx_file": "t2",
+        "tx_beyond": [],
+    }
+
+
+def test_files_deleted_after_they_were_consumed_do_not_matter():
+    p = FilePosition().advance(["a", "b"], ["a", "b"])
+    assert p.pending(["c"]) == ["c"]  # a and b were deleted by the connector's retention
+    assert p.advance(["c"], ["c"]).last == "c"
