@@ -142,6 +142,7 @@ def cmd_emit(args: argparse.Namespace) -> int:
     import logging
 
     from .emitter import Emitter, EmitterConfig, load_schema_file
+    from .session import parse_conf
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr
@@ -167,6 +168,7 @@ def cmd_emit(args: argparse.Namespace) -> int:
         deleted=args.deleted,
         table=args.table or None,
         tx_metadata=args.tx_metadata or None,
+        conf=tuple(parse_conf(args.conf).items()),
     )
     import signal
 
@@ -358,8 +360,19 @@ def build_parser() -> argparse.ArgumentParser:
     _option(p, "--log", required=True, help="feed log URI (a local path or s3://…)")
     _option(p, "--key", help="key columns, comma-separated (keeps per-key state)")
     _option(p, "--schema", help="record schema (Avro JSON, .avsc); default: inferred")
-    _option(p, "--clock", choices=("wallclock", "logical"), default="wallclock")
-    _option(p, "--granularity", choices=("batch", "transaction"), default="batch")
+    _option(
+        p,
+        "--clock",
+        choices=("wallclock", "logical"),
+        help="time of each transaction (default: the feed's; a new feed: wallclock)",
+    )
+    _option(
+        p,
+        "--granularity",
+        choices=("batch", "transaction"),
+        help="one time per emitter or per source transaction (default: the feed's; a new "
+        "feed: batch)",
+    )
     _option(p, "--follow", action="store_true", help="keep picking up new files")
     _option(p, "--trigger", default="5", help="seconds between polls in --follow mode")
     _option(p, "--push", help="push the feed to this receiver URL")
@@ -373,6 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to keep retrying an unreachable receiver before failing",
     )
     _option(p, "--master", default=None, help="Spark master (default local[*])")
+    p.add_argument(
+        "--conf",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a Spark setting, over spark-submit --conf and spark-defaults.conf (repeatable)",
+    )
     _option(p, "--on-bad-record", choices=("quarantine", "fail"), default="quarantine")
     _option(p, "--max-files-per-txn", default="1000", help="input files per transaction")
     _option(p, "--order", help="upsert source: the column that orders the upserts")

@@ -77,8 +77,8 @@ class EmitterConfig:
     log: str
     key: tuple[str, ...] = ()
     schema: dict[str, Any] | None = None
-    clock: str = "wallclock"
-    granularity: str = "batch"
+    clock: str | None = None  # None: the feed's, else wallclock
+    granularity: str | None = None  # None: the feed's, else batch
     follow: bool = False
     trigger: float = DEFAULT_TRIGGER
     master: str | None = None
@@ -88,6 +88,7 @@ class EmitterConfig:
     deleted: str | None = None  # upsert: the boolean column that marks deletes
     table: str | None = None  # debezium: the schema.table the feed holds
     tx_metadata: str | None = None  # debezium: a folder of transaction metadata records
+    conf: tuple[tuple[str, str], ...] = ()  # Spark settings (--conf), over everything else
 
 
 @dataclass(slots=True)
@@ -205,7 +206,7 @@ class Emitter:
         if self._spark is None:
             from .session import get_spark
 
-            self._spark = get_spark(self.config.master)
+            self._spark = get_spark(self.config.master, conf=dict(self.config.conf))
         return self._spark
 
     def _require(self, state: State) -> None:
@@ -220,9 +221,12 @@ class Emitter:
         cfg = self.config
         self.info = self.feedlog.info()
         if self.info is None:
+            self.config = cfg = replace(
+                cfg, clock=cfg.clock or "wallclock", granularity=cfg.granularity or "batch"
+            )
             self.info = self._create_feed()
         else:
-            self._check_feed_matches()
+            self.config = cfg = self._settle()
         from .sources import spark_record_type
 
         self._record_type = spark_record_type(self.info.schema)
@@ -311,25 +315,58 @@ class Emitter:
         fingerprint(schema)  # validates
         if table:
             self.log.info("feed %s: holds source table %s", cfg.feed, table)
-        return self.feedlog.create(schema=schema, key=cfg.key, clock=cfg.clock, table=table)
+        assert cfg.clock is not None
+        return self.feedlog.create(
+            schema=schema,
+            key=cfg.key,
+            clock=cfg.clock,
+            table=table,
+            source=cfg.source_kind,
+            granularity=cfg.granularity,
+            order=cfg.order,
+            deleted=cfg.deleted,
+        )
 
-    def _check_feed_matches(self) -> None:
+    def _settle(self) -> EmitterConfig:
+        """This run's settings against the feed's (``feed.json``), before anything is read:
+        a flag left out takes the feed's value, a flag that differs is refused. Settings a
+        feed from an older tidefeed did not keep come from the flags (or the defaults)."""
         cfg, info = self.config, self.info
         if cfg.schema is not None and fingerprint(cfg.schema) != info.fingerprint:
             raise SourceError(
                 f"feed {cfg.feed!r}: --schema differs from the feed's record schema "
-                f"(fingerprint {info.fingerprint[:12]}…)"
+                f"(fingerprint {info.fingerprint[:12]}…); a feed's schema is fixed when it "
+                "is created: leave --schema out, or emit into a new feed"
             )
-        if cfg.key and tuple(cfg.key) != info.key:
-            raise SourceError(
-                f"feed {cfg.feed!r} is keyed by {list(info.key)}, not {list(cfg.key)}"
-            )
-        if cfg.clock != info.clock:
-            raise SourceError(f"feed {cfg.feed!r} uses the {info.clock} clock, not {cfg.clock}")
-        if cfg.table and cfg.table != info.table:
-            raise SourceError(
-                f"feed {cfg.feed!r} holds table {info.table or '(any)'}, not {cfg.table}"
-            )
+        settled: dict[str, Any] = {}
+        for name, flag, stored in (
+            ("source_kind", "--source KIND", info.source),
+            ("key", "--key", ",".join(info.key)),
+            ("clock", "--clock", info.clock),
+            ("granularity", "--granularity", info.granularity),
+            ("table", "--table", info.table),
+            ("order", "--order", info.order),
+            ("deleted", "--deleted", info.deleted),
+        ):
+            given = getattr(cfg, name)
+            if name == "key":
+                given = ",".join(given) if given else None
+            if stored is None or given is None:
+                value = given if stored is None else stored
+            elif given != stored:
+                raise SourceError(
+                    f"feed {cfg.feed!r} was created with {flag} {stored or '(none)'}; this "
+                    f"run gives {given}. A feed's settings are fixed when it is created: "
+                    "leave the flag out (the feed's value is used), or emit into a new feed"
+                )
+            else:
+                value = stored
+            if name == "key":
+                value = tuple(c for c in (value or "").split(",") if c) or info.key
+            settled[name] = value
+        settled["clock"] = settled["clock"] or "wallclock"
+        settled["granularity"] = settled["granularity"] or "batch"
+        return replace(cfg, **settled)
 
     # ---- input -----------------------------------------------------------------------
     def _all_files(self, where: str | None = None) -> list[str]:
@@ -451,6 +488,7 @@ class Emitter:
 
         assert self.cp is not None
         cfg, cp, fl = self.config, self.cp, self.feedlog
+        assert cfg.granularity is not None  # settled by open()
         seq = cp.seq + 1
         secs: dict[str, float] = {}
         t0 = time.perf_counter()

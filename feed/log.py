@@ -70,6 +70,10 @@ class FeedInfo:
     clock: str
     created: str
     table: str | None = None  # the source table the feed holds (schema.table), if named
+    source: str | None = None  # the source kind (None: a feed from before it was kept)
+    granularity: str | None = None
+    order: str | None = None  # upsert: the order column
+    deleted: str | None = None  # upsert: the delete-flag column
 
     @property
     def fingerprint(self) -> str:
@@ -84,7 +88,17 @@ class FeedInfo:
                 "clock": self.clock,
                 "created": self.created,
                 "fingerprint": self.fingerprint,
-                **({"table": self.table} if self.table else {}),
+                **{
+                    k: v
+                    for k, v in (
+                        ("table", self.table),
+                        ("source", self.source),
+                        ("granularity", self.granularity),
+                        ("order", self.order),
+                        ("deleted", self.deleted),
+                    )
+                    if v
+                },
             },
             option=orjson.OPT_INDENT_2,
         )
@@ -225,6 +239,10 @@ class FeedLog:
             clock=d["clock"],
             created=d["created"],
             table=d.get("table"),
+            source=d.get("source"),
+            granularity=d.get("granularity"),
+            order=d.get("order"),
+            deleted=d.get("deleted"),
         )
 
     def create(
@@ -234,6 +252,7 @@ class FeedLog:
         key: tuple[str, ...],
         clock: str,
         table: str | None = None,
+        **settings: str | None,
     ) -> FeedInfo:
         info = FeedInfo(
             name=self.feed,
@@ -242,6 +261,7 @@ class FeedLog:
             clock=clock,
             created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             table=table,
+            **settings,
         )
         self.write_bytes(self.path("feed.json"), info.to_json())
         return info

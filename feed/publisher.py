@@ -7,6 +7,12 @@ finally an empty progress up to the feed's frontier. Every answer is an ACK (the
 durable frontier). On 409 the next session starts afresh from the receiver's frontier; on
 429/503/5xx/network errors it backs off (exponentially, with jitter) and starts again; on
 another 4xx it stops with the reason.
+
+Bodies are bounded in updates (``max_body_updates``) and in bytes (``max_body_bytes``,
+estimated from the bodies sent so far, whatever the format): a time larger than one body
+is split across bodies — its updates, then its progress after the last of them. A 413
+halves the bound and starts a new session; only a single update larger than the receiver
+accepts stops delivery.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ __all__ = ["DeliveryStopped", "Publisher", "SessionReport", "deliver_log"]
 log = logging.getLogger("tidefeed.publish")
 
 MAX_BODY_UPDATES = 50_000
+MAX_BODY_BYTES = 16 << 20  # a quarter of the reference receiver's default limit
 BACKOFF_START = 0.2
 BACKOFF_MAX = 10.0
 
@@ -53,15 +60,20 @@ class Publisher:
         *,
         epoch: int,
         max_body_updates: int = MAX_BODY_UPDATES,
+        max_body_bytes: int = MAX_BODY_BYTES,
         logger: logging.Logger | None = None,
         on_ack: Callable[[Ack], None] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
     ) -> None:
         self.reader = reader
         self.client = client
         self.epoch = epoch
         self.max_body_updates = max_body_updates
+        self.max_body_bytes = max_body_bytes
+        self._bytes_per_update = 0.0  # measured on the bodies sent
         self.log = logger or log
         self.on_ack = on_ack
+        self.on_error = on_error  # told of every failure that is retried
         self.acked: int | None = None
 
     async def session(self) -> SessionReport:
@@ -82,14 +94,27 @@ class Publisher:
         for t in self.reader.times(after=lower, until=frontier):
             batch = await asyncio.to_thread(self.reader.updates, t)
             n = len(batch)
-            if body and in_body + n > self.max_body_updates and in_body:
+            if n and not self._bytes_per_update and batch.has_table():
+                # before any body is measured: a guess from the in-memory size
+                self._bytes_per_update = 1.5 * batch.table().nbytes / n
+            limit = self.body_limit()
+            if in_body and in_body + n > limit:
                 await self._send(body, report)
                 body, in_body = [], 0
-            if n:
-                body.append(batch)
+            start = 0
+            while n - start > limit - in_body:
+                # more than a body holds: fill this one, send it, go on in the next
+                take = limit - in_body
+                body.append(batch.slice(start, take))
+                await self._send(body, report, updates=in_body + take)
+                start += take
+                body, in_body = [], 0
+                limit = self.body_limit()
+            if n - start:
+                body.append(batch.slice(start, n - start) if start else batch)
             body.append(Progress(lower, t + 1, ((t, n),) if n else ()))
             lower = t + 1
-            in_body += n
+            in_body += n - start
             report.updates += n
         if lower < frontier:
             body.append(Progress(lower, frontier, ()))
@@ -97,8 +122,22 @@ class Publisher:
             await self._send(body, report)
         return report
 
-    async def _send(self, body: list[Message], report: SessionReport) -> None:
+    def body_limit(self) -> int:
+        """Updates per body: the update bound, and the byte bound at the measured size."""
+        limit = self.max_body_updates
+        if self._bytes_per_update > 0:
+            limit = min(limit, int(self.max_body_bytes / self._bytes_per_update))
+        return max(1, limit)
+
+    async def _send(
+        self, body: list[Message], report: SessionReport, *, updates: int | None = None
+    ) -> None:
+        if updates is None:
+            updates = sum(len(m) for m in body if isinstance(m, Updates))
+        sent = self.client.bytes_sent
         ack = await self.client.push(body, epoch=self.epoch)
+        if updates:
+            self._bytes_per_update = (self.client.bytes_sent - sent) / updates
         maybe_die("during_publish")  # the receiver kept it; this process never learns
         report.bodies += 1
         report.frontier = ack.frontier
@@ -123,6 +162,24 @@ class Publisher:
                 delay = BACKOFF_START  # progress was made: go again at once
                 continue
             except PushRejected as e:
+                if self.on_error is not None and not e.fatal:
+                    self.on_error(e)
+                if e.status == 413:
+                    if self.body_limit() <= 1:
+                        raise DeliveryStopped(
+                            f"{e} (a single update is larger than the receiver accepts)",
+                            status=413,
+                            code=e.code,
+                            fatal=True,
+                        ) from e
+                    self.max_body_updates = max(1, self.body_limit() // 2)
+                    self.log.warning(
+                        "receiver %s refused a body as too large; bodies of at most %d "
+                        "update(s) from now on",
+                        self.client.url,
+                        self.max_body_updates,
+                    )
+                    continue
                 if e.fatal:
                     self.log.error("delivery to %s stopped: %s", self.client.url, e)
                     raise DeliveryStopped(str(e), status=e.status, code=e.code, fatal=True) from e

@@ -41,7 +41,7 @@ from protocol.push import Ack, PushClient
 
 from .compaction import compact, retention_target
 from .log import log_root, valid_feed_name
-from .publisher import DeliveryStopped, Publisher
+from .publisher import BACKOFF_MAX, BACKOFF_START, DeliveryStopped, Publisher
 from .reader import FeedReader
 from .subscriptions import Subscription, SubscriptionStore, valid_subscription
 
@@ -311,16 +311,52 @@ def _start_push(app: web.Application, sub: Subscription) -> None:
 
 
 async def _push_loop(app: web.Application, sub: Subscription) -> None:
+    """Deliver a feed to a push subscription, forever. Supervised: a failure of any kind is
+    logged, counted (``tidefeed_push_errors``), shown in the subscription's ``last_error``
+    and ``retrying_since``, and retried with back-off; only a refusal retrying cannot fix
+    (a 4xx other than 409/413/429) stops the subscription, with its reason."""
     st = app[STATE]
     store = st.sub_store(sub.feed)
-    reader = FeedReader(st.config.log, sub.feed)
     m = st.metrics
     assert sub.url is not None
+    backoff = BACKOFF_START
+    while True:
+        try:
+            await _push_sessions(app, store, sub)
+            return  # stopped for good (the reason is in the subscription)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the supervisor's job is to survive anything
+            m.push_errors.labels(sub.feed, sub.name).inc()
+            _failed(sub, e)
+            log.exception(
+                "push %s/%s to %s failed; retrying in %.1fs", sub.feed, sub.name, sub.url, backoff
+            )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX)
+
+
+def _failed(sub: Subscription, e: Exception) -> None:
+    sub.last_error = f"{type(e).__name__}: {e}"[:1000]
+    if sub.retrying_since is None:
+        sub.retrying_since = time.time()
+
+
+async def _push_sessions(app: web.Application, store: SubscriptionStore, sub: Subscription) -> None:
+    st = app[STATE]
+    m = st.metrics
+    assert sub.url is not None
+    reader = await asyncio.to_thread(FeedReader, st.config.log, sub.feed)
 
     def on_ack(ack: Ack) -> None:
+        sub.retrying_since = None
         store.ack(sub.name, ack.frontier)
         if ack.frontier is not None:
             m.lag_times.labels(sub.feed, sub.name).set(max(0, reader.frontier - ack.frontier))
+
+    def on_error(e: Exception) -> None:
+        m.push_errors.labels(sub.feed, sub.name).inc()
+        _failed(sub, e)
 
     async with PushClient(
         sub.url, fmt=sub.format, schema=reader.info.schema, token=sub.token
@@ -329,15 +365,18 @@ async def _push_loop(app: web.Application, sub: Subscription) -> None:
             await asyncio.to_thread(reader.refresh)
             if sub.acked is None or sub.acked < reader.frontier:
                 epoch = reader.checkpoint.epoch if reader.checkpoint else 0
-                pub = Publisher(reader, client, epoch=epoch, on_ack=on_ack)
+                pub = Publisher(reader, client, epoch=epoch, on_ack=on_ack, on_error=on_error)
                 sent_before = client.bytes_sent
                 try:
                     await pub.deliver()
                 except DeliveryStopped as e:
                     m.push_errors.labels(sub.feed, sub.name).inc()
+                    sub.last_error = str(e)
                     await asyncio.to_thread(store.stop, sub.name, str(e))
+                    log.error("push %s/%s stopped: %s", sub.feed, sub.name, e)
                     return
-                m.bytes.labels(sub.feed, "push").inc(client.bytes_sent - sent_before)
+                finally:
+                    m.bytes.labels(sub.feed, "push").inc(client.bytes_sent - sent_before)
                 await asyncio.to_thread(store.flush)
             if sub.acked_at is not None:
                 m.lag_seconds.labels(sub.feed, sub.name).set(time.time() - sub.acked_at)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Any
 
-__all__ = ["DEFAULT_MASTER", "get_spark"]
+__all__ = ["DEFAULT_MASTER", "get_spark", "parse_conf"]
 
+log = logging.getLogger("tidefeed.spark")
+#: settings the start-up log line shows
+SHOWN = ("spark.sql.shuffle.partitions", "spark.driver.memory", "spark.sql.session.timeZone")
 DEFAULT_MASTER = "local[*]"
 DEFAULT_DRIVER_MEMORY = "4g"
 
@@ -17,9 +21,13 @@ def get_spark(
 ) -> Any:
     """Get (or create) the SparkSession; an existing active session is reused as it is.
 
-    Binds the driver to 127.0.0.1 unless ``SPARK_LOCAL_IP`` says otherwise, turns the UI off
-    and uses a few shuffle partitions: tidefeed's transactions are many and small.
+    Precedence, highest first: ``conf`` (``tidefeed emit --conf KEY=VALUE``) and ``master``
+    (``--master``); then what Spark itself was given (``spark-submit --conf``,
+    ``PYSPARK_SUBMIT_ARGS``, ``spark-defaults.conf`` in ``$SPARK_CONF_DIR``); then tidefeed's
+    defaults: ``local[*]``, the driver bound to 127.0.0.1 unless ``SPARK_LOCAL_IP`` says
+    otherwise, no UI, few shuffle partitions (tidefeed's transactions are many and small).
     """
+    from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
     active = SparkSession.getActiveSession()
@@ -29,25 +37,56 @@ def get_spark(
     # Python workers (eager pushes) must run this interpreter, which has tidefeed installed,
     # not whatever "python3" is first on the PATH
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    builder = (
-        SparkSession.builder.master(master or DEFAULT_MASTER)
-        .appName(app)
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "4")
-        .config("spark.driver.host", host)
-        .config("spark.driver.bindAddress", host)
-        .config("spark.sql.files.maxPartitionBytes", str(1 << 30))
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.pyspark.python", os.environ["PYSPARK_PYTHON"])
-    )
-    if (master or DEFAULT_MASTER).startswith("local"):
+    # start the JVM first: its system properties are what spark-submit and
+    # spark-defaults.conf set, and those win over tidefeed's own defaults
+    SparkContext._ensure_initialized()
+    given = SparkConf()
+    conf = dict(conf or {})
+    if master:
+        conf["spark.master"] = master
+    chosen = given.get("spark.master") or DEFAULT_MASTER
+    defaults = {
+        "spark.master": DEFAULT_MASTER,
+        "spark.app.name": app,
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.shuffle.partitions": "4",
+        "spark.driver.host": host,
+        "spark.driver.bindAddress": host,
+        "spark.sql.files.maxPartitionBytes": str(1 << 30),
+        "spark.sql.session.timeZone": "UTC",
+        "spark.pyspark.python": os.environ["PYSPARK_PYTHON"],
+    }
+    if str(conf.get("spark.master", chosen)).startswith("local"):
         # in local mode the driver does all the work: the JVM's 1 GiB default is too small
-        builder = builder.config(
-            "spark.driver.memory", os.environ.get("TIDEFEED_DRIVER_MEMORY", DEFAULT_DRIVER_MEMORY)
+        defaults["spark.driver.memory"] = os.environ.get(
+            "TIDEFEED_DRIVER_MEMORY", DEFAULT_DRIVER_MEMORY
         )
-    for k, v in (conf or {}).items():
-        builder = builder.config(k, v)
+    builder = SparkSession.builder
+    for k, v in defaults.items():
+        if k not in conf and not given.contains(k):
+            builder = builder.config(k, v)
+    for k, v in conf.items():
+        builder = builder.config(k, str(v))
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    shown = {k: spark.conf.get(k, None) for k in SHOWN}
+    log.info(
+        "spark %s: master %s, %s%s",
+        spark.version,
+        spark.sparkContext.master,
+        ", ".join(f"{k}={v}" for k, v in shown.items()),
+        f" (--conf: {', '.join(sorted(conf))})" if conf else "",
+    )
     return spark
+
+
+def parse_conf(pairs: list[str] | None, *, command: str = "emit") -> dict[str, str]:
+    """``--conf KEY=VALUE`` flags as a dict; a malformed one is a clear usage error."""
+    out: dict[str, str] = {}
+    for kv in pairs or []:
+        k, sep, v = kv.partition("=")
+        if not sep or not k.strip():
+            raise SystemExit(f"tidefeed {command}: --conf takes KEY=VALUE, got {kv!r}")
+        out[k.strip()] = v
+    return out

@@ -42,6 +42,8 @@ class Subscription:
     status: str = "active"  # active | stopped
     reason: str = ""
     created: float = field(default_factory=time.time)
+    last_error: str = ""  # push: the last failure (kept after recovery, for operators)
+    retrying_since: float | None = None  # push: failing since then; None once an ACK came
 
     def public(self) -> dict[str, Any]:
         d = asdict(self)

@@ -213,6 +213,12 @@ class Updates:
     def has_table(self) -> bool:
         return self._table is not None
 
+    def slice(self, start: int, length: int) -> Updates:
+        """``length`` updates from ``start`` on (zero-copy for Arrow-held batches)."""
+        if self._table is not None:
+            return Updates(_table=self._table.slice(start, length))
+        return Updates(_rows=self.rows()[start : start + length])
+
 
 def update_schema(data_type: pa.DataType) -> pa.Schema:
     """The Arrow schema of an update batch whose records have ``data_type``.

@@ -7,6 +7,7 @@ worker thread. Answers map to errors a publisher can act on:
 * 200 -> :class:`Ack`;
 * 409 -> :class:`PushRejected` (``retry=False``): the receiver's state and ours disagree; start
   a fresh session from its frontier;
+* 413 -> :class:`PushRejected` with ``retry=True`` and ``status`` 413: send smaller bodies;
 * 429, 503, 5xx, connection errors, time-outs -> :class:`PushRejected` with ``retry=True``
   (and ``retry_after`` when the receiver says);
 * any other 4xx -> :class:`PushRejected` with ``fatal=True``: stop the subscription and log why.
@@ -126,7 +127,9 @@ class PushClient:
             headers["Content-Type"] = self.codec.content_type
             headers[EPOCH_HEADER] = str(epoch)
         try:
-            async with self.session.request(method, self.url, data=body, headers=headers) as r:
+            # a file-like body is streamed in chunks; bytes would be written in one go
+            data = io.BytesIO(body) if body is not None else None
+            async with self.session.request(method, self.url, data=data, headers=headers) as r:
                 raw = await r.read()
                 if body is not None:
                     self.bytes_sent += len(body)
@@ -157,6 +160,9 @@ def _rejection(url: str, status: int, raw: bytes, retry_after: str | None) -> Pu
             after = None
     if status == 409:
         return PushRejected(msg, status=status, code=code)
+    if status == 413:
+        # the body was too large for the receiver: smaller bodies go through
+        return PushRejected(msg, status=status, code=code or "too_large", retry=True)
     if status in (429, 503) or status >= 500:
         return PushRejected(msg, status=status, code=code, retry=True, retry_after=after)
     return PushRejected(msg, status=status, code=code, fatal=True)

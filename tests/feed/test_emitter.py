@@ -243,3 +243,39 @@ def test_a_source_transaction_split_across_files_stays_one_time(spark, tmp_path)
     for i, state in enumerate(states):
         assert collection_of(reader, at=1 + i) == as_multiset(state.values()), i
 
+
+def test_a_later_run_takes_the_feeds_settings_or_is_refused(spark, tmp_path):
+    bank = generate_bank(transactions=40, seed=13)
+    half = len(bank.events) // 2
+    src = tmp_path / "in"
+    write_parts(src, bank.events[:half], 1)
+    first = emit(spark, tmp_path, src, key=("id",), clock="logical", granularity="transaction")
+    info = FeedLog(str(tmp_path / "log"), "bank").info()
+    assert (info.source, info.key, info.clock, info.granularity) == (
+        "debezium",
+        ("id",),
+        "logical",
+        "transaction",
+    )
+    # flags left out: the feed's values (logical times go on from where they were)
+    write_parts(src, bank.events[half:], 1, start=1)
+    second = emit(spark, tmp_path, src)
+    assert (second.config.clock, second.config.granularity, second.config.key) == (
+        "logical",
+        "transaction",
+        ("id",),
+    )
+    assert second.cp.frontier < 1_000 and second.cp.frontier > first.cp.frontier
+    assert collection_of(assert_valid(tmp_path)) == as_multiset(bank.final.values())
+    store = CheckpointStore(FeedLog(str(tmp_path / "log"), "bank"))
+    before = store.latest()
+    # a flag that differs is refused before anything is read or committed
+    for kw, flag in [
+        ({"clock": "wallclock"}, "--clock logical"),
+        ({"granularity": "batch"}, "--granularity transaction"),
+        ({"key": ("owner",)}, "--key id"),
+        ({"kind": "upsert", "order": "id"}, "--source KIND debezium"),
+    ]:
+        with pytest.raises(SourceError, match=f"created with {flag}; this run gives"):
+            emit(spark, tmp_path, src, **kw)
+        assert store.latest() == before

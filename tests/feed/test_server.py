@@ -13,11 +13,14 @@ import pytest
 from aiohttp import web
 
 from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+from feed.reader import FeedReader
 from feed.server import ServerConfig, make_server_app
 from protocol import Progress, Updates, check_messages, get_codec, record_key
 from protocol.receiver import ReceiverConfig, make_receiver_app
 
+from ..e2e.helpers import free_port
 from .model import as_multiset, debezium_truth, run_emitter
+from .test_publisher import _collection_at
 
 BANK = generate_bank(transactions=40, seed=51)
 THIRD = len(BANK.events) // 3
@@ -52,10 +55,10 @@ def feed_log(spark, tmp_path):
     return tmp_path / "log", more
 
 
-async def serve(app: web.Application) -> tuple[str, web.AppRunner]:
+async def serve(app: web.Application, port: int = 0) -> tuple[str, web.AppRunner]:
     runner = web.AppRunner(app)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
     return f"http://127.0.0.1:{runner.addresses[0][1]}", runner
 
 
@@ -251,3 +254,53 @@ async def test_the_documented_pull_consumer_runs_and_resumes(feed_log, tmp_path)
         assert f": {len(truth_all)} rows" in second
     finally:
         await runner.cleanup()
+
+
+async def test_a_failing_push_is_shown_retried_and_recovers(feed_log, tmp_path):
+    """A receiver that is down, then a feed file that goes missing: the subscription shows
+    the error and when it started failing, keeps retrying, and delivers once it can."""
+    log, _ = feed_log
+    port = free_port()  # nothing listens there yet
+    base, runner = await serve(make_server_app(ServerConfig(log=str(log), poll_seconds=0.1)))
+    rrunner = None
+    reader = FeedReader(str(log), "bank")
+    segment = reader._manifests.segments(reader.manifest)[0].files[0]
+    hidden = log / "bank" / f"{segment}.away"
+
+    async def status(s) -> dict:
+        async with s.get(f"{base}/v1/feeds/bank/subscriptions/down") as r:
+            return await r.json()
+
+    async def until(s, cond, what):
+        for _ in range(300):
+            st = await status(s)
+            if cond(st):
+                return st
+            await asyncio.sleep(0.1)
+        pytest.fail(f"{what}: {st}")
+
+    try:
+        async with aiohttp.ClientSession() as s:
+            sub = {"url": f"http://127.0.0.1:{port}/v1/push/bank"}
+            async with s.put(f"{base}/v1/feeds/bank/subscriptions/down", json=sub) as r:
+                assert r.status == 201
+            st = await until(s, lambda st: st["retrying_since"], "no error shown")
+            assert "Connect" in st["last_error"] and st["status"] == "active"
+            async with s.get(f"{base}/metrics") as r:
+                assert 'tidefeed_push_errors_total{feed="bank",subscription="down"}' in (
+                    await r.text()
+                )
+            # a segment goes missing: not a push error, the supervisor shows it all the same
+            (log / "bank" / segment).rename(hidden)
+            rbase, rrunner = await serve(
+                make_receiver_app(ReceiverConfig(db=str(tmp_path / "r.db"))), port=port
+            )
+            await until(s, lambda st: "missing" in st["last_error"], "missing file not shown")
+            hidden.rename(log / "bank" / segment)
+            st = await until(s, lambda st: st["acked"] == reader.frontier, "never delivered")
+            assert st["retrying_since"] is None and st["status"] == "active"
+            assert await _collection_at(rbase, "bank") == as_multiset(TRUTH_2.values())
+    finally:
+        await runner.cleanup()
+        if rrunner is not None:
+            await rrunner.cleanup()

@@ -1,0 +1,45 @@
+"""Spark settings: --conf over what Spark was given (spark-defaults.conf), over tidefeed's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from feed.session import parse_conf
+
+SHOW = """
+import sys
+from feed.session import get_spark, parse_conf
+s = get_spark(conf=parse_conf(sys.argv[1:]))
+print(s.conf.get("spark.sql.shuffle.partitions"), s.conf.get("spark.sql.session.timeZone"))
+"""
+
+
+def _run(*conf: str, env: dict[str, str]) -> str:
+    p = subprocess.run(
+        [sys.executable, "-c", SHOW, *conf], env=env, capture_output=True, timeout=180
+    )
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    return p.stdout.decode().strip()
+
+
+def test_conf_wins_over_spark_defaults_which_win_over_tidefeeds(tmp_path):
+    conf_dir = tmp_path / "conf"
+    conf_dir.mkdir()
+    (conf_dir / "spark-defaults.conf").write_text(
+        "spark.sql.shuffle.partitions 9\nspark.sql.session.timeZone America/New_York\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SPARK_CONF_DIR"}
+    assert _run(env=env) == "4 UTC"  # tidefeed's own defaults
+    env["SPARK_CONF_DIR"] = str(conf_dir)
+    assert _run(env=env) == "9 America/New_York"  # spark-defaults.conf is not overridden
+    assert _run("spark.sql.session.timeZone=Asia/Tokyo", env=env) == "9 Asia/Tokyo"
+
+
+def test_a_malformed_conf_flag_is_a_usage_error():
+    assert parse_conf(["a.b=1", "c= x=y"]) == {"a.b": "1", "c": " x=y"}
+    with pytest.raises(SystemExit, match=r"--conf takes KEY=VALUE, got 'spark\.sql'"):
+        parse_conf(["spark.sql"])
