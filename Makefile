@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck pytest bench java-check clean
+.PHONY: test demo lint typecheck pytest bench java-check clean reliability
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: lint typecheck pytest
 
 demo: $(STAMP) java-check
 	$(BIN)/tidefeed demo --workdir demo-output
+
+# RELIABILITY=quick (default, CI) or long (the figures in docs/reliability.md)
+reliability: $(STAMP) java-check
+	$(BIN)/python -m tests.reliability.harness
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_codecs.py

@@ -654,14 +654,14 @@ class Emitter:
         if new_state is not None and loaded is not None:
             state_ref = self._state.write(seq, new_state, loaded)
         elif new_state is not None:  # successive snapshots: the last one, whole
-            new_state.select("data.*").write.parquet(self._spark_path(fl.path("state", str(seq))))
-            state_ref = f"state/{seq}"
+            state_ref = f"state/{seq}-{uuid.uuid4().hex[:8]}"
+            new_state.select("data.*").write.parquet(self._spark_path(fl.path(state_ref)))
         if bad_rows:
             bad.select(
                 F.col("_file").alias("file"),
                 F.col("_raw").alias("raw"),
                 F.col("_error").alias("reason"),
-            ).write.json(self._spark_path(fl.path("quarantine", str(seq))))
+            ).write.mode("overwrite").json(self._spark_path(fl.path("quarantine", str(seq))))
         fl.delete_dir(staging)
         secs["write"] = time.perf_counter() - t2
         if self.eager is not None and counts:

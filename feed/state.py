@@ -7,9 +7,12 @@ only the buckets its changes touch and writes new versions of those buckets alon
 
 Layout and the commit point::
 
-    state/<seq>/_bucket=<b>/*.parquet   bucket b as transaction <seq> left it
-    state/<seq>.json                    the state manifest of commit <seq>: {"format": 1,
-                                        "buckets": B, "files": {"<b>": "state/<s>/_bucket=<b>"}}
+    state/<seq>-<r>/_bucket=<b>/*.parquet   bucket b as transaction <seq> left it
+    state/<seq>-<r>.json                    the state manifest of commit <seq>:
+        {"format": 1, "buckets": B, "files": {"<b>": "state/<s>-<r>/_bucket=<b>"}}
+
+``<r>`` is random: a transaction redone at the same seq (after a crash, while the killed
+process's Spark may still be finishing a write) never meets the files of the first attempt.
 
 The manifest lists, for every non-empty bucket, the folder holding its latest version
 (written by this or an earlier transaction). Both are written before the commit, and the
@@ -25,6 +28,8 @@ costs O(table) once).
 from __future__ import annotations
 
 import contextlib
+import re
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +55,9 @@ _BUCKET_DIR = "_bucket="
 def bucket_of(row: Column, key: Sequence[str], buckets: int) -> Column:
     """The bucket of a record struct ``row`` (hash of its key columns)."""
     return F.pmod(F.xxhash64(*[row[k] for k in key]), F.lit(buckets)).cast("int")
+
+
+_FOLDER = re.compile(r"^\d+(-[0-9a-f]+)?$")  # state/<seq>-<r>/, or state/<seq>/ from before
 
 
 #: the column of a state row holding the source position of its key's last change
@@ -143,7 +151,8 @@ class BucketedState:
     def write(self, seq: int, new_rows: DataFrame, loaded: LoadedState) -> str:
         """Write the touched buckets' new rows (``new_rows``: column ``data``) and the
         manifest of commit ``seq``; return the manifest's path for the checkpoint."""
-        folder = f"state/{seq}"
+        attempt = f"{seq}-{uuid.uuid4().hex[:8]}"
+        folder = f"state/{attempt}"
         pos = [c for c in (POS_COLUMN, GONE_COLUMN) if c in new_rows.columns]
         out = new_rows.select(
             "data.*", *pos, bucket_of(F.col("data"), self.key, loaded.buckets).alias("_bucket")
@@ -159,7 +168,7 @@ class BucketedState:
         files = {b: f for b, f in loaded.files.items() if b not in loaded.touched}
         for b in written:
             files[b] = f"{folder}/{_BUCKET_DIR}{b}"
-        ref = f"state/{seq}.json"
+        ref = f"state/{attempt}.json"
         manifest = {
             "format": _FORMAT,
             "buckets": loaded.buckets,
@@ -195,7 +204,7 @@ class BucketedState:
             if name.endswith(".json"):
                 if f"state/{name}" not in keep:
                     self.log.delete_file(info.path)
-            elif name.isdigit():
+            elif _FOLDER.match(name):
                 if seq not in kept_seqs:
                     self.log.delete_dir(info.path)
                 elif f"state/{name}" not in keep:

@@ -13,7 +13,7 @@ from typing import IO, Any
 import orjson
 import pyarrow as pa
 
-from .codecs import MAX_UPDATES_PER_MESSAGE, Codec, Decoder, Encoder
+from .codecs import MAX_UPDATES_PER_MESSAGE, Codec, Decoder, Encoder, check_field_names
 from .errors import CodecError
 from .messages import Message, Progress, Updates, update_schema
 from .schema import arrow_to_avro
@@ -55,6 +55,8 @@ class ArrowEncoder(Encoder):
 
 
 class ArrowDecoder(Decoder):
+    fmt = "arrow"
+
     _data_type: pa.DataType | None = None
 
     @property
@@ -64,15 +66,16 @@ class ArrowDecoder(Decoder):
             self._schema = arrow_to_avro(self._data_type)
         return self._schema
 
-    def __iter__(self) -> Iterator[Message]:
+    def _messages(self) -> Iterator[Message]:
         self.position = "schema"
         try:
             reader = pa.ipc.open_stream(self._stream)
-        except (pa.ArrowInvalid, OSError) as e:
+        except (pa.ArrowException, OSError, ValueError) as e:
             raise CodecError(
                 f"not an Arrow IPC stream: {e}", fmt="arrow", position=self.position
             ) from e
         schema = reader.schema
+        check_field_names(schema)
         names = schema.names
         if (
             "data" not in names
@@ -96,7 +99,7 @@ class ArrowDecoder(Decoder):
                 batch, meta = reader.read_next_batch_with_custom_metadata()
             except StopIteration:
                 return
-            except (pa.ArrowInvalid, OSError) as e:
+            except (pa.ArrowException, OSError, ValueError) as e:
                 raise CodecError(
                     f"cannot read batch: {e}", fmt="arrow", position=self.position
                 ) from e

@@ -72,13 +72,15 @@ def _check_cdcv2(schema: Any) -> None:
 
 
 class AvroDecoder(Decoder):
-    def __iter__(self) -> Iterator[Message]:
+    fmt = "avro"
+
+    def _messages(self) -> Iterator[Message]:
         self.position = "header"
         try:
             reader = fastavro.reader(self._stream)
-        except (ValueError, TypeError, KeyError, EOFError, StopIteration) as e:
+        except Exception as e:  # fastavro raises many kinds on garbage: all are bad input
             raise CodecError(
-                f"not an Avro object container: {e}", fmt="avro", position=self.position
+                f"not an Avro object container: {e!r}", fmt="avro", position=self.position
             ) from e
         _check_cdcv2(reader.writer_schema)
         self._schema = record_schema_of(reader.writer_schema)
@@ -90,7 +92,7 @@ class AvroDecoder(Decoder):
                 datum = next(it)
             except StopIteration:
                 return
-            except (ValueError, TypeError, KeyError, EOFError, IndexError) as e:
+            except Exception as e:  # as above: the body is bad, whatever fastavro says
                 raise CodecError(
                     f"cannot read datum: {e!r}", fmt="avro", position=self.position
                 ) from e

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
-from .codecs import Codec, Decoder, Encoder
+from .codecs import Codec, Decoder, Encoder, check_field_names
 from .errors import CodecError
 from .messages import INT64_MAX, INT64_MIN, Message, Progress, Updates, _json_default
 
@@ -60,7 +60,9 @@ def _bad_rows(rows: list[Any]) -> str | None:
 
 
 class NdjsonDecoder(Decoder):
-    def __iter__(self) -> Iterator[Message]:
+    fmt = "ndjson"
+
+    def _messages(self) -> Iterator[Message]:
         for lineno, line in enumerate(self._stream, start=1):
             self.position = f"line {lineno}"
             if not line.strip():
@@ -175,8 +177,9 @@ def _decode_columnar(body: bytes) -> list[Message] | None:
     options = pa_json.ReadOptions(block_size=max(longest + 1, _MIN_BLOCK), use_threads=True)
     try:
         table = pa_json.read_json(pa.BufferReader(body), read_options=options)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-        return None
+        check_field_names(table.schema)  # pyarrow takes keys that are not UTF-8
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, ValueError):
+        return None  # the line decoder says exactly what is wrong
     if not set(table.column_names) <= {"updates", "progress"} or not table.num_rows:
         return None
     n = table.num_rows
@@ -218,7 +221,10 @@ class NdjsonCodec(Codec):
 
     def decode(self, body: bytes, *, schema: Any = None) -> list[Message]:
         if schema is None and body:
-            messages = _decode_columnar(body)
+            try:
+                messages = _decode_columnar(body)
+            except Exception:  # e.g. invalid UTF-8 in a key: the line decoder says what
+                messages = None
             if messages is not None:
                 return messages
         return list(NdjsonDecoder(io.BytesIO(body), schema=schema))

@@ -141,6 +141,21 @@ class Encoder(ABC):
     def _write_progress(self, p: Progress) -> None: ...
 
 
+def check_field_names(schema: pa.Schema) -> None:
+    """Read every field name, nested ones too. One that is not UTF-8 (a decoder can be fed
+    anything) raises here, inside the decoder, not later where the rows are hashed."""
+
+    def walk(t: pa.DataType) -> None:
+        for i in range(t.num_fields):
+            f = t.field(i)
+            _ = f.name
+            walk(f.type)
+
+    for f in schema:
+        _ = f.name
+        walk(f.type)
+
+
 class Decoder(ABC):
     """Reads messages from a binary stream; iterate it. ``position`` names the last one."""
 
@@ -149,13 +164,28 @@ class Decoder(ABC):
         self._schema = schema
         self.position = "start"
 
+    #: the format's name, for errors
+    fmt: ClassVar[str] = ""
+
     @property
     def record_schema(self) -> Any:
         """The record schema: given, or as found in the stream (``None`` if unknown yet)."""
         return self._schema
 
+    def __iter__(self) -> Iterator[Message]:
+        """The messages, in order. Whatever a bad body makes the underlying library raise
+        comes out as :class:`CodecError` naming the format and the position."""
+        try:
+            yield from self._messages()
+        except CodecError:
+            raise
+        except Exception as e:
+            raise CodecError(
+                f"cannot decode: {type(e).__name__}: {e}", fmt=self.fmt, position=self.position
+            ) from e
+
     @abstractmethod
-    def __iter__(self) -> Iterator[Message]: ...
+    def _messages(self) -> Iterator[Message]: ...
 
 
 class Codec(ABC):

@@ -45,8 +45,9 @@ def emit(spark, tmp_path):
     return e
 
 
-def bucket_dirs(tmp_path, seq):
-    d = tmp_path / "log" / "t" / "state" / str(seq)
+def bucket_dirs(tmp_path, ref):
+    """The bucket folders of the state written with manifest ``ref`` (state/<seq>-<r>.json)."""
+    d = tmp_path / "log" / "t" / ref.removesuffix(".json")
     return (
         sorted(p.name for p in d.iterdir() if p.name.startswith("_bucket=")) if d.exists() else []
     )
@@ -55,13 +56,13 @@ def bucket_dirs(tmp_path, seq):
 def test_a_small_transaction_rewrites_only_its_buckets(spark, tmp_path):
     write(tmp_path / "in" / "a.parquet", [{"id": i, "v": 0, "seq": 1} for i in range(5000)])
     e = emit(spark, tmp_path)
-    first = e.cp.seq
+    first = e.cp.state
     assert len(bucket_dirs(tmp_path, first)) > 900  # 5000 keys spread over the buckets
     write(
         tmp_path / "in" / "b.parquet", [{"id": 7, "v": 1, "seq": 2}, {"id": 4000, "v": 1, "seq": 2}]
     )
     e = emit(spark, tmp_path)
-    assert len(bucket_dirs(tmp_path, e.cp.seq)) == 2  # only the two touched buckets
+    assert len(bucket_dirs(tmp_path, e.cp.state)) == 2  # only the two touched buckets
     truth = {i: 0 for i in range(5000)} | {7: 1, 4000: 1}
     reader = FeedReader(str(tmp_path / "log"), "t")
     assert collection_of(reader) == as_multiset({"id": i, "v": v} for i, v in truth.items())
@@ -92,7 +93,7 @@ def test_a_whole_folder_state_from_before_buckets_is_migrated(spark, tmp_path):
     assert e.cp.state.endswith(".json")
     truth = {i: 0 for i in range(50)} | {3: 9}
     # every row was rewritten into this transaction's buckets
-    folder = tmp_path / "log" / "t" / "state" / str(e.cp.seq)
+    folder = tmp_path / "log" / "t" / e.cp.state.removesuffix(".json")
     schema = pa.schema([("id", pa.int64()), ("v", pa.int64())])
     migrated = pa.concat_tables(
         pq.read_table(d, schema=schema) for d in folder.iterdir() if d.name.startswith("_bucket=")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 
 import fastavro
 import pyarrow as pa
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol import (
@@ -227,3 +228,67 @@ def test_content_types_and_names():
 def test_avro_arrow_schema_round_trip(schema):
     t = avro_to_arrow(schema)
     assert avro_to_arrow(arrow_to_avro(t)) == t
+
+
+# found by the reliability harness's fuzzer: garbage made fastavro raise IndexError and
+# pyarrow ArrowNotImplementedError / UnicodeDecodeError, which escaped as 500s
+@pytest.mark.parametrize(
+    ("fmt", "body"),
+    [
+        ("avro", b"\xefJh\xce\xa1\xee"),
+        (
+            "arrow",
+            b"\xff\xff\xff\xff\x80\x01\x00\x00\x10\x00\x00\x00\x00\x00\n\x00\x0c\x00\x06\x00"
+            b"\x05\x00\x08\x00\n\x00\x00\x00\x00\x01\x04\x00\x0c\x00\x00\x00\x08\x00\x08\x00"
+            b"\x00\x00\x04\x00\x08\x00\x00\x00\x04\x00\x00\x00\x03\x00\x00\x00l\x00\x00\x00",
+        ),
+    ],
+)
+def test_garbage_is_a_codec_error_whatever_the_library_raises(fmt, body):
+    with pytest.raises(CodecError, match=fmt):
+        get_codec(fmt).decode(body)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["ndjson", "avro", "arrow"]), st.data())
+def test_mutated_bodies_decode_or_raise_codec_error_only(fmt, data):
+    codec = get_codec(fmt)
+    good = codec.encode(
+        [
+            Progress(0, 0, ()),
+            Updates.from_rows([{"data": {"id": 1, "s": "x"}, "time": 1, "diff": 1}]),
+            Progress(0, 2, ((1, 1),)),
+        ],
+        schema={
+            "type": "record",
+            "name": "r",
+            "fields": [{"name": "id", "type": "long"}, {"name": "s", "type": "string"}],
+        },
+    )
+    cut = data.draw(st.integers(0, len(good)))
+    flips = data.draw(st.lists(st.tuples(st.integers(0, len(good) - 1), st.integers(0, 255))))
+    body = bytearray(good[:cut])
+    for i, b in flips:
+        if i < len(body):
+            body[i] = b
+    with contextlib.suppress(CodecError):  # anything else fails the test
+        codec.decode(bytes(body))
+
+
+def test_ndjson_with_invalid_utf8_in_a_key_is_a_codec_error():
+    # found by the reliability harness: the columnar fast path let pyarrow's
+    # UnicodeDecodeError out, and the receiver answered 500
+    body = b'{"progress": {"lower": 0, "upper": 0, "counts": []}}\n{"progress": {"lo\xe4er": 1}}\n'
+    with pytest.raises(CodecError):
+        get_codec("ndjson").decode(body)
+
+
+def test_ndjson_with_invalid_utf8_in_a_record_field_name_is_a_codec_error():
+    # found by the reliability harness: pyarrow's JSON reader took the key, and the
+    # receiver failed later, hashing the rows (500)
+    body = (
+        b'{"progress":{"lower":[2],"upper":[2],"counts":[]}}\n'
+        b'{"updates":[{"data":{"id":2,"o\xa5ner":"b"},"time":5,"diff":1}]}\n'
+    )
+    with pytest.raises(CodecError):
+        get_codec("ndjson").decode(body)
