@@ -34,7 +34,7 @@ from protocol import CheckpointError, CommitConflict
 from ._faults import maybe_die
 from .checkpoint import Checkpoint, CheckpointStore
 from .log import FeedLog
-from .manifest import ManifestStore, legacy_manifest
+from .manifest import ManifestStore
 from .reader import FeedReader
 from .subscriptions import SubscriptionStore
 
@@ -129,11 +129,7 @@ def _commit(reader: FeedReader, to: int, files: tuple[str, ...], records: int) -
     for _ in range(16):
         latest = store.latest()
         assert latest is not None  # the reader found it
-        base = (
-            manifests.read(latest.manifest)
-            if latest.manifest
-            else legacy_manifest(manifests, latest)
-        )
+        base = manifests.of(latest)
         if base.since >= to:
             raise CheckpointError(f"feed {flog.feed!r}: another compaction to {to} committed first")
         m = manifests.write(

@@ -7,20 +7,22 @@ above the committed ``upper`` and every staged, quarantined or state folder no c
 
 One transaction (:meth:`Emitter.step`):
 
-1. list input files not yet consumed (``source.files``) in name order; read them into
-   changes; drop Debezium events at or below the committed position (redelivery);
+1. list input files not yet consumed (named above the high-water ``source.file``, see
+   feed/inputs.py) in name order; read them into changes; drop input at or below the
+   committed position (redelivery);
 2. turn changes into diffs (keyed state where needed), assign times from ``next``,
    consolidate per time;
 3. write each time's updates to ``_staging`` and move them to ``times/<t>`` (a redo of the
    same time replaces them: idempotent), write the keyed-state snapshot and quarantined rows;
-4. **commit** the checkpoint (progress, ``next``, ``source``) — the single commit point;
+4. **commit**: the manifest (feed/manifest.py), then the checkpoint (progress, ``next``,
+   ``source``, ``state``, ``manifest``) — the checkpoint is the single commit point;
 5. hand the committed progress to the publisher, if any.
 
 With eager delivery (:mod:`feed.eager`) the executors push the updates between 3 and 4.
 
 A crash before 4 leaves the old checkpoint, so the next start rolls back and redoes the
 transaction at the same times (``next`` is fixed by the previous commit). A crash after 4
-finds everything committed: the files are in ``source.files`` and are never read twice.
+finds everything committed: the files are below ``source.file`` and are never read twice.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ from protocol import CheckpointError, CommitConflict, Progress, SourceError, fin
 from ._faults import maybe_die
 from .checkpoint import Checkpoint, CheckpointStore
 from .eager import EagerPusher
-from .inputs import FilePosition, list_files, without_legacy
+from .inputs import FilePosition, consumed_position, list_files, without_legacy
 from .log import FeedLog
-from .manifest import Manifest, ManifestStore, Segment, legacy_manifest
+from .manifest import ManifestStore, Segment
 
 __all__ = ["Emitter", "EmitterConfig", "TxnReport", "load_schema_file"]
 
@@ -53,6 +55,8 @@ log = logging.getLogger("tidefeed.emit")
 DEFAULT_TRIGGER = 5.0
 DEFAULT_MAX_FILES = 1000
 LIST_PRUNE_EVERY = 256
+DEFAULT_CLOCK = "wallclock"  # a new feed's, when --clock is left out
+DEFAULT_GRANULARITY = "batch"  # a new feed's, when --granularity is left out
 RESERVED = ("time", "diff")
 
 
@@ -222,7 +226,9 @@ class Emitter:
         self.info = self.feedlog.info()
         if self.info is None:
             self.config = cfg = replace(
-                cfg, clock=cfg.clock or "wallclock", granularity=cfg.granularity or "batch"
+                cfg,
+                clock=cfg.clock or DEFAULT_CLOCK,
+                granularity=cfg.granularity or DEFAULT_GRANULARITY,
             )
             self.info = self._create_feed()
         else:
@@ -245,13 +251,14 @@ class Emitter:
         claimed = latest.successor(epoch=latest.epoch + 1)
         if latest.seq and latest.manifest is None:
             # a feed from before manifests: publish the one its folders imply
-            legacy = legacy_manifest(self.manifests, latest)
+            legacy = self.manifests.of(latest)
             m = self.manifests.write(seq=claimed.seq, epoch=claimed.epoch, base=legacy)
             claimed = replace(claimed, manifest=m.name, writers=())
             self.log.info("feed %s: migrated to a manifest-based log (%s)", cfg.feed, m.name)
         self.store.commit(claimed)
         self.cp = claimed
-        self.manifests.prune(self._kept_refs(claimed)[1])
+        kept_states, kept_manifests = self._kept_refs(claimed)
+        self.manifests.prune(kept_manifests)
         gone = self.feedlog.delete_times_from(claimed.progress.upper)
         self.feedlog.delete_dir(self.feedlog.path("_staging"))
         from .state import BucketedState
@@ -259,7 +266,7 @@ class Emitter:
         self._state = BucketedState(
             lambda: self.spark, self.feedlog, self._record_type, self.info.key, self._spark_path
         )
-        self._state.prune(self._kept_refs(claimed)[0])
+        self._state.prune(kept_states)
         for name in ("quarantine",):
             for n in self.feedlog.numbered_dirs(name):
                 if n > latest.seq and f"{name}/{n}" != claimed.state:
@@ -364,8 +371,8 @@ class Emitter:
             if name == "key":
                 value = tuple(c for c in (value or "").split(",") if c) or info.key
             settled[name] = value
-        settled["clock"] = settled["clock"] or "wallclock"
-        settled["granularity"] = settled["granularity"] or "batch"
+        settled["clock"] = settled["clock"] or DEFAULT_CLOCK
+        settled["granularity"] = settled["granularity"] or DEFAULT_GRANULARITY
         return replace(cfg, **settled)
 
     # ---- input -----------------------------------------------------------------------
@@ -689,11 +696,7 @@ class Emitter:
             "pos": list(position) if position is not None else cp.source.get("pos", [0, 0, 0]),
         }
         if source_update is None:
-            taken = [os.path.basename(f) for f in files]
-            position_now = FilePosition.from_source(cp.source).advance(
-                self._listed, (n for n in taken if n not in held_names)
-            )
-            source.update(position_now.to_source())
+            source.update(consumed_position(cp.source, "file", self._listed, files, held_names))
         if cfg.source_kind == "cdf" and position is not None:
             source["cdf_version"] = position[0]
         if cfg.source_kind == "debezium" and "snapshot_lsn" not in source:
@@ -704,11 +707,9 @@ class Emitter:
             # not a folder of files: the source's own position (a Delta version)
             source.update(source_update)
         if tx_files:
-            taken = [os.path.basename(f) for f in tx_files]
-            tx_now = FilePosition.from_source(cp.source, "tx_file").advance(
-                self._tx_listed, (n for n in taken if n not in held_names)
+            source.update(
+                consumed_position(cp.source, "tx_file", self._tx_listed, tx_files, held_names)
             )
-            source.update(tx_now.to_source("tx_file"))
         new_cp = self._commit(  # the commit point
             lambda base: base.successor(
                 progress=progress, next=next_time, source=source, state=state_ref
@@ -757,11 +758,6 @@ class Emitter:
                 segments.append(Segment(t, epoch, n, tuple(installed)))
         return sorted(segments, key=lambda s: s.time)
 
-    def _manifest_of(self, cp: Checkpoint) -> Manifest | None:
-        if cp.manifest:
-            return self.manifests.read(cp.manifest)
-        return legacy_manifest(self.manifests, cp) if cp.seq else None
-
     def _commit(
         self, build: Callable[[Checkpoint], Checkpoint], segments: Sequence[Segment]
     ) -> Checkpoint:
@@ -776,7 +772,7 @@ class Emitter:
                 m = self.manifests.write(
                     seq=new_cp.seq,
                     epoch=new_cp.epoch,
-                    base=self._manifest_of(base),
+                    base=self.manifests.of(base),
                     added=segments,
                 )
                 new_cp = replace(new_cp, manifest=m.name)

@@ -79,6 +79,19 @@ class FilePosition:
         return {prefix: self.last, beyond_key: sorted(self.beyond)}
 
 
+def consumed_position(
+    source: Mapping[str, Any],
+    prefix: str,
+    listed: Iterable[str],
+    read: Iterable[str],
+    held: set[str],
+) -> dict[str, Any]:
+    """The ``source`` keys of ``prefix`` once the files ``read`` (paths) are consumed,
+    except those ``held`` back (names)."""
+    taken = (n for n in map(os.path.basename, read) if n not in held)
+    return FilePosition.from_source(source, prefix).advance(listed, taken).to_source(prefix)
+
+
 def without_legacy(source: Mapping[str, Any]) -> dict[str, Any]:
     """``source`` without the whole-list keys of checkpoints from before high-waters."""
     return {k: v for k, v in source.items() if k not in ("files", "tx_files")}

@@ -154,6 +154,15 @@ class ManifestStore:
         self._manifests[name] = m
         return m
 
+    def of(self, cp: Any) -> Manifest:
+        """The manifest checkpoint ``cp`` names; for a checkpoint from before manifests, the
+        one its folders imply (:func:`legacy_manifest`); empty for no checkpoint."""
+        if cp is None:
+            return Manifest(name="")
+        if cp.manifest:
+            return self.read(cp.manifest)
+        return legacy_manifest(self, cp)
+
     def _part(self, part: Part) -> pa.Table:
         table = self._parts.get(part.file)
         if table is None:
@@ -341,14 +350,3 @@ def legacy_manifest(store: ManifestStore, cp: Any) -> Manifest:
             ),
         )
     return Manifest(name="", since=since, compacted=compacted, records=records, parts=parts)
-
-
-def describe(m: Manifest) -> dict[str, Any]:
-    """A short summary of a manifest (for logs and ``inspect``)."""
-    return {
-        "manifest": m.name,
-        "since": m.since,
-        "parts": len(m.parts),
-        "times": sum(p.times for p in m.parts),
-        "updates": sum(p.updates for p in m.parts),
-    }

@@ -27,7 +27,7 @@ from protocol import (
 
 from .checkpoint import Checkpoint, CheckpointStore
 from .log import FeedInfo, FeedLog
-from .manifest import Manifest, ManifestStore, legacy_manifest
+from .manifest import ManifestStore
 
 __all__ = ["FeedReader", "flat_updates"]
 
@@ -48,15 +48,9 @@ class FeedReader:
         """Re-read the latest checkpoint (a running emitter may have committed more) and
         its manifest."""
         self.checkpoint = CheckpointStore(self.log).latest()
-        cp = self.checkpoint
-        if cp is None:
-            self.manifest = Manifest(name="")
-        elif cp.manifest:
-            self.manifest = self._manifests.read(cp.manifest)
-        else:
-            self.manifest = legacy_manifest(self._manifests, cp)
+        self.manifest = self._manifests.of(self.checkpoint)
         self._since = self.manifest.since
-        return cp
+        return self.checkpoint
 
     @property
     def name(self) -> str:
