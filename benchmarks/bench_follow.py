@@ -26,6 +26,8 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from feed.inputs import FilePosition  # noqa: E402
+
 SCHEMA = {
     "type": "record",
     "name": "record",
@@ -73,7 +75,7 @@ def wait_for_file(log: Path, name: str, timeout: float = 900) -> float:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _, mtime, cp = latest_commit(log)
-        if name in (cp.get("source") or {}).get("files", []):
+        if FilePosition.from_source(cp.get("source") or {}).consumed(name):
             return mtime
         time.sleep(0.02)
     raise TimeoutError(f"no commit consumed {name}")

@@ -127,12 +127,21 @@ class FeedReader:
                 since=since,
             )
         if after is None and since > 0:
-            batch = self.snapshot_updates(since)
-            n = len(batch)
-            closing = Progress(since, since + 1, ((since, n),) if n else ())
-            return [announcement(since), *([batch] if n else []), closing], since + 1
+            return self.snapshot_opening(since + 1), since + 1
         start = since if after is None else after
         return [announcement(start)], start
+
+    def snapshot_opening(self, frontier: int) -> list[Message]:
+        """The collection complete below ``frontier`` as a CDCv2 history for a reader that
+        holds nothing (DESIGN §7): an announcement at 0, the collection as updates at
+        ``frontier - 1``, and one progress ``[0, frontier)`` counting only that time.
+        differential dataflow's reader starts at time 0 and only moves on with a progress
+        whose lower it has reached, so the closing progress must start at 0."""
+        at = frontier - 1
+        batch = self.snapshot_updates(at)
+        n = len(batch)
+        closing = Progress(0, frontier, ((at, n),) if n else ())
+        return [announcement(0), *([batch] if n else []), closing]
 
     def messages(self, after: int | None = None) -> Iterator[Message]:
         """The committed feed for a consumer at ``after`` (see :meth:`opening`), each time's

@@ -247,11 +247,8 @@ async def changes(request: web.Request) -> web.StreamResponse:
             await resp.write(data)
 
     if snapshot and reader.frontier > 0:
-        at = reader.frontier - 1
-        batch = await asyncio.to_thread(reader.snapshot_updates, at)
-        n = len(batch)
-        await send([announcement(at), batch, Progress(at, at + 1, ((at, n),) if n else ())])
-        lower = at + 1
+        lower = reader.frontier
+        await send(await asyncio.to_thread(reader.snapshot_opening, lower))
     else:
         await send(opening)
 

@@ -65,3 +65,55 @@ def run_emitter(spark, **config):
     e = Emitter(EmitterConfig(**config), spark=spark)
     e.open()
     return e, e.run()
+
+
+class DDReader:
+    """A model of differential dataflow's CDCv2 reader (``capture.rs``), holding nothing at
+    the start: its frontier begins at time 0; every progress takes one from each ``lower``
+    time and adds one to each ``upper`` time (so order does not matter); updates are
+    de-duplicated by (data, time, diff); a time is complete once the updates received
+    there equal the counts stated for it. The frontier is the least time that is either
+    still held by the progress counts or not yet complete."""
+
+    def __init__(self) -> None:
+        self.bounds: Counter = Counter({0: 1})
+        self.expected: Counter = Counter()
+        self.received: Counter = Counter()
+        self.seen: set[tuple[Any, int, int]] = set()
+        self.updates: list[tuple[Any, int, int]] = []
+
+    def read(self, messages) -> DDReader:
+        from protocol import Progress, Updates
+
+        for m in messages:
+            if isinstance(m, Updates):
+                for u in m:
+                    k = (record_key(u.record), u.time, u.diff)
+                    if k not in self.seen:
+                        self.seen.add(k)
+                        self.received[u.time] += 1
+                        self.updates.append(k)
+            elif isinstance(m, Progress):
+                self.bounds[m.lower] -= 1
+                self.bounds[m.upper] += 1
+                for t, n in m.counts:
+                    self.expected[t] += n
+        return self
+
+    @property
+    def frontier(self) -> int:
+        held = [t for t, n in self.bounds.items() if n > 0]
+        assert all(n >= 0 for n in self.bounds.values()), f"progress below 0: {self.bounds}"
+        bound = min(held) if held else 1 << 63
+        open_times = [t for t in self.expected if self.expected[t] != self.received[t]]
+        open_times += [t for t in self.received if self.received[t] > self.expected[t]]
+        return min([bound, *open_times])
+
+    def collection(self) -> Counter:
+        """The accumulated collection below the frontier."""
+        f = self.frontier
+        c: Counter = Counter()
+        for rec, t, d in self.updates:
+            if t < f:
+                c[rec] += d
+        return +c

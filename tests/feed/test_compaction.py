@@ -29,7 +29,7 @@ from protocol import (
 )
 from protocol.receiver import ReceiverConfig, make_receiver_app
 
-from .model import as_multiset, collection_of, debezium_truth, run_emitter
+from .model import DDReader, as_multiset, collection_of, debezium_truth, run_emitter
 from .test_server import accumulate, serve
 
 BANK = generate_bank(transactions=30, seed=77)
@@ -193,6 +193,8 @@ async def test_server_410_below_since_and_new_consumers_get_the_snapshot(log_cop
                     fresh = get_codec(fmt).decode(await resp.read())
                 assert check_messages(fresh, key=["id"]) == []
                 assert accumulate(fresh) == truth_multiset()
+                dd = DDReader().read(fresh)  # a complete history from time 0
+                assert (dd.frontier, dd.collection()) == (r.frontier, truth_multiset())
             # a new receiver subscribes: it gets the snapshot at since, then the tail
             sub = {"url": f"{rbase}/v1/push/bank", "format": "avro"}
             async with s.put(f"{base}/v1/feeds/bank/subscriptions/new", json=sub) as resp:

@@ -19,7 +19,7 @@ from protocol import Progress, Updates, check_messages, get_codec, record_key
 from protocol.receiver import ReceiverConfig, make_receiver_app
 
 from ..e2e.helpers import free_port
-from .model import as_multiset, debezium_truth, run_emitter
+from .model import DDReader, as_multiset, debezium_truth, run_emitter
 from .test_publisher import _collection_at
 
 BANK = generate_bank(transactions=40, seed=51)
@@ -118,6 +118,14 @@ async def test_feed_list_info_snapshot_and_errors(feed_log):
             assert check_messages(snap, key=["id"]) == []
             assert accumulate(snap) == as_multiset(TRUTH_2.values())
             assert len([m for m in snap if isinstance(m, Updates)]) == 1
+            # a complete history for a reader that holds nothing (differential dataflow's)
+            dd = DDReader().read(snap)
+            assert dd.frontier == info["frontier"]
+            assert dd.collection() == as_multiset(TRUTH_2.values())
+            async with s.get(f"{base}/v1/feeds/bank/changes?after=0") as r:
+                dd = DDReader().read(get_codec("ndjson").decode(await r.read()))
+            assert dd.frontier == info["frontier"]
+            assert dd.collection() == as_multiset(TRUTH_2.values())
             for path, status, code in [
                 ("/v1/feeds/nope", 404, "unknown_feed"),
                 ("/v1/feeds/bank/changes?after=x", 400, "bad_request"),
