@@ -1,14 +1,19 @@
 """The ``tidefeed`` command line (DESIGN §9).
 
-Every option also reads ``TIDEFEED_<OPTION>`` from the environment (``--on-bad-record`` from
-``TIDEFEED_ON_BAD_RECORD``); a flag given on the command line wins.
+Options also come from the environment (``TIDEFEED_<COMMAND>_<OPTION>``, and
+``TIDEFEED_<OPTION>`` where that cannot mean two things: feed/cliopts.py); a flag given on
+the command line wins. Exit codes: 0 done, 1 invalid input or a failed command (one line on
+stderr; ``--debug`` adds the traceback), 2 a usage error, 130/143 stopped by SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import signal
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
@@ -16,26 +21,33 @@ import orjson
 
 from protocol import CODECS, CodecError, FeedChecker, TidefeedError, get_codec
 
+from .cliopts import (
+    DEFAULT_LOG_LEVEL,
+    EXIT_FAILED,
+    EXIT_OK,
+    LOG_LEVELS,
+    OptionParser,
+    configure_logging,
+    exit_code_for_signal,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+    scope_env,
+    version,
+    with_env,
+)
+from .emitter import DEFAULT_CLOCK, DEFAULT_GRANULARITY, DEFAULT_MAX_FILES, DEFAULT_TRIGGER
+from .session import DEFAULT_MASTER
+
 __all__ = ["build_parser", "main"]
 
 FORMATS = tuple(CODECS)
-
-
-def _env_name(flag: str) -> str:
-    return "TIDEFEED_" + flag.lstrip("-").replace("-", "_").upper()
-
-
-def _option(p: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
-    """Add ``flag``, defaulting to ``TIDEFEED_<FLAG>`` from the environment when set."""
-    env = os.environ.get(_env_name(flag))
-    if env is not None:
-        if kw.get("action") == "store_true":
-            kw["default"] = env.strip().lower() not in ("", "0", "false", "no")
-        else:
-            kw["default"] = env
-            kw.pop("required", None)
-        kw["help"] = (kw.get("help") or "") + f" [from ${_env_name(flag)}]"
-    p.add_argument(flag, **kw)
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_SERVE_PORT = 8080
+DEFAULT_RECEIVE_PORT = 9090
+DEFAULT_PUSH_TIMEOUT = 300.0
 
 
 def sniff_format(head: bytes) -> str:
@@ -138,18 +150,23 @@ def _parse_source(spec: str) -> tuple[str, str]:
     return kind, path
 
 
-def cmd_emit(args: argparse.Namespace) -> int:
-    import logging
+def _local_path_exists(path: str, what: str) -> None:
+    """Fail at once, before Spark starts, on a local path that is not there."""
+    if "://" not in path and not os.path.exists(path):
+        raise SystemExit(f"tidefeed emit: {what} {path!r} does not exist")
 
+
+def cmd_emit(args: argparse.Namespace) -> int:
     from .emitter import Emitter, EmitterConfig, load_schema_file
     from .session import parse_conf
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr
-    )
     kind, path = _parse_source(args.source)
     if args.eager and not args.push:
         raise SystemExit("tidefeed emit: --eager pushes to a receiver: give --push URL too")
+    _local_path_exists(path, "source path")
+    for value, what in ((args.schema, "--schema file"), (args.tx_metadata, "--tx-metadata path")):
+        if value:
+            _local_path_exists(value, what)
     config = EmitterConfig(
         source_kind=kind,
         source_path=path,
@@ -160,28 +177,40 @@ def cmd_emit(args: argparse.Namespace) -> int:
         clock=args.clock,
         granularity=args.granularity,
         follow=args.follow,
-        trigger=float(args.trigger),
+        trigger=args.trigger,
         master=args.master,
         on_bad_record=args.on_bad_record,
-        max_files_per_txn=int(args.max_files_per_txn),
+        max_files_per_txn=args.max_files_per_txn,
         order=args.order,
         deleted=args.deleted,
         table=args.table or None,
         tx_metadata=args.tx_metadata or None,
         conf=tuple(parse_conf(args.conf).items()),
     )
-    import signal
-
     stopping: list[int] = []
 
     def request_stop(signum: int, _frame: Any) -> None:
-        # finish the transaction under way, then stop: nothing half-done is left behind
+        # finish the transaction under way, then stop: nothing half-done is left behind.
+        # os.write, not print: the main thread may be inside a write to stderr already
+        if stopping:
+            os.write(
+                2,
+                b"tidefeed emit: stopping now; the transaction under way is rolled "
+                b"back at the next start\n",
+            )
+            os._exit(exit_code_for_signal(signum))
         stopping.append(signum)
-        print("tidefeed emit: stopping after the current transaction", file=sys.stderr)
+        os.write(
+            2, b"tidefeed emit: stopping after the transaction under way (again to stop at once)\n"
+        )
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    deliver = _push_delivery(args, config, lambda: emitter.eager) if args.push else None
+    deliver = (
+        _push_delivery(args, config, lambda: emitter.eager, lambda: bool(stopping))
+        if args.push
+        else None
+    )
     emitter = Emitter(config, on_commit=deliver)
     emitter.open()
     if args.eager:
@@ -207,11 +236,14 @@ def cmd_emit(args: argparse.Namespace) -> int:
         f"{bad} quarantined row(s); frontier {cp.frontier}, epoch {cp.epoch}",
         file=sys.stderr,
     )
-    return 0
+    return exit_code_for_signal(stopping[0]) if stopping else EXIT_OK
 
 
 def _push_delivery(
-    args: argparse.Namespace, config: Any, eager_of: Callable[[], Any]
+    args: argparse.Namespace,
+    config: Any,
+    eager_of: Callable[[], Any],
+    stop: Callable[[], bool],
 ) -> Callable[..., None]:
     """A commit hook that pushes the committed feed to ``--push`` before going on. With
     eager delivery, a transaction's updates are at the receiver already: its progress
@@ -229,31 +261,39 @@ def _push_delivery(
                 epoch=cp.epoch,
                 fmt=args.format,
                 token=args.token,
-                give_up_after=float(args.push_timeout),
+                give_up_after=args.push_timeout,
+                stop=stop,
             )
+        if acked is None and stop():
+            print(
+                f"tidefeed emit: delivery to {args.push} stopped; it goes on from the "
+                "receiver's frontier at the next start",
+                file=sys.stderr,
+            )
+            return
         print(f"tidefeed emit: {args.push} ACKed frontier {acked}", file=sys.stderr)
 
     return deliver
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import logging
+def _listening(command: str, host: str, port: int, run: Callable[[], None]) -> int:
+    """Run a server; a port in use (or any other failure to listen) is one line."""
+    try:
+        run()
+    except OSError as e:
+        in_use = e.errno == errno.EADDRINUSE
+        reason = "the address is already in use" if in_use else (e.strerror or str(e))
+        raise SystemExit(f"tidefeed {command}: cannot listen on {host}:{port}: {reason}") from e
+    return EXIT_OK
 
+
+def cmd_serve(args: argparse.Namespace) -> int:
     from .server import ServerConfig, run_server
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr
+    config = ServerConfig(
+        log=args.log, host=args.host, port=args.port, token=args.token or None, retain=args.retain
     )
-    run_server(
-        ServerConfig(
-            log=args.log,
-            host=args.host,
-            port=int(args.port),
-            token=args.token or None,
-            retain=int(args.retain) if args.retain not in (None, "") else None,
-        )
-    )
-    return 0
+    return _listening("serve", args.host, args.port, lambda: run_server(config))
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
@@ -266,10 +306,8 @@ def cmd_compact(args: argparse.Namespace) -> int:
 def cmd_receive(args: argparse.Namespace) -> int:
     from protocol.receiver import ReceiverConfig, run_receiver
 
-    run_receiver(
-        ReceiverConfig(db=args.db, host=args.host, port=int(args.port), token=args.token or None)
-    )
-    return 0
+    config = ReceiverConfig(db=args.db, host=args.host, port=args.port, token=args.token or None)
+    return _listening("receive", args.host, args.port, lambda: run_receiver(config))
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -286,13 +324,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
-    import logging
-
     from .capture import DEFAULT_SLOT, CaptureConfig, run_capture
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr
-    )
     extra = {}
     for kv in args.debezium or []:
         k, sep, v = kv.partition("=")
@@ -320,174 +353,233 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(workdir=args.workdir)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _common(p: OptionParser) -> None:
+    """Options every command has: logging and tracebacks."""
+    p.option(
+        "--log-level", choices=LOG_LEVELS, default=DEFAULT_LOG_LEVEL, help="tidefeed's log level"
+    )
+    p.option(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="log lines as text or JSON objects",
+    )
+    p.option("--debug", action="store_true", help="show the traceback of an error")
+
+
+def build_parser() -> OptionParser:
+    parser = OptionParser(
         prog="tidefeed",
         description="A differential change feed: consolidated (record, time, diff) updates "
         "with progress, delivered exactly once.",
+        epilog="Exit codes: 0 done, 1 invalid input or failed, 2 usage error, 130/143 stopped "
+        "by SIGINT/SIGTERM. Options also read TIDEFEED_<COMMAND>_<OPTION> from the "
+        "environment (see each command's --help).",
     )
+    parser.add_argument("--version", action="version", version=f"tidefeed {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands: dict[str, Callable[[argparse.Namespace], int]] = {}
+    parsers: dict[str, OptionParser] = {}
 
-    p = sub.add_parser("check", help="validate a feed stream (exit 0 valid, 1 invalid)")
-    _option(p, "--format", choices=FORMATS, help="input format (default: detect)")
-    _option(
-        p,
+    def command(name: str, fn: Callable[[argparse.Namespace], int], **kw: Any) -> OptionParser:
+        p: OptionParser = sub.add_parser(name, **kw)
+        commands[name] = fn
+        parsers[name] = p
+        return p
+
+    p = command("check", cmd_check, help="validate a feed stream (exit 0 valid, 1 invalid)")
+    p.option("--format", choices=FORMATS, help="input format (default: detected from the bytes)")
+    p.option(
         "--non-negative",
         action="store_true",
-        help="also require non-negative accumulated multiplicities (§2.6)",
+        help="also require that no record's accumulated count goes below zero",
     )
-    _option(p, "--key", help="key columns, comma-separated: at most one live row per key")
-    p.add_argument("file", nargs="?", default="-", metavar="FILE|-")
-    commands["check"] = cmd_check
+    p.option("--key", help="key columns, comma-separated: at most one live row per key")
+    p.add_argument("file", nargs="?", default="-", metavar="FILE|-", help="the stream to check")
 
-    p = sub.add_parser("convert", help="convert a feed stream between formats")
-    _option(p, "--from", dest="from_", choices=FORMATS, required=True, help="input format")
-    _option(p, "--to", choices=FORMATS, required=True, help="output format")
-    _option(p, "--schema", help="record schema (Avro JSON, .avsc)")
+    p = command("convert", cmd_convert, help="convert a feed stream between formats")
+    p.option("--from", dest="from_", choices=FORMATS, required=True, help="input format")
+    p.option("--to", choices=FORMATS, required=True, help="output format")
+    p.option("--schema", help="record schema (Avro JSON, .avsc); needed from NDJSON")
     p.add_argument("input", nargs="?", default="-", metavar="IN|-")
     p.add_argument("output", nargs="?", default="-", metavar="OUT|-")
-    commands["convert"] = cmd_convert
 
-    p = sub.add_parser("emit", help="turn row changes into a consolidated feed (Spark)")
-    _option(
-        p,
+    p = command("emit", cmd_emit, help="turn row changes into a consolidated feed (Spark)")
+    p.option(
         "--source",
         required=True,
-        help="KIND:PATH; kinds: debezium, cdf, upsert, snapshot, weighted",
+        help="KIND:PATH, a file or folder of change files (kinds: debezium, cdf, upsert, "
+        "snapshot, weighted), or delta:TABLE_URI for a Delta table's change data feed",
     )
-    _option(p, "--feed", required=True, help="feed name")
-    _option(p, "--log", required=True, help="feed log URI (a local path or s3://…)")
-    _option(p, "--key", help="key columns, comma-separated (keeps per-key state)")
-    _option(p, "--schema", help="record schema (Avro JSON, .avsc); default: inferred")
-    _option(
-        p,
+    p.option("--feed", required=True, help="feed name")
+    p.option("--log", required=True, help="feed log: a local folder or s3://…")
+    p.option("--key", help="key columns, comma-separated (keeps each key's current row)")
+    p.option("--schema", help="record schema (Avro JSON, .avsc); default: inferred")
+    p.option(
         "--clock",
         choices=("wallclock", "logical"),
-        help="time of each transaction (default: the feed's; a new feed: wallclock)",
+        help="times in milliseconds since the epoch, or 1, 2, 3 … (default: the feed's; a "
+        f"new feed: {DEFAULT_CLOCK})",
     )
-    _option(
-        p,
+    p.option(
         "--granularity",
         choices=("batch", "transaction"),
-        help="one time per emitter or per source transaction (default: the feed's; a new "
-        "feed: batch)",
+        help="one time per emitter transaction, or one per source transaction (default: the "
+        f"feed's; a new feed: {DEFAULT_GRANULARITY})",
     )
-    _option(p, "--follow", action="store_true", help="keep picking up new files")
-    _option(p, "--trigger", default="5", help="seconds between polls in --follow mode")
-    _option(p, "--push", help="push the feed to this receiver URL")
-    _option(p, "--eager", action="store_true", help="push before the commit (with --push)")
-    _option(p, "--format", choices=FORMATS, default="ndjson", help="push format")
-    _option(p, "--token", help="bearer token for the receiver")
-    _option(
-        p,
+    p.option("--follow", action="store_true", help="keep running and pick up new files")
+    p.option(
+        "--trigger",
+        type=positive_float,
+        default=DEFAULT_TRIGGER,
+        help="seconds between polls for new files with --follow",
+    )
+    p.option("--push", metavar="URL", help="push each commit to this receiver")
+    p.option("--eager", action="store_true", help="push updates before the commit (with --push)")
+    p.option("--format", choices=FORMATS, default="ndjson", help="push format")
+    p.option("--token", help="bearer token the receiver expects")
+    p.option(
         "--push-timeout",
-        default="300",
+        type=non_negative_float,
+        default=DEFAULT_PUSH_TIMEOUT,
         help="seconds to keep retrying an unreachable receiver before failing",
     )
-    _option(p, "--master", default=None, help="Spark master (default local[*])")
+    p.option("--master", help=f"Spark master (default: {DEFAULT_MASTER})")
     p.add_argument(
         "--conf",
         action="append",
         metavar="KEY=VALUE",
         help="a Spark setting, over spark-submit --conf and spark-defaults.conf (repeatable)",
     )
-    _option(p, "--on-bad-record", choices=("quarantine", "fail"), default="quarantine")
-    _option(p, "--max-files-per-txn", default="1000", help="input files per transaction")
-    _option(p, "--order", help="upsert source: the column that orders the upserts")
-    _option(p, "--deleted", help="upsert source: the boolean column that marks a delete")
-    _option(
-        p,
+    p.option(
+        "--on-bad-record",
+        choices=("quarantine", "fail"),
+        default="quarantine",
+        help="set a bad input row aside with its reason and go on, or stop with nothing committed",
+    )
+    p.option(
+        "--max-files-per-txn",
+        type=positive_int,
+        default=DEFAULT_MAX_FILES,
+        help="input files read by one transaction at most",
+    )
+    p.option("--order", help="upsert source: the column that orders the upserts")
+    p.option("--deleted", help="upsert source: the boolean column that marks a delete")
+    p.option(
         "--table",
         help="debezium source: the SCHEMA.TABLE the feed holds; other tables' events are "
         "skipped (default: the table of the first change event)",
     )
-    _option(
-        p,
+    p.option(
         "--tx-metadata",
         help="debezium source: a folder of Debezium transaction metadata records, when "
         "they are not in the source folder itself",
     )
-    commands["emit"] = cmd_emit
 
-    p = sub.add_parser("inspect", help="print a committed feed from its log (no Spark)")
-    _option(p, "--log", required=True, help="feed log URI")
-    _option(p, "--feed", required=True, help="feed name")
-    _option(p, "--after", type=int, help="only times >= T")
-    _option(p, "--at", type=int, help="the collection at complete time T")
-    _option(p, "--format", choices=("table", *FORMATS), default="table")
-    commands["inspect"] = cmd_inspect
+    p = command("inspect", cmd_inspect, help="print a committed feed from its log (no Spark)")
+    p.option("--log", required=True, help="feed log: a local folder or s3://…")
+    p.option("--feed", required=True, help="feed name")
+    p.option("--after", type=int, help="only times >= T")
+    p.option("--at", type=int, help="the collection at complete time T")
+    p.option("--format", choices=("table", *FORMATS), default="table", help="output format")
 
-    p = sub.add_parser("serve", help="serve feeds over HTTP (pull and push subscriptions)")
-    _option(p, "--log", required=True, help="feed log URI")
-    _option(p, "--host", default="127.0.0.1")
-    _option(p, "--port", default="8080")
-    _option(p, "--token", help="require this bearer token")
-    _option(
-        p,
+    p = command("serve", cmd_serve, help="serve feeds over HTTP (pull and push subscriptions)")
+    p.option("--log", required=True, help="feed log: a local folder or s3://…")
+    p.option("--host", default=DEFAULT_HOST, help="address to listen on")
+    p.option("--port", type=port, default=DEFAULT_SERVE_PORT, help="port to listen on")
+    p.option("--token", help="require this bearer token from every client")
+    p.option(
         "--retain",
+        type=non_negative_int,
         help="compact automatically, keeping the last T time units below each frontier "
-        "(milliseconds with the wallclock clock) and all that subscriptions have not ACKed",
+        "(milliseconds with the wallclock clock) and all that subscriptions have not ACKed "
+        "(default: never compact)",
     )
-    commands["serve"] = cmd_serve
 
-    p = sub.add_parser("compact", help="fold old times into one snapshot (DESIGN §8)")
-    _option(p, "--log", required=True, help="feed log URI")
-    _option(p, "--feed", required=True, help="feed name")
-    _option(p, "--to", required=True, type=int, help="fold every time <= T; since becomes T")
-    commands["compact"] = cmd_compact
+    p = command("compact", cmd_compact, help="fold old times into one snapshot")
+    p.option("--log", required=True, help="feed log: a local folder or s3://…")
+    p.option("--feed", required=True, help="feed name")
+    p.option("--to", required=True, type=int, help="fold every time <= T; since becomes T")
 
-    p = sub.add_parser("receive", help="run the reference receiver (SQLite)")
-    _option(p, "--db", required=True, help="SQLite database file")
-    _option(p, "--host", default="127.0.0.1")
-    _option(p, "--port", default="9090")
-    _option(p, "--token", help="require this bearer token")
-    commands["receive"] = cmd_receive
+    p = command("receive", cmd_receive, help="run the reference receiver (SQLite)")
+    p.option("--db", required=True, help="SQLite database file")
+    p.option("--host", default=DEFAULT_HOST, help="address to listen on")
+    p.option("--port", type=port, default=DEFAULT_RECEIVE_PORT, help="port to listen on")
+    p.option("--token", help="require this bearer token from every producer")
 
-    p = sub.add_parser(
-        "capture", help="capture a database's changes into a source folder (Debezium)"
+    p = command(
+        "capture", cmd_capture, help="capture a database's changes into a source folder (Debezium)"
     )
     p.add_argument("database", choices=("postgres",), help="the source database kind")
-    _option(p, "--dsn", required=True, help="postgresql://USER:PASSWORD@HOST:PORT/DBNAME")
-    _option(p, "--table", required=True, help="SCHEMA.TABLE[,…] to capture")
-    _option(p, "--out", required=True, help="source folder to write change event files into")
-    _option(p, "--slot", help="replication slot name (default: tidefeed)")
+    p.option("--dsn", required=True, help="postgresql://USER:PASSWORD@HOST:PORT/DBNAME")
+    p.option("--table", required=True, help="SCHEMA.TABLE[,…] to capture")
+    p.option("--out", required=True, help="source folder to write change event files into")
+    p.option("--slot", help="replication slot name (default: tidefeed)")
     p.add_argument(
         "--debezium",
         action="append",
         metavar="KEY=VALUE",
         help="a Debezium connector setting to add or override (repeatable)",
     )
-    commands["capture"] = cmd_capture
 
-    p = sub.add_parser("demo", help="run the demo end to end")
-    _option(p, "--workdir", help="where the demo writes (default: a fresh temporary folder)")
-    _option(
-        p,
+    p = command("demo", cmd_demo, help="run the demo end to end")
+    p.option(
+        "--workdir",
+        help="where the demo writes; an existing demo there is kept and a new run folder is "
+        "made beside it (default: a fresh temporary folder)",
+    )
+    p.option(
         "--postgres",
         action="store_true",
         help="run a throwaway PostgreSQL and capture it with Debezium (needs PostgreSQL "
         "installed and the postgres extra)",
     )
-    commands["demo"] = cmd_demo
 
-    parser.set_defaults(_commands=commands)
+    for p in parsers.values():
+        _common(p)
+    scope_env(parsers)
+    parser.set_defaults(_commands=commands, _parsers=parsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(with_env(raw, parser.get_default("_parsers")))
+    configure_logging(args.log_level, args.log_format)
     try:
         command: Callable[[argparse.Namespace], int] = args._commands[args.command]
         return command(args)
-    except TidefeedError as e:
-        print(f"tidefeed {args.command}: {e}", file=sys.stderr)
-        return 1
+    except (TidefeedError, OSError) as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"tidefeed {args.command}: {_one_line(e)}", file=sys.stderr)
+        return EXIT_FAILED
     except BrokenPipeError:
-        return 0
+        return EXIT_OK
     except KeyboardInterrupt:
-        return 130
+        return exit_code_for_signal(signal.SIGINT)
+    except Exception as e:
+        if _is_py4j(e) and not args.debug:
+            print(
+                f"tidefeed {args.command}: Spark failed: {_one_line(e)} (--debug shows "
+                "the whole error)",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
+        raise
+
+
+def _is_py4j(e: BaseException) -> bool:
+    return type(e).__module__.startswith(("py4j", "pyspark"))
+
+
+def _one_line(e: BaseException) -> str:
+    """An error as one line: its first line (Spark's messages carry whole JVM traces)."""
+    text = str(e).strip() or type(e).__name__
+    if isinstance(e, OSError) and e.strerror and e.filename:
+        text = f"{e.filename}: {e.strerror}"
+    return text.splitlines()[0]
 
 
 if __name__ == "__main__":

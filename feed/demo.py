@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import io
 import logging
-import shutil
+import os
 import tempfile
 import time
 from collections import Counter
@@ -44,12 +44,7 @@ def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = N
         print(s, file=out, flush=True)
 
     started = time.monotonic()
-    work = fresh_workdir(
-        workdir,
-        "tidefeed-demo-",
-        folders=("bank-events", "log"),
-        files=("receiver.db", "receiver.db-wal", "receiver.db-shm", "accounts.cdcv2.avro"),
-    )
+    work = new_run_dir(workdir, "tidefeed-demo-")
     src = work / "bank-events"
     src.mkdir(parents=True, exist_ok=True)
     bank = generate_bank(transactions=transactions)
@@ -156,16 +151,26 @@ def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = N
     return 1
 
 
-def fresh_workdir(
-    workdir: str | None, prefix: str, *, folders: tuple[str, ...], files: tuple[str, ...]
-) -> Path:
-    """The demo's folder, with what an earlier run of it left removed (and nothing else)."""
-    work = Path(workdir or tempfile.mkdtemp(prefix=prefix))
-    for old in folders:
-        shutil.rmtree(work / old, ignore_errors=True)
-    for old in files:
-        (work / old).unlink(missing_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
+def new_run_dir(workdir: str | None, prefix: str) -> Path:
+    """This run's own folder: ``<workdir>/run-<n>`` (earlier runs are kept; ``latest``
+    links to the newest), or a fresh temporary folder without ``workdir``."""
+    if workdir is None:
+        return Path(tempfile.mkdtemp(prefix=prefix))
+    base = Path(workdir)
+    base.mkdir(parents=True, exist_ok=True)
+    taken = [int(p.name[4:]) for p in base.glob("run-*") if p.name[4:].isdigit()]
+    n = max(taken, default=0) + 1
+    while True:
+        work = base / f"run-{n:03d}"
+        try:
+            work.mkdir()  # two demos at once each get their own
+            break
+        except FileExistsError:
+            n += 1
+    link = base / f".latest-{n}"
+    link.unlink(missing_ok=True)
+    link.symlink_to(work.name)
+    os.replace(link, base / "latest")
     return work
 
 

@@ -111,7 +111,7 @@ def run_postgres_demo(
         raise SourceError(
             "tidefeed demo --postgres needs the postgres extra: pip install 'tidefeed[postgres]'"
         ) from e
-    from .demo import _Receiver, fresh_workdir
+    from .demo import _Receiver, new_run_dir
     from .emitter import Emitter, EmitterConfig
     from .publisher import deliver_log
     from .reader import FeedReader
@@ -120,12 +120,7 @@ def run_postgres_demo(
         print(s, file=out, flush=True)
 
     started = time.monotonic()
-    work = fresh_workdir(
-        workdir,
-        "tidefeed-pg-demo-",
-        folders=("pg-events", "pg-log"),
-        files=("pg-receiver.db", "pg-receiver.db-wal", "pg-receiver.db-shm", "capture.log"),
-    )
+    work = new_run_dir(workdir, "tidefeed-pg-demo-")
     src, log = work / "pg-events", work / "pg-log"
     pg = TempPostgres().start()
     capture = None

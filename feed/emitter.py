@@ -823,6 +823,8 @@ class Emitter:
         reports: list[TxnReport] = []
         total = len(self.pending_files())
         while True:
+            if stop is not None and stop():
+                return reports
             report = self.step()
             if report is not None:
                 reports.append(report)

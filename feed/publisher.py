@@ -18,6 +18,7 @@ accepts stops delivery.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Callable
@@ -37,6 +38,7 @@ MAX_BODY_UPDATES = 50_000
 MAX_BODY_BYTES = 16 << 20  # a quarter of the reference receiver's default limit
 BACKOFF_START = 0.2
 BACKOFF_MAX = 10.0
+STOP_POLL = 0.1  # seconds between checks of a blocking delivery's stop()
 
 
 class DeliveryStopped(PushRejected):
@@ -207,13 +209,26 @@ def deliver_log(
     fmt: str = "ndjson",
     token: str | None = None,
     give_up_after: float | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> int | None:
     """Deliver everything committed in ``feed`` to the receiver at ``url`` and return its ACK
-    (blocking: runs its own event loop). Raises as :meth:`Publisher.deliver` does."""
+    (blocking: runs its own event loop). Raises as :meth:`Publisher.deliver` does. When
+    ``stop()`` turns true (checked every :data:`STOP_POLL` seconds) the delivery is
+    abandoned at once and ``None`` is returned: the receiver keeps what it ACKed, the rest
+    is delivered by the next session."""
 
     async def go() -> int | None:
         reader = FeedReader(log, feed)
         async with PushClient(url, fmt=fmt, schema=reader.info.schema, token=token) as client:
-            return await Publisher(reader, client, epoch=epoch).deliver(give_up_after=give_up_after)
+            publisher = Publisher(reader, client, epoch=epoch)
+            task = asyncio.ensure_future(publisher.deliver(give_up_after=give_up_after))
+            while not task.done():
+                await asyncio.wait({task}, timeout=STOP_POLL)
+                if stop is not None and stop() and not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    return None
+            return task.result()
 
     return asyncio.run(go())

@@ -33,7 +33,14 @@ def get_spark(
     active = SparkSession.getActiveSession()
     if active is not None:
         return active
-    host = os.environ.get("SPARK_LOCAL_IP", "127.0.0.1")
+    host = os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # also read by the launcher
+    conf_dir = os.environ.get("SPARK_CONF_DIR")
+    if not (conf_dir and os.path.exists(os.path.join(conf_dir, "log4j2.properties"))):
+        # Spark's start-up chatter (WARN lines, "default log4j profile") stays out of
+        # tidefeed's output; errors still show
+        os.environ.setdefault(
+            "LOG4J_CONFIGURATION_FILE", os.path.join(os.path.dirname(__file__), "log4j2.properties")
+        )
     # Python workers (eager pushes) must run this interpreter, which has tidefeed installed,
     # not whatever "python3" is first on the PATH
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -66,9 +73,23 @@ def get_spark(
     for k, v in defaults.items():
         if k not in conf and not given.contains(k):
             builder = builder.config(k, v)
+    if "spark.ui.showConsoleProgress" not in conf:
+        # PySpark's launcher turns Spark's console progress bar on for every driver; it
+        # would draw over tidefeed's log lines (--conf turns it back on)
+        builder = builder.config("spark.ui.showConsoleProgress", "false")
     for k, v in conf.items():
         builder = builder.config(k, str(v))
+    # PySpark replaces the SIGINT handler with one that raises KeyboardInterrupt in the
+    # middle of whatever py4j call is under way; a command that handles signals itself
+    # (``tidefeed emit`` finishes its transaction) keeps its own handler
+    import signal
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if main_thread else None
     spark = builder.getOrCreate()
+    if main_thread and callable(handler) and handler is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, handler)
     spark.sparkContext.setLogLevel("ERROR")
     shown = {k: spark.conf.get(k, None) for k in SHOWN}
     log.info(

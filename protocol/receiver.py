@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import re
 import threading
 from dataclasses import dataclass
@@ -28,11 +29,14 @@ from aiohttp import web
 
 from ._http import HttpError, error_middleware, json_response, token_middleware
 from .codecs import codec_for_content_type
+from .errors import CodecError, ProtocolError
 from .messages import _json_default
 from .sqlite_store import SqliteDatabase
 from .state import Consumer
 
 __all__ = ["EPOCH_HEADER", "ReceiverConfig", "make_receiver_app", "run_receiver"]
+
+log = logging.getLogger("tidefeed.receive")
 
 EPOCH_HEADER = "Tidefeed-Epoch"
 FEED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -128,7 +132,27 @@ async def post_push(request: web.Request) -> web.Response:
                 f"{cfg.pending_high_watermark}); send the progress that completes them",
                 headers={"Retry-After": str(cfg.retry_after_seconds)},
             )
-        result = await asyncio.to_thread(lambda: consumer.apply(codec.decode(body), epoch=epoch))
+        before = consumer.frontier
+        try:
+            result = await asyncio.to_thread(
+                lambda: consumer.apply(codec.decode(body), epoch=epoch)
+            )
+        except (ProtocolError, CodecError) as e:
+            log.warning(
+                "feed %s: rejected a %d-byte body (epoch %d): %s", feed, len(body), epoch, e
+            )
+            raise
+    if result.frontier != before:
+        log.info(
+            "feed %s: committed [%s, %s), %d update(s) (epoch %d)",
+            feed,
+            before,
+            result.frontier,
+            sum(t.num_rows for t in result.committed),
+            epoch,
+        )
+    if result.rollbacks:
+        log.info("feed %s: rolled back pending updates (epoch %d)", feed, epoch)
     return json_response({"frontier": result.frontier, "pending": result.pending})
 
 

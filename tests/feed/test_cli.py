@@ -141,9 +141,67 @@ def test_unknown_option_value_is_a_usage_error():
     assert out.returncode == 2 and b"invalid choice" in out.stderr
 
 
+def test_version_and_help_with_defaults_and_variables():
+    from feed.cliopts import version
+
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout.decode().strip() == f"tidefeed {version()}"
+    assert version() != "unknown"
+    expected = {
+        "emit": [
+            "(default: 5.0)",
+            "(default: 1000)",
+            "(default: 300.0)",
+            "(default: ndjson)",
+            "a new feed: wallclock",
+            "a new feed: batch",
+            "TIDEFEED_EMIT_TRIGGER",
+            "TIDEFEED_SOURCE",
+        ],
+        "serve": ["(default: 8080)", "(default: 127.0.0.1)", "TIDEFEED_SERVE_PORT"],
+        "receive": ["(default: 9090)", "TIDEFEED_RECEIVE_PORT", "TIDEFEED_TOKEN"],
+    }
+    for command, needles in expected.items():
+        text = " ".join(run(command, "--help").stdout.decode().split())
+        for needle in needles:
+            assert needle in text, (command, needle)
+        assert "§" not in text and "DESIGN" not in text
+
+
+def test_environment_variables_are_scoped_and_checked(feed_files):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEFEED_")}
+    # TIDEFEED_FORMAT is another command's business: check still detects Avro
+    out = run("check", str(feed_files["avro"]), env={**env, "TIDEFEED_FORMAT": "arrow"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    # the scoped variable is read, and checked like the flag
+    out = run("check", str(feed_files["avro"]), env={**env, "TIDEFEED_CHECK_FORMAT": "arrow"})
+    assert out.returncode == 1 and b"malformed arrow" in out.stdout
+    out = run("check", str(feed_files["avro"]), env={**env, "TIDEFEED_CHECK_FORMAT": "csv"})
+    assert out.returncode == 2
+    assert b"invalid choice: 'csv'" in out.stderr and b"$TIDEFEED_CHECK_FORMAT" in out.stderr
+    # a flag on the command line wins over the variable
+    out = run(
+        "check",
+        "--format",
+        "avro",
+        str(feed_files["avro"]),
+        env={**env, "TIDEFEED_CHECK_FORMAT": "arrow"},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    # a bad port is one usage line naming the variable, not a traceback
+    out = run("serve", "--log", "x", env={**env, "TIDEFEED_SERVE_PORT": "abc"})
+    assert out.returncode == 2 and b"Traceback" not in out.stderr
+    assert b"'abc' is not a TCP port (1-65535) (from $TIDEFEED_SERVE_PORT)" in out.stderr
+
+
 def test_demo_runs_the_emitter_and_verifies(tmp_path):
+    (tmp_path / "run-001").mkdir()  # an earlier run's folder is kept
+    (tmp_path / "run-001" / "mine").write_text("kept")
     out = run("demo", "--workdir", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / "run-001" / "mine").read_text() == "kept"
+    assert (tmp_path / "latest").resolve() == (tmp_path / "run-002").resolve()
+    tmp_path = tmp_path / "latest"
     assert b"OK: the receiver's collection equals the bank's final table" in out.stdout
     assert b"-- commit 2 (epoch 1): progress lower=[0]" in out.stdout
     inspected = run(

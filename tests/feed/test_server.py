@@ -231,6 +231,7 @@ async def test_push_subscription_into_a_receiver_and_pull_acks(feed_log, tmp_pat
 
 async def test_the_documented_pull_consumer_runs_and_resumes(feed_log, tmp_path):
     """docs/examples/pull_consumer.py, run as the consumer guide says, twice."""
+    import ast
     import sys
     from pathlib import Path
 
@@ -256,6 +257,12 @@ async def test_the_documented_pull_consumer_runs_and_resumes(feed_log, tmp_path)
     try:
         first = await run_example()
         assert "bank at frontier" in first and f": {len(TRUTH_2)} rows" in first
+        # it counts updates (not Arrow tables) and lists rows in key order (numbers as such)
+        committed = [int(x.split()[1]) for x in first.splitlines() if x.startswith("committed ")]
+        assert sum(committed) == sum(FeedReader(str(log), "bank").counts().values())
+        listed = [x for x in first.splitlines() if x.startswith("  ")]
+        shown = [ast.literal_eval(x.split(None, 1)[1])["id"] for x in listed]
+        assert shown == sorted(TRUTH_2)[:10]
         await asyncio.get_running_loop().run_in_executor(None, more)
         second = await run_example()  # resumes from its durable frontier
         truth_all, _ = debezium_truth(BANK.events)

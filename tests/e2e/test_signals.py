@@ -1,0 +1,151 @@
+"""Signals and operator errors, with real ``tidefeed`` processes.
+
+SIGINT and SIGTERM during ``emit`` finish the transaction under way (or, for a second
+signal, abandon it) with no traceback and the shell's exit code, and the feed is whole
+after a restart; SIGTERM stops a push to an unreachable receiver at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from feed.checkpoint import CheckpointStore
+from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+from feed.log import FeedLog
+from feed.reader import FeedReader
+from protocol import check_messages
+
+from ..feed.model import as_multiset, collection_of
+from .helpers import free_port, start, tidefeed, write_parts_at_transactions
+
+pytestmark = pytest.mark.slow
+
+BANK = generate_bank(transactions=30, seed=23)
+
+
+def emit_args(src: Path, log: Path, *extra: str) -> list[str]:
+    return [
+        "emit",
+        "--source",
+        f"debezium:{src}",
+        "--feed",
+        "bank",
+        "--log",
+        str(log),
+        "--key",
+        "id",
+        "--clock",
+        "logical",
+        "--max-files-per-txn",
+        "1",
+        "--schema",
+        str(src.parent / "accounts.avsc"),
+        *extra,
+    ]
+
+
+def wait_for_commit(log: Path, seq: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    store = CheckpointStore(FeedLog(str(log), "bank"))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        cp = store.latest()
+        if cp is not None and cp.seq >= seq:
+            return
+        assert proc.poll() is None, f"emit exited with {proc.returncode}"
+        time.sleep(0.05)
+    raise TimeoutError(f"no commit {seq}")
+
+
+def stderr_of(path: Path) -> str:
+    return path.read_text(errors="replace")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_emit_finishes_the_transaction_and_the_feed_restarts_whole(tmp_path, sig):
+    src = tmp_path / "in"
+    (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
+    files = write_parts_at_transactions(src, BANK.events, 6)
+    log, err = tmp_path / "log", tmp_path / "emit.err"
+    proc = start(*emit_args(src, log), log=err)
+    try:
+        wait_for_commit(log, 2, proc)  # the epoch claim, then the first transaction
+        proc.send_signal(sig)  # while a later transaction runs
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = stderr_of(err)
+    assert code == 128 + sig, text[-2000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert "stopping after the transaction under way" in text
+    cp = CheckpointStore(FeedLog(str(log), "bank")).latest()
+    assert cp is not None and cp.source["file"] < files[-1].name  # stopped before the end
+    reader = FeedReader(str(log), "bank")
+    assert check_messages(reader.messages(), key=["id"]) == []
+    again = tidefeed(*emit_args(src, log))
+    assert again.returncode == 0, again.stderr.decode()[-3000:]
+    assert collection_of(FeedReader(str(log), "bank")) == as_multiset(BANK.final.values())
+
+
+def test_sigterm_with_an_unreachable_push_target_exits_at_once(tmp_path):
+    src = tmp_path / "in"
+    (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
+    write_parts_at_transactions(src, BANK.events, 2)
+    log, err = tmp_path / "log", tmp_path / "emit.err"
+    dead = f"http://127.0.0.1:{free_port()}/v1/push/bank"  # nothing listens there
+    proc = start(*emit_args(src, log, "--push", dead, "--push-timeout", "300"), log=err)
+    try:
+        deadline = time.monotonic() + 180
+        while "retrying" not in stderr_of(err):  # the publisher is backing off
+            assert time.monotonic() < deadline and proc.poll() is None, stderr_of(err)[-2000:]
+            time.sleep(0.1)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = stderr_of(err)
+    assert code == 143, text[-2000:]
+    assert took < 5, f"SIGTERM took {took:.1f}s"
+    assert "Traceback" not in text, text[-3000:]
+
+
+def test_a_port_in_use_is_one_line_and_exit_1(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        for args in (
+            ["serve", "--log", str(tmp_path / "log")],
+            ["receive", "--db", str(tmp_path / "r.db")],
+        ):
+            out = tidefeed(*args, "--port", str(busy), timeout=60)
+            err = out.stderr.decode().strip()
+            assert out.returncode == 1, err
+            assert err.splitlines() == [
+                f"tidefeed {args[0]}: cannot listen on 127.0.0.1:{busy}: the address is "
+                "already in use"
+            ]
+
+
+def test_a_missing_source_path_fails_before_spark_starts(tmp_path):
+    out = tidefeed(
+        "emit", "--source", f"debezium:{tmp_path / 'nope'}", "--feed", "f", "--log", str(tmp_path)
+    )
+    err = out.stderr.decode()
+    assert out.returncode == 1
+    assert err.strip().splitlines() == [
+        f"tidefeed emit: source path '{tmp_path / 'nope'}' does not exist"
+    ]
+    assert "spark" not in err.lower()  # the session logs its settings once it starts
+    assert not (tmp_path / "f").exists()
