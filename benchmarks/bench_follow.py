@@ -26,7 +26,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from feed.inputs import FilePosition  # noqa: E402
+from feed.inputs import FilePosition
 
 SCHEMA = {
     "type": "record",

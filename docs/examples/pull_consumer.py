@@ -1,10 +1,12 @@
 """A downstream consumer in ~40 lines: pull a tidefeed feed over HTTP and keep it durable.
 
-Needs only the `protocol` package (from a checkout: pip install /path/to/tidefeed, no Spark). It streams the feed from
-where it left off (its durable frontier), applies every message through the same DESIGN §3
-state machine as the reference receiver, keeps the result in SQLite, and prints the table.
+Needs only the `protocol` package (from a checkout: pip install /path/to/tidefeed, no
+Spark). It streams the feed from where it left off (its durable frontier), applies every
+message through the same consumer state machine as the reference receiver, keeps the
+result in SQLite, and prints the table in key order.
 
-    python docs/examples/pull_consumer.py http://127.0.0.1:8080 accounts consumer.db [KEY (default id)] [--follow]
+    python docs/examples/pull_consumer.py http://127.0.0.1:8080 accounts consumer.db \
+        [KEY (default id)] [--follow]
 """
 
 import sys
