@@ -174,6 +174,23 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+def _fixed(cp: Checkpoint | None) -> bool:
+    """Whether a feed has committed anything beyond epoch claims (a transaction or a
+    heartbeat): from then on its settings and schema are fixed."""
+    return cp is not None and cp.frontier > 0
+
+
+def _tally(grouped: Any, stale: Any) -> Any:
+    """Input rows, TOAST placeholders and stale (already committed) rows per group."""
+    from pyspark.sql import functions as F
+
+    return grouped.agg(
+        F.count(F.lit(1)).alias("n"),
+        F.count("_toast").alias("toast"),
+        F.count(F.when(stale & F.col("_error").isNull(), 1)).alias("stale"),
+    )
+
+
 class Emitter:
     """Runs the transactions of one feed: ``open()``, ``step()`` or ``run()``, ``close()``."""
 
@@ -224,6 +241,13 @@ class Emitter:
         self._require(State.UNOPENED)
         cfg = self.config
         self.info = self.feedlog.info()
+        latest = self.store.latest(repair=True)
+        if self.info is not None and not _fixed(latest):
+            # an earlier run wrote the feed's settings but never committed a transaction
+            # (it failed, was killed, or every row it read was bad): they are not the
+            # feed's yet, and this run's flags (or inference) decide them
+            self.log.info("feed %s: nothing committed yet; its settings are set anew", cfg.feed)
+            self.info = None
         if self.info is None:
             self.config = cfg = replace(
                 cfg,
@@ -236,7 +260,6 @@ class Emitter:
         from .sources import spark_record_type
 
         self._record_type = spark_record_type(self.info.schema)
-        latest = self.store.latest(repair=True)
         if latest is None:
             start = self._clock() if self.info.clock == "wallclock" else 1
             latest = Checkpoint(
@@ -525,14 +548,25 @@ class Emitter:
         position: Any = None  # the highest source position, when the source tells it
         txn_cached: tuple[Any, ...] = ()
         held = redelivered = 0
+        keyed = bool(self.info.key) and cfg.source_kind != "snapshot"
+        image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
+        touched: frozenset[int] | None = None  # the state buckets this transaction meets
+        tally_rows: list[Any] | None = None
         if cfg.source_kind == "debezium":
+            from .state import bucket_of
+
+            buckets = self._state.buckets(cp.state) if keyed else None
+            # the counts and the state buckets come with the transaction figures: one job
             assembled = assemble(
                 good,
                 cp.source.get("pos", [0, 0]),
                 snapshot_lsn=cp.source.get("snapshot_lsn"),
                 logger=self.log,
                 feed=cfg.feed,
+                bucket=bucket_of(image, self.info.key, buckets) if buckets else None,
+                also=_tally(changes.groupBy("_file", "_skip"), F.lit(False)),
             )
+            touched, tally_rows = assembled.buckets, list(assembled.also)
             good, held_files = assembled.changes, assembled.held_files
             order, position = assembled.order, assembled.position
             bad = bad.unionByName(assembled.bad)
@@ -561,28 +595,27 @@ class Emitter:
             # splits a version): a version at or below the committed one is a redelivery
             stale = (F.col("op") != "x") & (F.col("pos_hi") <= F.lit(done_version))
             good = good.where(~stale)
-        tally = counted.groupBy("_skip").agg(
-            F.count(F.lit(1)).alias("n"),
-            F.count("_toast").alias("toast"),
-            F.count(F.when(stale & F.col("_error").isNull(), 1)).alias("stale"),
-        )
-        input_rows, skipped, toast_rows = 0, {}, 0
-        for r in tally.collect():
+        if tally_rows is None:
+            tally_rows = _tally(counted.groupBy("_skip"), stale).collect()
+        else:  # by file: a file that is read again later is counted then
+            tally_rows = [r for r in tally_rows if r["_file"] not in held_files]
+        input_rows, toast_rows = 0, 0
+        skipped: dict[str, int] = {}
+        for r in tally_rows:
             input_rows += r["n"]
             toast_rows += r["toast"]
             redelivered += r["stale"]
             if r["_skip"] is not None:
-                skipped[r["_skip"]] = r["n"]
+                skipped[r["_skip"]] = skipped.get(r["_skip"], 0) + r["n"]
         secs["read"] = time.perf_counter() - t0
         maybe_die("after_read")
 
         t1 = time.perf_counter()
         good, units = assign_units(good, cfg.granularity, order)
         loaded = None
-        if self.info.key and cfg.source_kind != "snapshot":
+        if keyed:
             # only the state buckets this transaction's keys fall in
-            image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
-            loaded = self._state.load(cp.state, good, image)
+            loaded = self._state.load(cp.state, good, image, touched=touched)
         if toast_rows:
             if loaded is not None:
                 from .state import GONE_COLUMN
@@ -636,6 +669,19 @@ class Emitter:
         updates = consolidate_diffs(diffs, t_next)
         bad = bad.persist(_spillable())
         bad_rows = bad.count()
+        if bad_rows and not _fixed(cp) and bad_rows + sum(skipped.values()) >= input_rows:
+            # a new feed whose first input is all bad (the wrong source kind or file, say)
+            # fixes nothing: no commit, no consumed files, no settings
+            sample = bad.limit(3).collect()
+            reasons = "; ".join(f"{_base_name(r['_file'])}: {r['_error']}" for r in sample)
+            for df in (changes, bad, *txn_cached):
+                df.unpersist()
+            self.feedlog.delete_file(self.feedlog.path("feed.json"))
+            raise SourceError(
+                f"feed {cfg.feed!r}: every one of the {bad_rows} input row(s) is bad, e.g. "
+                f"{reasons}; nothing was committed and the feed was not created (check "
+                "--source KIND and the input files)"
+            )
         if bad_rows and cfg.on_bad_record == "fail":
             sample = bad.limit(3).collect()
             reasons = "; ".join(f"{os.path.basename(r['_file'])}: {r['_error']}" for r in sample)

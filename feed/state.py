@@ -130,20 +130,38 @@ class BucketedState:
         rows: DataFrame = df.select(data, POS_COLUMN, gone.alias(GONE_COLUMN))
         return rows
 
-    def load(self, ref: str | None, changes: DataFrame, image: Column) -> LoadedState:
-        """The state rows that ``changes`` (whose record is ``image``) can meet."""
+    def buckets(self, ref: str | None) -> int | None:
+        """How many buckets the state ``ref`` has (None: a whole-state folder from before
+        buckets, which the next transaction reads whole)."""
+        if ref is not None and not ref.endswith(".json"):
+            return None
+        return self._manifest(ref)[0] if ref else BUCKETS
+
+    def load(
+        self,
+        ref: str | None,
+        changes: DataFrame,
+        image: Column,
+        *,
+        touched: frozenset[int] | None = None,
+    ) -> LoadedState:
+        """The state rows that ``changes`` (whose record is ``image``) can meet.
+        ``touched``, when the caller has counted them already (a superset is fine: the
+        rows of every loaded bucket are carried into the new state), are the buckets of
+        the changes' keys; otherwise a Spark job finds them."""
         if ref is not None and not ref.endswith(".json"):
             # a whole-state folder from before buckets: read it all, rewrite every bucket
             return LoadedState(
                 self.read([ref], with_pos=True), frozenset(range(BUCKETS)), BUCKETS, {}
             )
         buckets, files = self._manifest(ref) if ref else (BUCKETS, {})
-        touched = frozenset(
-            r["b"]
-            for r in changes.select(bucket_of(image, self.key, buckets).alias("b"))
-            .distinct()
-            .collect()
-        )
+        if touched is None:
+            touched = frozenset(
+                r["b"]
+                for r in changes.select(bucket_of(image, self.key, buckets).alias("b"))
+                .distinct()
+                .collect()
+            )
         rows = self.read((files[b] for b in sorted(touched) if b in files), with_pos=True)
         return LoadedState(rows, touched, buckets, files)
 

@@ -31,7 +31,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
 
 __all__ = ["Assembled", "Position", "assemble", "order_column"]
@@ -59,6 +59,11 @@ class Assembled:
     position: Position | None = None  # the highest position among ``changes``
     order: list[str] | None = None  # the released transactions in source order
     cached: tuple[DataFrame, ...] = ()  # persisted here: unpersist after the commit
+    #: the distinct values of ``assemble(bucket=...)`` over every data event read (None
+    #: when no bucket column was given)
+    buckets: frozenset[int] | None = None
+    #: the rows of ``assemble(also=...)``, collected by the same job
+    also: tuple[Row, ...] = ()
 
 
 def _position_filter(pos: Position, snapshot_lsn: int | None) -> tuple[Column, Column]:
@@ -92,9 +97,15 @@ def assemble(
     snapshot_lsn: int | None = None,
     logger: logging.Logger | None = None,
     feed: str = "",
+    bucket: Column | None = None,
+    also: DataFrame | None = None,
 ) -> Assembled:
     """Decide which of ``changes`` (good Debezium rows: data events and END records) can
-    become updates, given the committed position ``pos``. See the module docstring."""
+    become updates, given the committed position ``pos``. See the module docstring.
+
+    One Spark job computes every figure; the caller's own figures ride along with it:
+    ``bucket`` (an int column over the data events; its distinct values come back as
+    ``buckets``) and ``also`` (a small aggregate of its own, collected as ``also``)."""
     log = logger or logging.getLogger("tidefeed.emit")
     committed: Position = (int(pos[0]), int(pos[1]), int(pos[2]) if len(pos) > 2 else 1 << 62)
     ends = (
@@ -122,7 +133,7 @@ def assemble(
     bad = flagged.where(behind).select("_file", "_raw", F.lit(NEW_SNAPSHOT).alias("_error"))
     kept_only = F.col("_keep")
     # one job for all a transaction's figures: what arrived, what is new, where it stands
-    stats = (
+    figures = (
         flagged.groupBy("txn")
         .agg(
             F.count(F.lit(1)).alias("total"),
@@ -134,11 +145,22 @@ def assemble(
             F.max(F.when(kept_only, F.struct("pos_hi", "pos_lo", "pos_n"))).alias("last"),
             F.min(F.when(kept_only, order_column())).alias("order"),
             F.collect_set("_file").alias("files"),
+            *([F.collect_set(bucket).alias("_buckets")] if bucket is not None else []),
         )
         # a transaction redelivered whole after it was turned into updates: its events
         # are filtered out and its END is done with
         .join(ends.where(F.col("commit_lsn") > committed[0]), "txn", "full")
-        .collect()
+        .withColumn("_also", F.lit(False))
+    )
+    if also is not None:
+        figures = figures.unionByName(
+            also.withColumn("_also", F.lit(True)), allowMissingColumns=True
+        )
+    collected = figures.collect()
+    extra = tuple(r for r in collected if r["_also"])
+    stats = [r for r in collected if not r["_also"]]
+    buckets = (
+        frozenset(b for r in stats for b in (r["_buckets"] or ())) if bucket is not None else None
     )
     data = (
         flagged.where(kept_only)
@@ -198,4 +220,6 @@ def assemble(
         redelivered=total - kept,
         bad=bad,
         cached=(ends, persisted),
+        buckets=buckets,
+        also=extra,
     )

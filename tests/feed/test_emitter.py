@@ -165,6 +165,38 @@ def test_fail_mode_commits_nothing(spark, tmp_path):
     assert FeedLog(str(tmp_path / "log"), "bank").numbered_dirs("quarantine") == []
 
 
+def test_a_first_run_whose_every_row_is_bad_fixes_nothing(spark, tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "part-0000.json").write_bytes(b"\n".join(BAD_LINES) + b"\n")
+    log = FeedLog(str(tmp_path / "log"), "bank")
+    cfg = EmitterConfig(
+        source_kind="debezium",
+        source_path=str(src),
+        feed="bank",
+        log=str(tmp_path / "log"),
+        key=("id",),
+        schema=ACCOUNTS_SCHEMA,
+        clock="logical",
+    )
+    e = Emitter(cfg, spark=spark)
+    e.open()
+    with pytest.raises(SourceError, match=r"every one of the 6 input row\(s\) is bad, e.g. "):
+        e.run()
+    # no settings, no consumed file, no time, no quarantine
+    assert log.info() is None
+    cp = CheckpointStore(log).latest()
+    assert cp.frontier == 0 and cp.source.get("file") is None
+    assert log.time_dirs() == [] and log.numbered_dirs("quarantine") == []
+    # the right input and other settings: this run decides them (wallclock, its own schema)
+    bank = generate_bank(transactions=12, seed=8)
+    (src / "part-0000.json").unlink()
+    write_parts(src, bank.events, 1, start=1)
+    emit(spark, tmp_path, src, key=("id",), clock="wallclock")
+    assert log.info().clock == "wallclock"
+    assert collection_of(assert_valid(tmp_path)) == as_multiset(bank.final.values())
+
+
 def test_weighted_source(spark, tmp_path):
     src = tmp_path / "in"
     src.mkdir()
