@@ -51,6 +51,8 @@ log = logging.getLogger("tidefeed.serve")
 
 POLL_SECONDS = 0.5
 HEARTBEAT_SECONDS = 5.0
+#: updates per encoded chunk of a pull stream (bounded bytes per write and per loop turn)
+STREAM_CHUNK_UPDATES = 20_000
 
 
 COMPACT_SECONDS = 60.0
@@ -233,18 +235,28 @@ async def changes(request: web.Request) -> web.StreamResponse:
     encoder = codec.encoder(sink, schema=reader.info.schema)
     m = st.metrics
 
-    async def send(messages: list[Any]) -> None:
+    def encode(messages: list[Any]) -> bytes:
         for msg in messages:
             encoder.write(msg)
-            if isinstance(msg, Updates):
-                m.updates.labels(feed, "pull").inc(len(msg))
         encoder.flush()
         data = sink.getvalue()
-        if data:
-            sink.seek(0)
-            sink.truncate()
-            m.bytes.labels(feed, "pull").inc(len(data))
-            await resp.write(data)
+        sink.seek(0)
+        sink.truncate()
+        return data
+
+    async def send(messages: list[Any]) -> None:
+        """Encode in a worker thread, a bounded chunk at a time: a large time never holds
+        the event loop (other streams, pushes, /healthz) and never becomes one huge
+        write; each chunk is an update message of its own (consumers take any number
+        before the progress)."""
+        for chunk in _chunks(messages):
+            data = await asyncio.to_thread(encode, chunk)
+            n = sum(len(x) for x in chunk if isinstance(x, Updates))
+            if n:
+                m.updates.labels(feed, "pull").inc(n)
+            if data:
+                m.bytes.labels(feed, "pull").inc(len(data))
+                await resp.write(data)
 
     if snapshot and reader.frontier > 0:
         lower = reader.frontier
@@ -276,6 +288,20 @@ async def changes(request: web.Request) -> web.StreamResponse:
         await resp.write(tail)
     await resp.write_eof()
     return resp
+
+
+def _chunks(messages: list[Any]) -> list[list[Any]]:
+    """``messages`` in groups to encode together: small messages share a group, update
+    batches are cut into slices of at most :data:`STREAM_CHUNK_UPDATES`."""
+    out: list[list[Any]] = [[]]
+    for msg in messages:
+        if isinstance(msg, Updates) and len(msg) > STREAM_CHUNK_UPDATES:
+            for i in range(0, len(msg), STREAM_CHUNK_UPDATES):
+                out.append([msg.slice(i, STREAM_CHUNK_UPDATES)])
+            out.append([])
+        else:
+            out[-1].append(msg)
+    return [c for c in out if c]
 
 
 async def _follow(

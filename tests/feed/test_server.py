@@ -100,6 +100,34 @@ async def test_pull_in_each_format_and_resume_with_after(feed_log, fmt):
         await runner.cleanup()
 
 
+@pytest.mark.parametrize("fmt", ["ndjson", "avro", "arrow"])
+async def test_a_large_time_streams_in_bounded_chunks(feed_log, fmt, monkeypatch):
+    """A time (and a snapshot) larger than one chunk is sent as several update messages
+    before its progress, each encoded off the event loop; the stream stays exact."""
+    import feed.server as server
+
+    monkeypatch.setattr(server, "STREAM_CHUNK_UPDATES", 3)
+    log, _ = feed_log
+    counts = FeedReader(str(log), "bank").counts()
+    base, runner = await serve(make_server_app(ServerConfig(log=str(log))))
+    try:
+        async with aiohttp.ClientSession() as s:
+            for query in ("", "&snapshot=true"):
+                async with s.get(f"{base}/v1/feeds/bank/changes?format={fmt}{query}") as r:
+                    msgs = get_codec(fmt).decode(await r.read())
+                assert check_messages(msgs, key=["id"]) == []
+                assert accumulate(msgs) == as_multiset(TRUTH_2.values())
+                assert all(len(m) <= 3 for m in msgs if isinstance(m, Updates))
+            async with s.get(f"{base}/v1/feeds/bank/changes?format={fmt}") as r:
+                msgs = get_codec(fmt).decode(await r.read())
+        big = max(counts, key=counts.get)
+        assert counts[big] > 3
+        parts = [m for m in msgs if isinstance(m, Updates) and next(iter(m)).time == big]
+        assert len(parts) == -(-counts[big] // 3)
+    finally:
+        await runner.cleanup()
+
+
 async def test_feed_list_info_snapshot_and_errors(feed_log):
     log, _ = feed_log
     base, runner = await serve(make_server_app(ServerConfig(log=str(log), token="tok")))
