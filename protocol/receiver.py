@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import logging
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import orjson
@@ -179,13 +181,37 @@ async def get_collection(request: web.Request) -> web.StreamResponse:
                 f"time {at} is not complete at feed {feed!r} (frontier {consumer.frontier})",
             )
     store = request.app[DB].store(feed)
-    rows = await asyncio.to_thread(lambda: list(store.collection(at)))
-    body = b"".join(
-        orjson.dumps({"data": d, "count": n}, option=orjson.OPT_NON_STR_KEYS, default=_json_default)
-        + b"\n"
-        for d, n in rows
-    )
-    return web.Response(body=body, content_type="application/x-ndjson")
+    if at is not None:
+        # an earlier time: accumulated from the parts kept at or below it
+        rows = await asyncio.to_thread(lambda: list(store.collection(at)))
+        body = b"".join(
+            orjson.dumps(
+                {"data": d, "count": n}, option=orjson.OPT_NON_STR_KEYS, default=_json_default
+            )
+            + b"\n"
+            for d, n in rows
+        )
+        return web.Response(body=body, content_type="application/x-ndjson")
+    # the frontier: the kept collection, brought up to date, streamed from SQLite
+    await asyncio.to_thread(store.fold)
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    kept = store.current()
+    while True:
+        chunk = await asyncio.to_thread(_next_lines, kept)
+        if not chunk:
+            break
+        await resp.write(chunk)
+    await resp.write_eof()
+    return resp
+
+
+def _next_lines(rows: Iterator[tuple[bytes, int]], n: int = 10_000) -> bytes:
+    """The next ``n`` rows of a collection as NDJSON lines (``b""`` when there are none)."""
+    out = []
+    for rkey, count in itertools.islice(rows, n):
+        out.append(b'{"data":%s,"count":%d}\n' % (rkey, count))
+    return b"".join(out)
 
 
 async def healthz(_request: web.Request) -> web.Response:
