@@ -264,11 +264,28 @@ async def changes(request: web.Request) -> web.StreamResponse:
     else:
         await send(opening)
 
+    def overtaken(at: int, since: int) -> Compacted:
+        return Compacted(
+            f"feed {feed!r} was compacted to {since} while this stream was at {at}: "
+            f"resume from a snapshot (snapshot=true), or pull from after={since} if you "
+            f"hold everything below {since}",
+            since=since,
+        )
+
     async def catch_up() -> None:
         nonlocal lower
         frontier = reader.frontier  # one checkpoint for the times listed and the closing
+        if reader.since > lower:
+            raise overtaken(lower, reader.since)
         for t in await asyncio.to_thread(reader.times, lower, frontier):
-            batch = await asyncio.to_thread(reader.updates, t)
+            try:
+                batch = await asyncio.to_thread(reader.updates, t)
+            except CheckpointError:
+                # its files are gone: folded by a compaction since this stream listed it?
+                since = (await asyncio.to_thread(FeedReader, st.config.log, feed)).since
+                if since <= t:
+                    raise
+                raise overtaken(t, since) from None
             n = len(batch)
             await send(([batch] if n else []) + [Progress(lower, t + 1, ((t, n),) if n else ())])
             lower = t + 1
@@ -282,6 +299,13 @@ async def changes(request: web.Request) -> web.StreamResponse:
     except ConnectionResetError:
         log.info("feed %s: a consumer went away", feed)
         return resp
+    except Compacted as e:
+        # never an empty or partial time: the stream ends after its last whole message,
+        # NDJSON with a last line saying why (Avro and Arrow have no place for it)
+        log.info("feed %s: a stream at %d was overtaken by compaction to %d", feed, lower, e.since)
+        if fmt == "ndjson":
+            line = {"error": "compacted", "detail": str(e), "since": e.since}
+            await resp.write(orjson.dumps(line) + b"\n")
     encoder.close()
     tail = sink.getvalue()
     if tail:

@@ -16,6 +16,7 @@ from aiohttp import web
 from .errors import (
     CheckpointError,
     CodecError,
+    Compacted,
     Conflict,
     CountMismatch,
     Gap,
@@ -54,6 +55,7 @@ ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
     (Gap, 409, "gap"),
     (CountMismatch, 409, "count_mismatch"),
     (ProtocolError, 409, "protocol_violation"),
+    (Compacted, 410, "compacted"),  # an NDJSON body ending in a server's "compacted" line
     (CheckpointError, 503, "storage_unavailable"),
 ]
 

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
 from .codecs import Codec, Decoder, Encoder, check_field_names
-from .errors import CodecError
+from .errors import CodecError, Compacted
 from .messages import INT64_MAX, INT64_MIN, Message, Progress, Updates, _json_default
 
 __all__ = ["NdjsonCodec"]
@@ -71,6 +71,13 @@ class NdjsonDecoder(Decoder):
                 obj = orjson.loads(line)
             except orjson.JSONDecodeError as e:
                 raise CodecError(f"invalid JSON: {e}", fmt="ndjson", position=self.position) from e
+            if (
+                type(obj) is dict
+                and obj.get("error") == "compacted"
+                and type(obj.get("since")) is int
+            ):
+                # a feed server's last line when compaction overtook the stream
+                raise Compacted(str(obj.get("detail", "compacted")), since=obj["since"])
             if type(obj) is not dict or len(obj) != 1:
                 raise CodecError(
                     "each line must be an object with exactly one of 'updates' or 'progress'",

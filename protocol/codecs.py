@@ -20,7 +20,7 @@ from typing import IO, Any, ClassVar
 
 import pyarrow as pa
 
-from .errors import CodecError
+from .errors import CodecError, Compacted
 from .messages import Message, Progress, Updates
 from .schema import arrow_to_avro, avro_to_arrow
 
@@ -177,7 +177,7 @@ class Decoder(ABC):
         comes out as :class:`CodecError` naming the format and the position."""
         try:
             yield from self._messages()
-        except CodecError:
+        except (CodecError, Compacted):  # Compacted: a feed server's NDJSON last line
             raise
         except Exception as e:
             raise CodecError(

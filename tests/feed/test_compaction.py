@@ -244,3 +244,46 @@ def test_cli_compact_reports_and_refuses_with_exit_1(log_copy, capsys):
     cut = r.times()[2]
     assert main([*args, str(cut)]) == 0
     assert f"since = {cut}" in capsys.readouterr().err
+
+
+async def test_a_stream_overtaken_by_compaction_ends_with_a_clear_last_line(log_copy, monkeypatch):
+    """A pull stream whose next time is folded away under it never sends an empty or a
+    partial time: it ends after its last whole message, NDJSON with a last line that the
+    protocol decoder turns into :class:`Compacted`."""
+    import threading
+
+    entered, gate = threading.Event(), threading.Event()
+    read = FeedReader.updates
+
+    def held_once(self, t):
+        if not entered.is_set():  # the stream's first read waits for the compaction
+            entered.set()
+            gate.wait(60)
+        return read(self, t)
+
+    monkeypatch.setattr(FeedReader, "updates", held_once)
+    times = FeedReader(str(log_copy), "bank").times()
+    cut = times[len(times) // 2]
+    base, runner = await serve(make_server_app(ServerConfig(log=str(log_copy))))
+    try:
+        async with aiohttp.ClientSession() as s:
+            url = f"{base}/v1/feeds/bank/changes?after={times[0]}&format=ndjson"
+            async with s.get(url) as resp:
+                body = asyncio.ensure_future(resp.read())
+                await asyncio.to_thread(entered.wait, 60)
+                await asyncio.to_thread(compact, str(log_copy), "bank", cut)
+                gate.set()
+                raw = await body
+    finally:
+        gate.set()
+        await runner.cleanup()
+    lines = raw.splitlines()
+    last = orjson.loads(lines[-1])
+    assert (last["error"], last["since"]) == ("compacted", cut)
+    assert "resume from a snapshot" in last["detail"]
+    with pytest.raises(Compacted) as e:
+        get_codec("ndjson").decode(raw)
+    assert e.value.since == cut
+    sent = get_codec("ndjson").decode(b"\n".join(lines[:-1]))
+    assert check_messages(sent, key=["id"]) == []
+    assert not [m for m in sent if isinstance(m, Updates)]  # the folded time was not sent
