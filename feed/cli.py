@@ -9,6 +9,7 @@ stderr; ``--debug`` adds the traceback), 2 a usage error, 130/143 stopped by SIG
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import signal
@@ -550,24 +551,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         command: Callable[[argparse.Namespace], int] = args._commands[args.command]
         return command(args)
+    except BrokenPipeError:  # a reader of our output went away (| head)
+        return EXIT_OK
     except (TidefeedError, OSError) as e:
         if args.debug:
             traceback.print_exc()
         print(f"tidefeed {args.command}: {_one_line(e)}", file=sys.stderr)
         return EXIT_FAILED
-    except BrokenPipeError:
-        return EXIT_OK
     except KeyboardInterrupt:
         return exit_code_for_signal(signal.SIGINT)
     except Exception as e:
-        if _is_py4j(e) and not args.debug:
+        if _is_py4j(e):
+            if args.debug:
+                traceback.print_exc()
             print(
-                f"tidefeed {args.command}: Spark failed: {_one_line(e)} (--debug shows "
-                "the whole error)",
+                f"tidefeed {args.command}: Spark failed: {_spark_reason(e)} (nothing of the "
+                "transaction under way was committed; --debug shows the whole error)",
                 file=sys.stderr,
             )
             return EXIT_FAILED
         raise
+
+
+def _spark_reason(e: BaseException) -> str:
+    """The root cause of a Spark/py4j error, as one line (the JVM's innermost message:
+    'No space left on device', not 'An error occurred while calling o123.parquet')."""
+    reason = None
+    java = getattr(e, "java_exception", None)
+    with contextlib.suppress(Exception):  # the JVM may be gone already
+        while java is not None:
+            message = java.getMessage()
+            if message:
+                reason = f"{java.getClass().getSimpleName()}: {message}"
+            java = java.getCause()
+    return (reason or _one_line(e)).strip().splitlines()[0]
 
 
 def _is_py4j(e: BaseException) -> bool:

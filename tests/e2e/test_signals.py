@@ -149,3 +149,55 @@ def test_a_missing_source_path_fails_before_spark_starts(tmp_path):
     ]
     assert "spark" not in err.lower()  # the session logs its settings once it starts
     assert not (tmp_path / "f").exists()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 24 MiB tmpfs (root on Linux; elsewhere the test is skipped and says why)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(where)], capture_output=True
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_log_filesystem_fails_one_line_and_loses_nothing(tmp_path, small_fs):
+    """The feed log's filesystem fills up during a transaction: emit exits 1 with one line
+    naming the cause, the committed feed stays whole, and once space is freed the next run
+    finishes the feed exactly."""
+    src = tmp_path / "in"
+    src.mkdir()
+    (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
+    staged = write_parts_at_transactions(tmp_path / "staged", BANK.events, 3)
+    staged[0].rename(src / staged[0].name)
+    log = small_fs / "log"
+    first = tidefeed(*emit_args(src, log), timeout=600)
+    assert first.returncode == 0, first.stderr.decode()[-2000:]
+    # leave nothing free, then the rest of the input arrives
+    ballast = small_fs / "ballast"
+    with open(ballast, "wb", buffering=0) as f, pytest.raises(OSError):  # ENOSPC
+        while True:
+            f.write(b"\0" * (1 << 16))
+    store = CheckpointStore(FeedLog(str(log), "bank"))
+    before = store.latest()
+    for p in staged[1:]:
+        p.rename(src / p.name)
+    out = tidefeed(*emit_args(src, log), timeout=600)
+    err = out.stderr.decode()
+    assert out.returncode == 1, err[-2000:]
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("tidefeed emit: ") and "No space left on device" in last, err[-2000:]
+    # the committed feed is whole; nothing of the failed transaction counts
+    assert store.latest().frontier == before.frontier
+    assert check_messages(FeedReader(str(log), "bank").messages(), key=["id"]) == []
+    ballast.unlink()
+    again = tidefeed(*emit_args(src, log), timeout=600)
+    assert again.returncode == 0, again.stderr.decode()[-2000:]
+    assert collection_of(FeedReader(str(log), "bank")) == as_multiset(BANK.final.values())

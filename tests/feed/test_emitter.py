@@ -102,6 +102,38 @@ def test_wallclock_times_are_near_now_and_grow(spark, tmp_path):
     assert_valid(tmp_path)
 
 
+def test_a_wall_clock_stepping_backwards_never_moves_times_back(spark, tmp_path):
+    """NTP steps the clock back an hour between transactions (and across a restart): the
+    times keep growing (next = max(now, last + 1)) and the feed stays valid."""
+    bank = generate_bank(transactions=12, seed=9)
+    src = tmp_path / "in"
+    parts = write_parts(tmp_path / "staged", bank.events, 3)
+    src.mkdir()
+    readings = iter([5_000_000, 5_000_010, 1_400_000, 1_400_005, 1_400_009, 900_000, 900_001])
+    clock = lambda: next(readings, 900_002)  # noqa: E731
+    cfg = EmitterConfig(
+        source_kind="debezium",
+        source_path=str(src),
+        feed="bank",
+        log=str(tmp_path / "log"),
+        key=("id",),
+        schema=ACCOUNTS_SCHEMA,
+    )
+    uppers = []
+    for p in parts:  # a new process for each file, each with a clock further back
+        p.rename(src / p.name)
+        e = Emitter(cfg, spark=spark, clock=clock)
+        e.open()
+        e.run()
+        e.close()
+        uppers.append(e.cp.frontier)
+    times = sorted(FeedReader(str(tmp_path / "log"), "bank").counts())
+    # three times, none below the first reading (the clock went back to 1.4M and 0.9M)
+    assert len(times) == 3 and min(times) == 5_000_000
+    assert uppers[0] < uppers[1] < uppers[2] and uppers[2] > times[-1]
+    assert collection_of(assert_valid(tmp_path)) == as_multiset(bank.final.values())
+
+
 BAD_LINES = [
     b"{not json",
     b'{"op": "x", "after": {"id": 1, "owner": "a", "balance": 1}, "source": {"lsn": 1}}',

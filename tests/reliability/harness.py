@@ -404,8 +404,14 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
             kills_left -= 1
             cp = store.latest()
             if cp is not None:
-                (log / "bank" / "_commits" / f"{cp.seq + 1:020d}.json").write_bytes(b"")
-                tally.fault("empty newest commit")
+                commits = log / "bank" / "_commits"
+                if rnd.random() < 0.5:
+                    (commits / f"{cp.seq + 1:020d}.json").write_bytes(b"")
+                    tally.fault("empty newest commit")
+                else:  # cut mid-file, as a copy to a store without atomic publication leaves it
+                    whole = (commits / f"{cp.seq:020d}.json").read_bytes()
+                    (commits / f"{cp.seq + 1:020d}.json").write_bytes(whole[: len(whole) // 2])
+                    tally.fault("truncated newest commit")
             emit.start()
             continue
         name = rnd.choice(list(procs))
