@@ -117,6 +117,10 @@ class CheckpointStore:
         self.log = log
         self.dir = log.path("_commits")
 
+    def seqs(self) -> list[int]:
+        """The seqs of the kept commit files, in order."""
+        return self._seqs()
+
     def _seqs(self) -> list[int]:
         infos = self.log.list_dir(self.dir)
         return sorted(
