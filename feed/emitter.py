@@ -272,7 +272,7 @@ class Emitter:
                 schema=self.info.fingerprint,
             )
         claimed = latest.successor(epoch=latest.epoch + 1)
-        if latest.seq and latest.manifest is None:
+        if latest.seq and latest.manifest is None and latest.frontier > 0:
             # a feed from before manifests: publish the one its folders imply
             legacy = self.manifests.of(latest)
             m = self.manifests.write(seq=claimed.seq, epoch=claimed.epoch, base=legacy)
