@@ -212,7 +212,9 @@ def cmd_emit(args: argparse.Namespace) -> int:
         if args.push
         else None
     )
-    emitter = Emitter(config, on_commit=deliver)
+    from .progress import TxnProgress
+
+    emitter = Emitter(config, on_commit=deliver, progress=TxnProgress(config.feed))
     emitter.open()
     if args.eager:
         from .eager import EagerPusher

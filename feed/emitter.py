@@ -47,6 +47,7 @@ from .eager import EagerPusher
 from .inputs import FilePosition, consumed_position, list_files, without_legacy
 from .log import FeedLog
 from .manifest import ManifestStore, Segment
+from .progress import TxnProgress
 
 __all__ = ["Emitter", "EmitterConfig", "TxnReport", "load_schema_file"]
 
@@ -203,6 +204,7 @@ class Emitter:
         on_commit: Callable[[Checkpoint], None] | None = None,
         eager: EagerPusher | None = None,
         clock: Callable[[], int] = now_ms,
+        progress: TxnProgress | None = None,
     ) -> None:
         self.config = config
         self._spark = spark
@@ -210,6 +212,7 @@ class Emitter:
         self.on_commit = on_commit
         self.eager = eager
         self._clock = clock
+        self.progress = progress
         self.feedlog = FeedLog(config.log, config.feed)
         self.store = CheckpointStore(self.feedlog)
         self.manifests = ManifestStore(self.feedlog)
@@ -450,7 +453,11 @@ class Emitter:
                     break
                 files.append(pending[len(files)])
         while True:
-            report = self._txn(files, more=len(files) < len(pending))
+            try:
+                report = self._txn(files, more=len(files) < len(pending))
+            finally:
+                if self.progress is not None:
+                    self.progress.done()
             if report is not _NEED_MORE:
                 assert report is None or isinstance(report, TxnReport)
                 return report
@@ -522,6 +529,8 @@ class Emitter:
         seq = cp.seq + 1
         secs: dict[str, float] = {}
         t0 = time.perf_counter()
+        if self.progress is not None:
+            self.progress.start(seq, len(files))
         options: dict[str, Any] = {
             k: v for k, v in (("order", cfg.order), ("deleted", cfg.deleted)) if v
         }
@@ -609,6 +618,7 @@ class Emitter:
                 skipped[r["_skip"]] = skipped.get(r["_skip"], 0) + r["n"]
         secs["read"] = time.perf_counter() - t0
         maybe_die("after_read")
+        self._stage("computing diffs", rows_read=input_rows)
 
         t1 = time.perf_counter()
         good, units = assign_units(good, cfg.granularity, order)
@@ -698,6 +708,7 @@ class Emitter:
         secs["compute"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
+        self._stage("writing", bad_rows=bad_rows)
         staging = fl.path("_staging", f"{seq}-{uuid.uuid4().hex[:8]}")
         flat = updates.select("time", "data.*", "diff")
         flat.write.partitionBy("time").parquet(self._spark_path(staging))
@@ -731,6 +742,7 @@ class Emitter:
         maybe_die("after_write")
 
         t3 = time.perf_counter()
+        self._stage("committing", updates=sum(counts.values()))
         upper = t_next + units if units else cp.frontier
         progress = Progress(cp.frontier, max(upper, cp.frontier), tuple(sorted(counts.items())))
         next_time = progress.upper
@@ -784,6 +796,10 @@ class Emitter:
         if self.on_commit:
             self.on_commit(new_cp)
         return report
+
+    def _stage(self, name: str, **facts: Any) -> None:
+        if self.progress is not None:
+            self.progress.stage(name, **facts)
 
     def _spark_path(self, path: str) -> str:
         fl = self.feedlog

@@ -343,3 +343,53 @@ def test_a_later_run_takes_the_feeds_settings_or_is_refused(spark, tmp_path):
         with pytest.raises(SourceError, match=f"created with {flag}; this run gives"):
             emit(spark, tmp_path, src, **kw)
         assert store.latest() == before
+
+
+def test_each_transaction_reports_its_stages_in_order(spark, tmp_path):
+    import io
+
+    from feed.progress import STAGES, TxnProgress
+
+    class Recorded(TxnProgress):
+        def __init__(self) -> None:
+            super().__init__("bank", live=False)
+            self.seen: list[tuple[int, str, dict]] = []
+
+        def stage(self, name, **facts):
+            super().stage(name, **facts)
+            self.seen.append((self.seq, name, dict(self.facts)))
+
+    bank = generate_bank(transactions=20, seed=12)
+    src = tmp_path / "in"
+    write_parts(src, bank.events, 2)
+    progress = Recorded()
+    cfg = EmitterConfig(
+        source_kind="debezium",
+        source_path=str(src),
+        feed="bank",
+        log=str(tmp_path / "log"),
+        key=("id",),
+        schema=ACCOUNTS_SCHEMA,
+        max_files_per_txn=1,
+    )
+    e = Emitter(cfg, spark=spark, progress=progress)
+    e.open()
+    reports = e.run()
+    assert len(reports) == 2
+    for report in reports:
+        stages = [(name, facts) for seq, name, facts in progress.seen if seq == report.seq]
+        assert [name for name, _ in stages] == list(STAGES)
+        assert stages[-1][1]["rows_read"] == report.input_rows
+        assert stages[-1][1]["updates"] == report.updates
+    # on a terminal the same line is drawn live (and removed when the transaction ends)
+    screen = io.StringIO()
+    live = TxnProgress("bank", live=True, stream=screen)
+    live.start(7, files=3)
+    live.stage("computing diffs", rows_read=12_345)
+    assert live.line().startswith("txn 7: computing diffs… 3 files, 12,345 rows read, ")
+    live.done()
+    import re
+
+    drawn = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())
+    assert "bank txn 7: computing diffs… 3 files, 12,345 rows read" in drawn
+    assert screen.getvalue().endswith("\x1b[2K")  # the line is erased when the transaction ends

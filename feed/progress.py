@@ -1,0 +1,85 @@
+"""What the emitter's transaction under way is doing, for the person watching it.
+
+On a terminal (stderr is a TTY) a live status line (rich) shows the transaction, its stage,
+the rows read so far and the seconds spent, refreshed while Spark works; the log line of
+each committed transaction (``tidefeed.emit``) is the summary. Elsewhere (a service, CI, a
+pipe) nothing is drawn and each stage is a DEBUG log line, so logs stay one line per
+transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import IO, Any
+
+__all__ = ["STAGES", "TxnProgress"]
+
+#: the stages of one transaction, in order
+STAGES = ("reading", "computing diffs", "writing", "committing")
+
+
+class TxnProgress:
+    """Reports the stages of the transactions of one feed (see the module docstring)."""
+
+    def __init__(
+        self,
+        feed: str,
+        *,
+        live: bool | None = None,
+        stream: IO[str] | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.feed = feed
+        self.stream = stream or sys.stderr
+        self.live = self.stream.isatty() if live is None else live
+        self.log = logger or logging.getLogger("tidefeed.emit")
+        self.seq = 0
+        self.stage_name = ""
+        self.facts: dict[str, Any] = {}
+        self.started = 0.0
+        self._live: Any = None
+
+    def start(self, seq: int, files: int) -> None:
+        """A transaction begins (``files`` input files)."""
+        self.seq, self.facts, self.started = seq, {"files": files}, time.monotonic()
+        if self.live and self._live is None:
+            from rich.console import Console
+            from rich.live import Live
+
+            console = Console(file=self.stream, force_terminal=True)
+            self._live = Live(_Line(self), console=console, refresh_per_second=4, transient=True)
+            self._live.start()
+        self.stage(STAGES[0])
+
+    def stage(self, name: str, **facts: Any) -> None:
+        """The transaction moves to stage ``name``; ``facts`` (rows=…) add to what it knows."""
+        self.stage_name = name
+        self.facts.update(facts)
+        self.log.debug("feed %s: %s", self.feed, self.line())
+
+    def done(self) -> None:
+        """The transaction is over (committed, or failed): the live line goes."""
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def line(self) -> str:
+        elapsed = time.monotonic() - self.started if self.started else 0.0
+        facts = ", ".join(
+            f"{v:,} {k.replace('_', ' ')}" if isinstance(v, int) else f"{k} {v}"
+            for k, v in self.facts.items()
+        )
+        return f"txn {self.seq}: {self.stage_name}… {facts}, {elapsed:.1f}s"
+
+
+class _Line:
+    """A rich renderable that reads the progress each time it is drawn (so the seconds move
+    while a Spark job runs)."""
+
+    def __init__(self, progress: TxnProgress) -> None:
+        self.progress = progress
+
+    def __rich__(self) -> str:
+        return f"[bold]{self.progress.feed}[/bold] {self.progress.line()}"
