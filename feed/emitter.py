@@ -792,6 +792,8 @@ class Emitter:
             held=held,
             redelivered=redelivered,
         )
+        if self.progress is not None:
+            self.progress.done()  # the live line goes before the summary is logged
         self.log.info("feed %s: %s", cfg.feed, report.line())
         if self.on_commit:
             self.on_commit(new_cp)
