@@ -25,18 +25,10 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_follow import SCHEMA
 from bench_push import RAW_SERVER, free_port, wait_up
 
 TIDEFEED = [sys.executable, "-m", "feed.cli"]
-SCHEMA = {
-    "type": "record",
-    "name": "record",
-    "fields": [
-        {"name": "id", "type": "long"},
-        {"name": "owner", "type": "string"},
-        {"name": "balance", "type": "long"},
-    ],
-}
 
 
 def make_feed(work: Path, n: int) -> tuple[Path, float]:

@@ -90,3 +90,27 @@ def wait_up(port: int, timeout: float = 30) -> None:
         except OSError:
             time.sleep(0.1)
     raise TimeoutError(f"nothing answers on 127.0.0.1:{port}")
+
+
+def bank_emit_args(src: Path, log: Path, *extra: str) -> list[str]:
+    """``tidefeed emit`` of the generated bank's Debezium files in ``src`` (schema file
+    ``accounts.avsc`` beside ``src``) into feed ``bank`` of ``log``: keyed on ``id``,
+    logical clock, one input file per transaction."""
+    return [
+        "emit",
+        "--source",
+        f"debezium:{src}",
+        "--feed",
+        "bank",
+        "--log",
+        str(log),
+        "--key",
+        "id",
+        "--clock",
+        "logical",
+        "--max-files-per-txn",
+        "1",
+        "--schema",
+        str(src.parent / "accounts.avsc"),
+        *extra,
+    ]

@@ -21,7 +21,7 @@ from feed.reader import FeedReader
 from protocol import check_messages, get_codec
 
 from ..feed.model import as_multiset, collection_of
-from .helpers import start, tidefeed, write_parts_at_transactions
+from .helpers import bank_emit_args, start, tidefeed, write_parts_at_transactions
 
 pytestmark = pytest.mark.slow
 
@@ -29,26 +29,7 @@ BANK = generate_bank(transactions=45, seed=11)
 
 
 def emit_args(src: Path, log: Path, *extra: str) -> list[str]:
-    return [
-        "emit",
-        "--source",
-        f"debezium:{src}",
-        "--feed",
-        "bank",
-        "--log",
-        str(log),
-        "--key",
-        "id",
-        "--clock",
-        "logical",
-        "--granularity",
-        "transaction",
-        "--max-files-per-txn",
-        "1",
-        "--schema",
-        str(src.parent / "accounts.avsc"),
-        *extra,
-    ]
+    return bank_emit_args(src, log, "--granularity", "transaction", *extra)
 
 
 @pytest.fixture(scope="module")

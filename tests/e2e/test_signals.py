@@ -22,32 +22,11 @@ from feed.reader import FeedReader
 from protocol import check_messages
 
 from ..feed.model import as_multiset, collection_of
-from .helpers import free_port, start, tidefeed, write_parts_at_transactions
+from .helpers import bank_emit_args, free_port, start, tidefeed, write_parts_at_transactions
 
 pytestmark = pytest.mark.slow
 
 BANK = generate_bank(transactions=30, seed=23)
-
-
-def emit_args(src: Path, log: Path, *extra: str) -> list[str]:
-    return [
-        "emit",
-        "--source",
-        f"debezium:{src}",
-        "--feed",
-        "bank",
-        "--log",
-        str(log),
-        "--key",
-        "id",
-        "--clock",
-        "logical",
-        "--max-files-per-txn",
-        "1",
-        "--schema",
-        str(src.parent / "accounts.avsc"),
-        *extra,
-    ]
 
 
 def wait_for_commit(log: Path, seq: int, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -72,7 +51,7 @@ def test_a_signal_during_emit_finishes_the_transaction_and_the_feed_restarts_who
     (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
     files = write_parts_at_transactions(src, BANK.events, 6)
     log, err = tmp_path / "log", tmp_path / "emit.err"
-    proc = start(*emit_args(src, log), log=err)
+    proc = start(*bank_emit_args(src, log), log=err)
     try:
         wait_for_commit(log, 2, proc)  # the epoch claim, then the first transaction
         proc.send_signal(sig)  # while a later transaction runs
@@ -88,7 +67,7 @@ def test_a_signal_during_emit_finishes_the_transaction_and_the_feed_restarts_who
     assert cp is not None and cp.source["file"] < files[-1].name  # stopped before the end
     reader = FeedReader(str(log), "bank")
     assert check_messages(reader.messages(), key=["id"]) == []
-    again = tidefeed(*emit_args(src, log))
+    again = tidefeed(*bank_emit_args(src, log))
     assert again.returncode == 0, again.stderr.decode()[-3000:]
     assert collection_of(FeedReader(str(log), "bank")) == as_multiset(BANK.final.values())
 
@@ -99,7 +78,7 @@ def test_sigterm_with_an_unreachable_push_target_exits_at_once(tmp_path):
     write_parts_at_transactions(src, BANK.events, 2)
     log, err = tmp_path / "log", tmp_path / "emit.err"
     dead = f"http://127.0.0.1:{free_port()}/v1/push/bank"  # nothing listens there
-    proc = start(*emit_args(src, log, "--push", dead, "--push-timeout", "300"), log=err)
+    proc = start(*bank_emit_args(src, log, "--push", dead, "--push-timeout", "300"), log=err)
     try:
         deadline = time.monotonic() + 180
         while "retrying" not in stderr_of(err):  # the publisher is backing off
@@ -177,7 +156,7 @@ def test_a_full_log_filesystem_fails_one_line_and_loses_nothing(tmp_path, small_
     staged = write_parts_at_transactions(tmp_path / "staged", BANK.events, 3)
     staged[0].rename(src / staged[0].name)
     log = small_fs / "log"
-    first = tidefeed(*emit_args(src, log), timeout=600)
+    first = tidefeed(*bank_emit_args(src, log), timeout=600)
     assert first.returncode == 0, first.stderr.decode()[-2000:]
     # leave nothing free, then the rest of the input arrives
     ballast = small_fs / "ballast"
@@ -188,7 +167,7 @@ def test_a_full_log_filesystem_fails_one_line_and_loses_nothing(tmp_path, small_
     before = store.latest()
     for p in staged[1:]:
         p.rename(src / p.name)
-    out = tidefeed(*emit_args(src, log), timeout=600)
+    out = tidefeed(*bank_emit_args(src, log), timeout=600)
     err = out.stderr.decode()
     assert out.returncode == 1, err[-2000:]
     assert "Traceback" not in err
@@ -198,6 +177,6 @@ def test_a_full_log_filesystem_fails_one_line_and_loses_nothing(tmp_path, small_
     assert store.latest().frontier == before.frontier
     assert check_messages(FeedReader(str(log), "bank").messages(), key=["id"]) == []
     ballast.unlink()
-    again = tidefeed(*emit_args(src, log), timeout=600)
+    again = tidefeed(*bank_emit_args(src, log), timeout=600)
     assert again.returncode == 0, again.stderr.decode()[-2000:]
     assert collection_of(FeedReader(str(log), "bank")) == as_multiset(BANK.final.values())

@@ -31,6 +31,19 @@ def emit(spark, tmp_path, src, **kw) -> Emitter:
     return e
 
 
+def bank_config(tmp_path, src, **kw) -> EmitterConfig:
+    """The keyed Debezium feed ``bank`` of the generated bank, as the tests here emit it."""
+    return EmitterConfig(
+        source_kind="debezium",
+        source_path=str(src),
+        feed="bank",
+        log=str(tmp_path / "log"),
+        key=("id",),
+        schema=ACCOUNTS_SCHEMA,
+        **kw,
+    )
+
+
 def assert_valid(tmp_path, feed="bank", key=("id",)):
     reader = FeedReader(str(tmp_path / "log"), feed)
     assert check_messages(reader.messages(), non_negative=bool(key), key=list(key) or None) == []
@@ -111,14 +124,7 @@ def test_a_wall_clock_stepping_backwards_never_moves_times_back(spark, tmp_path)
     src.mkdir()
     readings = iter([5_000_000, 5_000_010, 1_400_000, 1_400_005, 1_400_009, 900_000, 900_001])
     clock = lambda: next(readings, 900_002)  # noqa: E731
-    cfg = EmitterConfig(
-        source_kind="debezium",
-        source_path=str(src),
-        feed="bank",
-        log=str(tmp_path / "log"),
-        key=("id",),
-        schema=ACCOUNTS_SCHEMA,
-    )
+    cfg = bank_config(tmp_path, src)
     uppers = []
     for p in parts:  # a new process for each file, each with a clock further back
         p.rename(src / p.name)
@@ -178,15 +184,7 @@ def test_fail_mode_commits_nothing(spark, tmp_path):
     src = tmp_path / "in"
     write_parts(src, bank.events, 1)
     (src / "part-0001.json").write_bytes(BAD_LINES[1] + b"\n")
-    cfg = EmitterConfig(
-        source_kind="debezium",
-        source_path=str(src),
-        feed="bank",
-        log=str(tmp_path / "log"),
-        key=("id",),
-        schema=ACCOUNTS_SCHEMA,
-        on_bad_record="fail",
-    )
+    cfg = bank_config(tmp_path, src, on_bad_record="fail")
     e = Emitter(cfg, spark=spark)
     claimed = e.open()
     with pytest.raises(SourceError, match=r"1 bad input row\(s\), e.g. part-0001.json: unknown op"):
@@ -202,15 +200,7 @@ def test_a_first_run_whose_every_row_is_bad_fixes_nothing(spark, tmp_path):
     src.mkdir()
     (src / "part-0000.json").write_bytes(b"\n".join(BAD_LINES) + b"\n")
     log = FeedLog(str(tmp_path / "log"), "bank")
-    cfg = EmitterConfig(
-        source_kind="debezium",
-        source_path=str(src),
-        feed="bank",
-        log=str(tmp_path / "log"),
-        key=("id",),
-        schema=ACCOUNTS_SCHEMA,
-        clock="logical",
-    )
+    cfg = bank_config(tmp_path, src, clock="logical")
     e = Emitter(cfg, spark=spark)
     e.open()
     with pytest.raises(SourceError, match=r"every one of the 6 input row\(s\) is bad, e.g. "):
@@ -363,15 +353,7 @@ def test_each_transaction_reports_its_stages_in_order(spark, tmp_path):
     src = tmp_path / "in"
     write_parts(src, bank.events, 2)
     progress = Recorded()
-    cfg = EmitterConfig(
-        source_kind="debezium",
-        source_path=str(src),
-        feed="bank",
-        log=str(tmp_path / "log"),
-        key=("id",),
-        schema=ACCOUNTS_SCHEMA,
-        max_files_per_txn=1,
-    )
+    cfg = bank_config(tmp_path, src, max_files_per_txn=1)
     e = Emitter(cfg, spark=spark, progress=progress)
     e.open()
     reports = e.run()
