@@ -194,6 +194,8 @@ def cmd_emit(args: argparse.Namespace) -> int:
         # finish the transaction under way, then stop: nothing half-done is left behind.
         # os.write, not print: the main thread may be inside a write to stderr already
         if stopping:
+            if sys.stderr.isatty():
+                os.write(2, b"\x1b[?25h\n")  # the live progress line hid the cursor
             os.write(
                 2,
                 b"tidefeed emit: stopping now; the transaction under way is rolled "

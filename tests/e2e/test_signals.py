@@ -72,6 +72,33 @@ def test_a_signal_during_emit_finishes_the_transaction_and_the_feed_restarts_who
     assert collection_of(FeedReader(str(log), "bank")) == as_multiset(BANK.final.values())
 
 
+def test_a_second_ctrl_c_abandons_the_transaction_at_once(tmp_path):
+    src = tmp_path / "in"
+    (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
+    write_parts_at_transactions(src, BANK.events, 4)
+    log, err = tmp_path / "log", tmp_path / "emit.err"
+    proc = start(*bank_emit_args(src, log, "--log-level", "debug"), log=err)
+    try:
+        deadline = time.monotonic() + 180
+        while "txn 3: computing diffs" not in stderr_of(err):  # inside the 2nd transaction
+            assert time.monotonic() < deadline and proc.poll() is None, stderr_of(err)[-2000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = stderr_of(err)
+    assert code == 130 and "Traceback" not in text, text[-2000:]
+    assert "stopping now; the transaction under way is rolled back at the next start" in text
+    assert check_messages(FeedReader(str(log), "bank").messages(), key=["id"]) == []
+    again = tidefeed(*bank_emit_args(src, log))
+    assert again.returncode == 0, again.stderr.decode()[-3000:]
+    assert collection_of(FeedReader(str(log), "bank")) == as_multiset(BANK.final.values())
+
+
 def test_sigterm_with_an_unreachable_push_target_exits_at_once(tmp_path):
     src = tmp_path / "in"
     (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))

@@ -211,3 +211,20 @@ def test_demo_runs_the_emitter_and_verifies(tmp_path):
     assert run("check", "--key", "id", "-", stdin=inspected.stdout).returncode == 0
     avro = (tmp_path / "accounts.cdcv2.avro").read_bytes()
     assert run("check", "--key", "id", "-", stdin=avro).returncode == 0
+
+
+def test_log_lines_as_json_at_the_chosen_level():
+    code = (
+        "import logging, sys; from feed.cliopts import configure_logging; "
+        "configure_logging(sys.argv[1], 'json'); "
+        "logging.getLogger('tidefeed.emit').info('feed x: txn 2 committed'); "
+        "logging.getLogger('tidefeed.emit').debug('hidden at info'); "
+        "logging.getLogger('py4j.clientserver').info('Closing down clientserver connection')"
+    )
+    out = subprocess.run([sys.executable, "-c", code, "info"], capture_output=True, timeout=60)
+    lines = [orjson.loads(x) for x in out.stderr.splitlines()]
+    assert [(x["level"], x["logger"], x["message"]) for x in lines] == [
+        ("info", "tidefeed.emit", "feed x: txn 2 committed")
+    ]
+    out = subprocess.run([sys.executable, "-c", code, "debug"], capture_output=True, timeout=60)
+    assert len(out.stderr.splitlines()) == 2
