@@ -117,11 +117,11 @@ async def post_push(request: web.Request) -> web.Response:
         epoch = int(raw_epoch) if raw_epoch is not None else None
     except ValueError:
         epoch = None
-    if epoch is None or epoch < 0:
+    if epoch is None or not 0 <= epoch < 1 << 63:  # stored as a 64-bit SQLite integer
         raise HttpError(
             400,
             "missing_epoch",
-            f"header {EPOCH_HEADER} must be a non-negative integer, got {raw_epoch!r}",
+            f"header {EPOCH_HEADER} must be an integer in [0, 2**63), got {raw_epoch!r}",
         )
     body = await request.read()
     async with _lock(request.app, feed):

@@ -49,7 +49,7 @@ def stderr_of(path: Path) -> str:
 def test_a_signal_during_emit_finishes_the_transaction_and_the_feed_restarts_whole(tmp_path, sig):
     src = tmp_path / "in"
     (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
-    files = write_parts_at_transactions(src, BANK.events, 6)
+    files = write_parts_at_transactions(src, BANK.events, 4)
     log, err = tmp_path / "log", tmp_path / "emit.err"
     proc = start(*bank_emit_args(src, log), log=err)
     try:

@@ -157,6 +157,7 @@ async def test_feed_list_info_snapshot_and_errors(feed_log):
             for path, status, code in [
                 ("/v1/feeds/nope", 404, "unknown_feed"),
                 ("/v1/feeds/bank/changes?after=x", 400, "bad_request"),
+                (f"/v1/feeds/bank/changes?after={1 << 63}", 400, "bad_request"),  # fuzzing
                 ("/v1/feeds/bank/changes?format=csv", 415, "unsupported_format"),
                 ("/v1/feeds/bank/subscriptions/none", 404, "unknown_subscription"),
             ]:
