@@ -90,7 +90,7 @@ NDJSON = get_codec("ndjson")
     [
         (b"{oops\n", {}, 400, "malformed_body"),
         (NDJSON.encode(FEED[:3]), {"epoch": None}, 400, "missing_epoch"),
-        (NDJSON.encode(FEED[:3]), {"epoch": 1 << 63}, 400, "missing_epoch"),  # > 64 bits
+        (NDJSON.encode(FEED[:3]), {"epoch": str(1 << 63)}, 400, "missing_epoch"),  # > 64 bits
         (NDJSON.encode(FEED[:3]), {"ctype": "text/csv"}, 415, "unsupported_content_type"),
         (NDJSON.encode(FEED[:3]), {"feed": "..x"}, 404, "unknown_feed"),
         (NDJSON.encode([announcement(0), Progress(5, 6, ())]), {}, 409, "gap"),
