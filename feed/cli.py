@@ -349,6 +349,10 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    import logging
+
+    if args.log_level == DEFAULT_LOG_LEVEL:  # the demo narrates itself; --log-level for more
+        logging.getLogger("tidefeed").setLevel(logging.WARNING)
     if args.postgres:
         from .demo_postgres import run_postgres_demo
 

@@ -85,6 +85,7 @@ def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = N
             say(f"   … {len(times) - SHOWN_TIMES} more times with updates")
 
     logging.getLogger("tidefeed.emit").setLevel(logging.WARNING)
+    logging.getLogger("tidefeed.receive").setLevel(logging.WARNING)  # the demo says it itself
     config = EmitterConfig(
         source_kind="debezium",
         source_path=str(src),

@@ -184,6 +184,7 @@ def run_postgres_demo(
             )
 
         logging.getLogger("tidefeed.emit").setLevel(logging.WARNING)
+        logging.getLogger("tidefeed.receive").setLevel(logging.WARNING)  # the demo says it
         emitter = Emitter(
             EmitterConfig(
                 source_kind="debezium",

@@ -148,13 +148,13 @@ async def post_push(request: web.Request) -> web.Response:
         log.info(
             "feed %s: committed [%s, %s), %d update(s) (epoch %d)",
             feed,
-            before,
+            before or 0,
             result.frontier,
             sum(t.num_rows for t in result.committed),
             epoch,
         )
-    if result.rollbacks:
-        log.info("feed %s: rolled back pending updates (epoch %d)", feed, epoch)
+    if result.rollbacks:  # every session's announcement is one
+        log.debug("feed %s: announcement: pending updates rolled back (epoch %d)", feed, epoch)
     return json_response({"frontier": result.frontier, "pending": result.pending})
 
 
