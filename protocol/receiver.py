@@ -25,6 +25,7 @@ import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -32,7 +33,7 @@ from aiohttp import web
 from ._http import HttpError, error_middleware, json_response, token_middleware
 from .codecs import codec_for_content_type
 from .errors import CodecError, ProtocolError
-from .messages import _json_default
+from .messages import Updates, _json_default
 from .sqlite_store import SqliteDatabase
 from .state import Consumer
 
@@ -53,6 +54,8 @@ class ReceiverConfig:
     max_body: int = 64 << 20
     #: over this many pending (uncommitted) updates a feed answers 429 until they complete
     pending_high_watermark: int = 2_000_000
+    #: over this many pending updates over all feeds, bodies with updates answer 429
+    max_pending_total: int = 4_000_000
     retry_after_seconds: int = 1
     #: seconds a commit waits for a lock on the database before answering 503
     busy_timeout: float = 5.0
@@ -101,7 +104,6 @@ async def get_push(request: web.Request) -> web.Response:
 
 async def post_push(request: web.Request) -> web.Response:
     feed = _feed(request)
-    cfg = request.app[CONFIG]
     ctype = request.headers.get("Content-Type", "")
     codec = codec_for_content_type(ctype)
     if codec is None:
@@ -126,19 +128,11 @@ async def post_push(request: web.Request) -> web.Response:
     body = await request.read()
     async with _lock(request.app, feed):
         consumer = await asyncio.to_thread(_consumer, request.app, feed)
-        if consumer.pending >= cfg.pending_high_watermark:
-            raise HttpError(
-                429,
-                "too_many_pending",
-                f"feed {feed!r} holds {consumer.pending} pending updates (limit "
-                f"{cfg.pending_high_watermark}); send the progress that completes them",
-                headers={"Retry-After": str(cfg.retry_after_seconds)},
-            )
         before = consumer.frontier
         try:
-            result = await asyncio.to_thread(
-                lambda: consumer.apply(codec.decode(body), epoch=epoch)
-            )
+            messages = await asyncio.to_thread(codec.decode, body)
+            _check_pending(request.app, feed, consumer, messages)
+            result = await asyncio.to_thread(lambda: consumer.apply(messages, epoch=epoch))
         except (ProtocolError, CodecError) as e:
             log.warning(
                 "feed %s: rejected a %d-byte body (epoch %d): %s", feed, len(body), epoch, e
@@ -156,6 +150,30 @@ async def post_push(request: web.Request) -> web.Response:
     if result.rollbacks:  # every session's announcement is one
         log.debug("feed %s: announcement: pending updates rolled back (epoch %d)", feed, epoch)
     return json_response({"frontier": result.frontier, "pending": result.pending})
+
+
+def _check_pending(app: web.Application, feed: str, consumer: Consumer, messages: Any) -> None:
+    """429 for a body that would add updates to a feed holding its bound of pending ones,
+    or to a receiver holding its bound over all feeds. A body without updates (the
+    progress that completes what is pending, an announcement) always gets through."""
+    if not any(isinstance(m, Updates) and len(m) for m in messages):
+        return
+    cfg = app[CONFIG]
+    total = sum(c.pending for c in app[CONSUMERS].values())
+    if consumer.pending >= cfg.pending_high_watermark:
+        why = f"feed {feed!r} holds {consumer.pending} pending updates (limit "
+        why += f"{cfg.pending_high_watermark})"
+    elif total >= cfg.max_pending_total:
+        why = f"this receiver holds {total} pending updates over all feeds (limit "
+        why += f"{cfg.max_pending_total})"
+    else:
+        return
+    raise HttpError(
+        429,
+        "too_many_pending",
+        f"{why}; send the progress that completes them",
+        headers={"Retry-After": str(cfg.retry_after_seconds)},
+    )
 
 
 async def get_collection(request: web.Request) -> web.StreamResponse:

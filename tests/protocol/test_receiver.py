@@ -132,11 +132,28 @@ async def test_token_body_limit_and_high_watermark(receiver):
     assert (status, err["error"]) == (413, "body_too_large")
     status, ack, _ = await raw_post(base, body, headers=auth)
     assert status == 200 and ack["pending"] == 2
-    status, err, hdr = await raw_post(base, NDJSON.encode(FEED[2:3]), headers=auth)
+    # more updates are refused while 2 are pending (the progress alone would pass)
+    status, err, hdr = await raw_post(base, NDJSON.encode(FEED[3:4]), headers=auth)
     assert (status, err["error"]) == (429, "too_many_pending")
     assert hdr["Retry-After"] == "1"
     async with aiohttp.ClientSession() as s, s.get(f"{base}/healthz") as r:
         assert r.status == 200  # health needs no token
+
+
+async def test_pending_bounds_per_feed_and_over_all_feeds(receiver):
+    base = await receiver(pending_high_watermark=10, max_pending_total=3)
+    two = NDJSON.encode(FEED[:2])  # an announcement and 2 updates, left pending
+    assert (await raw_post(base, two, feed="a"))[1]["pending"] == 2
+    assert (await raw_post(base, two, feed="b"))[1]["pending"] == 2  # 4 over both feeds
+    status, err, hdr = await raw_post(base, two, feed="c")
+    assert (status, err["error"], hdr["Retry-After"]) == (429, "too_many_pending", "1")
+    assert "over all feeds (limit 3)" in err["detail"]
+    assert (await state(base, "c"))[0] == {"frontier": None, "epoch": 0, "pending": 0}
+    # the progress that completes a feed's pending updates always gets through
+    status, ack, _ = await raw_post(base, NDJSON.encode(FEED[2:3]), feed="a")
+    assert status == 200 and ack == {"frontier": 2, "pending": 0}
+    status, ack, _ = await raw_post(base, two, feed="c")  # room again
+    assert status == 200 and ack["pending"] == 2
 
 
 async def test_push_client_maps_statuses(receiver):
