@@ -93,7 +93,7 @@ class Metrics:
         )
         self.lag_seconds = Gauge(
             "tidefeed_subscriber_lag_seconds",
-            "Seconds since the subscriber last ACKed",
+            "Seconds the subscriber has been behind the feed's frontier (0: caught up)",
             ["feed", "subscription"],
             registry=r,
         )
@@ -394,22 +394,35 @@ async def _push_sessions(app: web.Application, store: SubscriptionStore, sub: Su
     m = st.metrics
     assert sub.url is not None
     reader = await asyncio.to_thread(FeedReader, st.config.log, sub.feed)
+    behind_since: list[float] = []  # when this server first saw the subscriber behind
+    # read at each scrape, so it grows while a delivery is retrying
+    m.lag_seconds.labels(sub.feed, sub.name).set_function(
+        lambda: time.time() - behind_since[0] if behind_since else 0.0
+    )
+
+    def lag() -> None:
+        if sub.acked is not None and sub.acked >= reader.frontier:
+            behind_since.clear()
+        elif not behind_since:
+            behind_since.append(time.time())
+        m.lag_times.labels(sub.feed, sub.name).set(max(0, reader.frontier - (sub.acked or 0)))
 
     def on_ack(ack: Ack) -> None:
         sub.retrying_since = None
         store.ack(sub.name, ack.frontier)
-        if ack.frontier is not None:
-            m.lag_times.labels(sub.feed, sub.name).set(max(0, reader.frontier - ack.frontier))
+        lag()
 
     def on_error(e: Exception) -> None:
         m.push_errors.labels(sub.feed, sub.name).inc()
         _failed(sub, e)
+        lag()
 
     async with PushClient(
         sub.url, fmt=sub.format, schema=reader.info.schema, token=sub.token
     ) as client:
         while True:
             await asyncio.to_thread(reader.refresh)
+            lag()
             if sub.acked is None or sub.acked < reader.frontier:
                 epoch = reader.checkpoint.epoch if reader.checkpoint else 0
                 pub = Publisher(reader, client, epoch=epoch, on_ack=on_ack, on_error=on_error)
@@ -425,8 +438,7 @@ async def _push_sessions(app: web.Application, store: SubscriptionStore, sub: Su
                 finally:
                     m.bytes.labels(sub.feed, "push").inc(client.bytes_sent - sent_before)
                 await asyncio.to_thread(store.flush)
-            if sub.acked_at is not None:
-                m.lag_seconds.labels(sub.feed, sub.name).set(time.time() - sub.acked_at)
+            lag()
             await asyncio.sleep(st.config.poll_seconds)
 
 

@@ -300,6 +300,18 @@ async def test_the_documented_pull_consumer_runs_and_resumes(feed_log, tmp_path)
         await runner.cleanup()
 
 
+async def _lag(s, base) -> tuple[float, float]:
+    """The subscription ``down``'s lag in times and in seconds, from /metrics."""
+    async with s.get(f"{base}/metrics") as r:
+        text = await r.text()
+    found = {}
+    for line in text.splitlines():
+        for kind in ("times", "seconds"):
+            if line.startswith(f"tidefeed_subscriber_lag_{kind}{{") and '"down"' in line:
+                found[kind] = float(line.rsplit(" ", 1)[1])
+    return found["times"], found["seconds"]
+
+
 async def test_a_failing_push_is_shown_retried_and_recovers(feed_log, tmp_path):
     """A receiver that is down, then a feed file that goes missing: the subscription shows
     the error and when it started failing, keeps retrying, and delivers once it can."""
@@ -334,6 +346,11 @@ async def test_a_failing_push_is_shown_retried_and_recovers(feed_log, tmp_path):
                 assert 'tidefeed_push_errors_total{feed="bank",subscription="down"}' in (
                     await r.text()
                 )
+            # behind since the subscription began: lag in times and in growing seconds
+            first = await _lag(s, base)
+            await asyncio.sleep(0.3)
+            second = await _lag(s, base)
+            assert first[0] == second[0] == reader.frontier and 0 < first[1] < second[1]
             # a segment goes missing: not a push error, the supervisor shows it all the same
             (log / "bank" / segment).rename(hidden)
             rbase, rrunner = await serve(
@@ -343,6 +360,11 @@ async def test_a_failing_push_is_shown_retried_and_recovers(feed_log, tmp_path):
             hidden.rename(log / "bank" / segment)
             st = await until(s, lambda st: st["acked"] == reader.frontier, "never delivered")
             assert st["retrying_since"] is None and st["status"] == "active"
+            for _ in range(50):  # caught up: no lag (the gauge is set at the next poll)
+                if await _lag(s, base) == (0, 0):
+                    break
+                await asyncio.sleep(0.1)
+            assert await _lag(s, base) == (0, 0)
             assert await _collection_at(rbase, "bank") == as_multiset(TRUTH_2.values())
     finally:
         await runner.cleanup()
