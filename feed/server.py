@@ -97,6 +97,12 @@ class Metrics:
             ["feed", "subscription"],
             registry=r,
         )
+        self.quarantined = Gauge(
+            "tidefeed_quarantined_rows",
+            "Input rows the emitter set aside as bad, in committed transactions",
+            ["feed"],
+            registry=r,
+        )
 
 
 CONFIG = web.AppKey("config", ServerConfig)
@@ -109,6 +115,7 @@ class ServerState:
         self.readers: dict[str, FeedReader] = {}
         self.subs: dict[str, SubscriptionStore] = {}
         self.tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._quarantine: dict[str, dict[int, int]] = {}  # feed -> quarantine folder -> rows
 
     def feed_names(self) -> list[str]:
         fs, root = log_root(self.config.log)
@@ -134,6 +141,25 @@ class ServerState:
         else:
             r.refresh()
         return r
+
+    def count_quarantined(self) -> None:
+        """Set the quarantined-rows gauge of every feed: the rows in the quarantine folders
+        of committed transactions (a folder is read once; an uncommitted one is not
+        counted: the emitter's next start deletes it)."""
+        for feed in self.feed_names():
+            reader = self.reader(feed)
+            fl, seen = reader.log, self._quarantine.setdefault(feed, {})
+            committed = reader.checkpoint.seq if reader.checkpoint else 0
+            for n in fl.numbered_dirs("quarantine"):
+                if n > committed or n in seen:
+                    continue
+                rows = 0
+                for info in fl.list_dir(fl.path("quarantine", str(n))):
+                    if info.base_name.endswith(".json"):
+                        with fl.fs.open_input_stream(info.path) as f:
+                            rows += f.read().count(b"\n")
+                seen[n] = rows
+            self.metrics.quarantined.labels(feed).set(sum(seen.values()))
 
     def sub_store(self, feed: str) -> SubscriptionStore:
         if feed not in self.subs:
@@ -514,7 +540,9 @@ async def healthz(_request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(_state(request).metrics.registry)
+    st = _state(request)
+    await asyncio.to_thread(st.count_quarantined)
+    body = generate_latest(st.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 

@@ -370,3 +370,40 @@ async def test_a_failing_push_is_shown_retried_and_recovers(feed_log, tmp_path):
         await runner.cleanup()
         if rrunner is not None:
             await rrunner.cleanup()
+
+
+async def test_metrics_count_the_quarantined_rows_of_committed_transactions(spark, tmp_path):
+    from .test_emitter import BAD_LINES
+
+    src = tmp_path / "in"
+    src.mkdir()
+    write(src / "part-0000.json", BANK.events[:THIRD])
+    (src / "part-0001.json").write_bytes(b"\n".join(BAD_LINES) + b"\n")
+    log = tmp_path / "log"
+    run_emitter(
+        spark,
+        source_kind="debezium",
+        source_path=str(src),
+        feed="bank",
+        log=str(log),
+        key=("id",),
+        schema=ACCOUNTS_SCHEMA,
+        clock="logical",
+        max_files_per_txn=1,
+    )
+    quarantine = log / "bank" / "quarantine"
+    rows = [x for f in quarantine.rglob("*.json") for x in f.read_bytes().splitlines()]
+    # every bad line but the delete at LSN 4, which is below the committed position: a
+    # redelivery, dropped and counted as such
+    assert len(rows) == len(BAD_LINES) - 1
+    # a quarantine folder no commit names (a crashed transaction's) is not counted
+    stray = quarantine / "999"
+    stray.mkdir()
+    (stray / "part-0.json").write_bytes(b'{"raw": "x"}\n' * 4)
+    base, runner = await serve(make_server_app(ServerConfig(log=str(log))))
+    try:
+        async with aiohttp.ClientSession() as s, s.get(f"{base}/metrics") as r:
+            text = await r.text()
+        assert f'tidefeed_quarantined_rows{{feed="bank"}} {float(len(rows))}' in text
+    finally:
+        await runner.cleanup()
