@@ -3,6 +3,7 @@ in git without outputs."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nbformat
@@ -28,8 +29,11 @@ def test_notebook_is_stored_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, path.name
 
 
+@pytest.mark.parametrize("compacted", [False, True], ids=["fresh", "compacted"])
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_against_a_fresh_feed(path, spark, tmp_path, monkeypatch):
+def test_notebook_runs_against_a_fresh_and_a_compacted_feed(
+    path, compacted, spark, tmp_path, monkeypatch
+):
     bank = generate_bank(transactions=30, seed=61)
     src = tmp_path / "in"
     src.mkdir()
@@ -45,6 +49,12 @@ def test_notebook_runs_against_a_fresh_feed(path, spark, tmp_path, monkeypatch):
         clock="logical",
         granularity="transaction",
     )
+    if compacted:
+        from feed.compaction import compact
+        from feed.reader import FeedReader
+
+        times = FeedReader(str(tmp_path / "log"), "accounts").times()
+        compact(str(tmp_path / "log"), "accounts", times[len(times) // 3])
     monkeypatch.setenv("TIDEFEED_LOG", str(tmp_path / "log"))
     monkeypatch.setenv("TIDEFEED_FEED", "accounts")
     nb = nbformat.read(path, as_version=4)
@@ -55,4 +65,12 @@ def test_notebook_runs_against_a_fresh_feed(path, spark, tmp_path, monkeypatch):
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "counts match, feed valid" in text
-    assert any("image/png" in o.get("data", {}) for o in outputs)  # the plot was drawn
+    pngs = [o["data"]["image/png"] for o in outputs if "image/png" in o.get("data", {})]
+    assert len(pngs) == 3  # updates per time, one record's value, progress
+    shots = os.environ.get("TIDEFEED_NOTEBOOK_PNGS")  # to look at the plots
+    if shots:
+        import base64
+
+        for i, png in enumerate(pngs):
+            name = f"{path.stem}-{'compacted' if compacted else 'fresh'}-{i}.png"
+            (Path(shots) / name).write_bytes(base64.b64decode(png))
