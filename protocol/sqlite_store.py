@@ -79,6 +79,18 @@ def _storage_errors(path: str) -> Iterator[None]:
         raise CheckpointError(f"receiver database {path}: {e}") from e
 
 
+@contextlib.contextmanager
+def _immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """One write transaction (``BEGIN IMMEDIATE`` … ``COMMIT``), rolled back on any error."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
 class SqliteDatabase:
     """One SQLite file shared by the stores of every feed (one connection, one lock)."""
 
@@ -139,24 +151,17 @@ class SqliteStore:
         for table in updates:
             times = table.column("time")
             parts.append((self.feed, times[0].as_py(), table.num_rows, _ipc(table)))
-        with self.db.lock, _storage_errors(self.db.path):
-            conn = self.db.conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                if parts:
-                    conn.executemany(
-                        "INSERT INTO parts (feed, time, rows, ipc) VALUES (?, ?, ?, ?)", parts
-                    )
-                conn.execute(
-                    "INSERT INTO feeds (feed, frontier, epoch) VALUES (?, ?, ?) "
-                    "ON CONFLICT(feed) DO UPDATE SET frontier = excluded.frontier, "
-                    "epoch = excluded.epoch",
-                    (self.feed, frontier, epoch),
+        with self.db.lock, _storage_errors(self.db.path), _immediate(self.db.conn) as conn:
+            if parts:
+                conn.executemany(
+                    "INSERT INTO parts (feed, time, rows, ipc) VALUES (?, ?, ?, ?)", parts
                 )
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+            conn.execute(
+                "INSERT INTO feeds (feed, frontier, epoch) VALUES (?, ?, ?) "
+                "ON CONFLICT(feed) DO UPDATE SET frontier = excluded.frontier, "
+                "epoch = excluded.epoch",
+                (self.feed, frontier, epoch),
+            )
 
     def tables(self, at: int | None = None) -> Iterator[pa.Table]:
         """The committed update tables at times ``<= at`` (default: all), in time order."""
@@ -190,21 +195,18 @@ class SqliteStore:
                 table = pa.ipc.open_stream(pa.py_buffer(blob)).read_all()
                 rows = table.select(["data", "diff"]).to_pylist(maps_as_pydicts="strict")
                 keys = record_keys([r["data"] for r in rows])
-                conn.execute("BEGIN IMMEDIATE")
-                try:
+                with _immediate(conn):
                     conn.executemany(
                         "INSERT INTO collection (feed, rkey, count) VALUES (?, ?, ?) "
                         "ON CONFLICT(feed, rkey) DO UPDATE SET count = count + excluded.count",
                         [(self.feed, k, r["diff"]) for k, r in zip(keys, rows, strict=True)],
                     )
-                    conn.execute(
-                        "DELETE FROM collection WHERE feed = ? AND count = 0", (self.feed,)
+                    # only this part's records can have reached 0: no scan of the collection
+                    conn.executemany(
+                        "DELETE FROM collection WHERE feed = ? AND rkey = ? AND count = 0",
+                        [(self.feed, k) for k in set(keys)],
                     )
                     conn.execute("UPDATE feeds SET folded = ? WHERE feed = ?", (rowid, self.feed))
-                    conn.execute("COMMIT")
-                except BaseException:
-                    conn.execute("ROLLBACK")
-                    raise
                 folded += 1
 
     def current(self) -> Iterator[tuple[bytes, int]]:
