@@ -181,6 +181,15 @@ def _fixed(cp: Checkpoint | None) -> bool:
     return cp is not None and cp.frontier > 0
 
 
+def _bad_sample(bad: Any, cached: Sequence[Any]) -> str:
+    """The first bad rows' files and reasons, for the error of a transaction that stops
+    (``bad`` and ``cached``, of no more use, are released)."""
+    sample = bad.limit(3).collect()
+    for df in (bad, *cached):
+        df.unpersist()
+    return "; ".join(f"{_base_name(r['_file'])}: {r['_error']}" for r in sample)
+
+
 def _tally(grouped: Any, stale: Any) -> Any:
     """Input rows, TOAST placeholders and stale (already committed) rows per group."""
     from pyspark.sql import functions as F
@@ -682,10 +691,7 @@ class Emitter:
         if bad_rows and not _fixed(cp) and bad_rows + sum(skipped.values()) >= input_rows:
             # a new feed whose first input is all bad (the wrong source kind or file, say)
             # fixes nothing: no commit, no consumed files, no settings
-            sample = bad.limit(3).collect()
-            reasons = "; ".join(f"{_base_name(r['_file'])}: {r['_error']}" for r in sample)
-            for df in (changes, bad, *txn_cached):
-                df.unpersist()
+            reasons = _bad_sample(bad, (changes, *txn_cached))
             self.feedlog.delete_file(self.feedlog.path("feed.json"))
             raise SourceError(
                 f"feed {cfg.feed!r}: every one of the {bad_rows} input row(s) is bad, e.g. "
@@ -693,9 +699,7 @@ class Emitter:
                 "--source KIND and the input files)"
             )
         if bad_rows and cfg.on_bad_record == "fail":
-            sample = bad.limit(3).collect()
-            reasons = "; ".join(f"{os.path.basename(r['_file'])}: {r['_error']}" for r in sample)
-            changes.unpersist()
+            reasons = _bad_sample(bad, (changes, *txn_cached))
             raise SourceError(
                 f"feed {cfg.feed!r}: {bad_rows} bad input row(s), e.g. {reasons}; "
                 "nothing was committed (--on-bad-record fail)"

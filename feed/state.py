@@ -95,9 +95,15 @@ class BucketedState:
         self.record_type = record_type
         self.key = tuple(key)
         self._spark_path = spark_path
+        self._last: tuple[str, tuple[int, dict[int, str]]] | None = None  # see _manifest
 
     # ---- reading ------------------------------------------------------------------------
     def _manifest(self, ref: str) -> tuple[int, dict[int, str]]:
+        """The bucket count and bucket folders of state manifest ``ref``. Manifests are
+        immutable, so the last one read is kept: a transaction asks for its count
+        (:meth:`buckets`) and then its folders (:meth:`load`)."""
+        if self._last is not None and self._last[0] == ref:
+            return self._last[1]
         path = self.log.path(ref)
         try:
             d = orjson.loads(self.log.read_bytes(path))
@@ -105,7 +111,9 @@ class BucketedState:
             raise CheckpointError(
                 f"feed {self.log.feed!r}: cannot read the state manifest {path}: {e}"
             ) from e
-        return int(d["buckets"]), {int(b): f for b, f in d["files"].items()}
+        found = int(d["buckets"]), {int(b): f for b, f in d["files"].items()}
+        self._last = (ref, found)
+        return found
 
     def read(self, folders: Iterable[str], *, with_pos: bool = False) -> DataFrame | None:
         """The rows of these state folders (relative to the feed) as column ``data``, and
