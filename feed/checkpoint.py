@@ -117,6 +117,10 @@ class CheckpointStore:
         self.log = log
         self.dir = log.path("_commits")
 
+    def path_of(self, seq: int) -> str:
+        """The commit file of ``seq``."""
+        return f"{self.dir}/{seq:020d}.json"
+
     def seqs(self) -> list[int]:
         """The seqs of the kept commit files, in order."""
         return self._seqs()
@@ -143,14 +147,14 @@ class CheckpointStore:
         except CheckpointError as e:
             if not isinstance(e.__cause__, orjson.JSONDecodeError):
                 raise
-            path = f"{self.dir}/{seqs[-1]:020d}.json"
+            path = self.path_of(seqs[-1])
             log.warning("feed %s: ignoring %s, written only in part: %s", self.log.feed, path, e)
             if repair:
                 self.log.fs.move(path, f"{path}.broken")
             return self.read(seqs[-2]) if len(seqs) > 1 else None
 
     def read(self, seq: int) -> Checkpoint:
-        path = f"{self.dir}/{seq:020d}.json"
+        path = self.path_of(seq)
         try:
             with self.log.fs.open_input_stream(path) as f:
                 raw = f.read()
@@ -160,7 +164,7 @@ class CheckpointStore:
 
     def commit(self, cp: Checkpoint) -> None:
         """Write ``cp`` as commit ``cp.seq``, exclusively; raise CommitConflict if it exists."""
-        if not self.log.create_exclusive(f"{self.dir}/{cp.seq:020d}.json", cp.to_json()):
+        if not self.log.create_exclusive(self.path_of(cp.seq), cp.to_json()):
             raise CommitConflict(
                 f"feed {self.log.feed!r}: commit {cp.seq} already exists: another emitter "
                 f"(epoch > {cp.epoch}) has taken over this feed; this one is stale and stops"
@@ -170,4 +174,4 @@ class CheckpointStore:
     def _prune(self, seq: int) -> None:
         for old in self._seqs():
             if old <= seq - KEEP_COMMITS:
-                self.log.delete_file(f"{self.dir}/{old:020d}.json")
+                self.log.delete_file(self.path_of(old))

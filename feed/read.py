@@ -164,7 +164,7 @@ class Feed:
                 cp = store.read(seq)
             except CheckpointError:
                 continue  # pruned or cut meanwhile
-            info = self._r.log.fs.get_file_info(f"{store.dir}/{seq:020d}.json")
+            info = self._r.log.fs.get_file_info(store.path_of(seq))
             rows["seq"].append(cp.seq)
             rows["epoch"].append(cp.epoch)
             rows["lower"].append(cp.progress.lower)
@@ -182,5 +182,4 @@ class Feed:
         cols = {"time": table.column("time"), "diff": table.column("diff")}
         for i, f in enumerate(data.type):
             cols[f.name] = data.field(i)
-        flat = pa.table(cols)
-        return flat.cast(self.schema) if "time" in flat.column_names else flat
+        return pa.table(cols).cast(self.schema)
