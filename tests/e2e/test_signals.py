@@ -45,11 +45,31 @@ def stderr_of(path: Path) -> str:
     return path.read_text(errors="replace")
 
 
+def bank_input(tmp_path: Path, parts: int) -> tuple[Path, list[Path]]:
+    """The bank's events in ``parts`` transaction-aligned files, and the schema beside."""
+    (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
+    src = tmp_path / "in"
+    return src, write_parts_at_transactions(src, BANK.events, parts)
+
+
+def wait_for_text(path: Path, needle: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while needle not in stderr_of(path):
+        assert time.monotonic() < deadline and proc.poll() is None, stderr_of(path)[-2000:]
+        time.sleep(0.05)
+
+
+def assert_valid_then_whole_after_a_restart(src: Path, log: Path) -> None:
+    """The committed feed passes the checker, and a new run finishes it exactly."""
+    assert check_messages(FeedReader(str(log), "bank").messages(), key=["id"]) == []
+    again = tidefeed(*bank_emit_args(src, log))
+    assert again.returncode == 0, again.stderr.decode()[-3000:]
+    assert collection_of(FeedReader(str(log), "bank")) == as_multiset(BANK.final.values())
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_emit_finishes_the_transaction_and_the_feed_restarts_whole(tmp_path, sig):
-    src = tmp_path / "in"
-    (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
-    files = write_parts_at_transactions(src, BANK.events, 4)
+    src, files = bank_input(tmp_path, 4)
     log, err = tmp_path / "log", tmp_path / "emit.err"
     proc = start(*bank_emit_args(src, log), log=err)
     try:
@@ -65,24 +85,15 @@ def test_a_signal_during_emit_finishes_the_transaction_and_the_feed_restarts_who
     assert "stopping after the transaction under way" in text
     cp = CheckpointStore(FeedLog(str(log), "bank")).latest()
     assert cp is not None and cp.source["file"] < files[-1].name  # stopped before the end
-    reader = FeedReader(str(log), "bank")
-    assert check_messages(reader.messages(), key=["id"]) == []
-    again = tidefeed(*bank_emit_args(src, log))
-    assert again.returncode == 0, again.stderr.decode()[-3000:]
-    assert collection_of(FeedReader(str(log), "bank")) == as_multiset(BANK.final.values())
+    assert_valid_then_whole_after_a_restart(src, log)
 
 
 def test_a_second_ctrl_c_abandons_the_transaction_at_once(tmp_path):
-    src = tmp_path / "in"
-    (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
-    write_parts_at_transactions(src, BANK.events, 4)
+    src, _ = bank_input(tmp_path, 4)
     log, err = tmp_path / "log", tmp_path / "emit.err"
     proc = start(*bank_emit_args(src, log, "--log-level", "debug"), log=err)
     try:
-        deadline = time.monotonic() + 180
-        while "txn 3: computing diffs" not in stderr_of(err):  # inside the 2nd transaction
-            assert time.monotonic() < deadline and proc.poll() is None, stderr_of(err)[-2000:]
-            time.sleep(0.05)
+        wait_for_text(err, "txn 3: computing diffs", proc)  # inside the 2nd transaction
         proc.send_signal(signal.SIGINT)
         time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
@@ -93,24 +104,16 @@ def test_a_second_ctrl_c_abandons_the_transaction_at_once(tmp_path):
     text = stderr_of(err)
     assert code == 130 and "Traceback" not in text, text[-2000:]
     assert "stopping now; the transaction under way is rolled back at the next start" in text
-    assert check_messages(FeedReader(str(log), "bank").messages(), key=["id"]) == []
-    again = tidefeed(*bank_emit_args(src, log))
-    assert again.returncode == 0, again.stderr.decode()[-3000:]
-    assert collection_of(FeedReader(str(log), "bank")) == as_multiset(BANK.final.values())
+    assert_valid_then_whole_after_a_restart(src, log)
 
 
 def test_sigterm_with_an_unreachable_push_target_exits_at_once(tmp_path):
-    src = tmp_path / "in"
-    (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
-    write_parts_at_transactions(src, BANK.events, 2)
+    src, _ = bank_input(tmp_path, 2)
     log, err = tmp_path / "log", tmp_path / "emit.err"
     dead = f"http://127.0.0.1:{free_port()}/v1/push/bank"  # nothing listens there
     proc = start(*bank_emit_args(src, log, "--push", dead, "--push-timeout", "300"), log=err)
     try:
-        deadline = time.monotonic() + 180
-        while "retrying" not in stderr_of(err):  # the publisher is backing off
-            assert time.monotonic() < deadline and proc.poll() is None, stderr_of(err)[-2000:]
-            time.sleep(0.1)
+        wait_for_text(err, "retrying", proc)  # the publisher is backing off
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=30)
