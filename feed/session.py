@@ -44,14 +44,28 @@ def get_spark(
     # Python workers (eager pushes) must run this interpreter, which has tidefeed installed,
     # not whatever "python3" is first on the PATH
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    conf = dict(conf or {})
+    if master:
+        conf["spark.master"] = master
+    # The heap is fixed when the JVM starts, so the driver's memory is settled here, not in
+    # the builder (which would only show the value). The launcher ranks SPARK_DRIVER_MEMORY
+    # below spark-submit's flags and spark-defaults.conf: the right place for a default.
+    # A --conf given to tidefeed ranks above them all, as a spark-submit flag.
+    if "spark.driver.memory" in conf:
+        submit = os.environ.get("PYSPARK_SUBMIT_ARGS", "pyspark-shell")
+        os.environ["PYSPARK_SUBMIT_ARGS"] = (
+            f"--driver-memory {conf['spark.driver.memory']} {submit}"
+        )
+    elif str(conf.get("spark.master", DEFAULT_MASTER)).startswith("local"):
+        # in local mode the driver does all the work: the JVM's 1 GiB default is too small
+        os.environ.setdefault(
+            "SPARK_DRIVER_MEMORY",
+            os.environ.get("TIDEFEED_DRIVER_MEMORY", DEFAULT_DRIVER_MEMORY),
+        )
     # start the JVM first: its system properties are what spark-submit and
     # spark-defaults.conf set, and those win over tidefeed's own defaults
     SparkContext._ensure_initialized()
     given = SparkConf()
-    conf = dict(conf or {})
-    if master:
-        conf["spark.master"] = master
-    chosen = given.get("spark.master") or DEFAULT_MASTER
     defaults = {
         "spark.master": DEFAULT_MASTER,
         "spark.app.name": app,
@@ -64,11 +78,6 @@ def get_spark(
         "spark.sql.session.timeZone": "UTC",
         "spark.pyspark.python": os.environ["PYSPARK_PYTHON"],
     }
-    if str(conf.get("spark.master", chosen)).startswith("local"):
-        # in local mode the driver does all the work: the JVM's 1 GiB default is too small
-        defaults["spark.driver.memory"] = os.environ.get(
-            "TIDEFEED_DRIVER_MEMORY", DEFAULT_DRIVER_MEMORY
-        )
     builder = SparkSession.builder
     for k, v in defaults.items():
         if k not in conf and not given.contains(k):
@@ -78,7 +87,8 @@ def get_spark(
         # would draw over tidefeed's log lines (--conf turns it back on)
         builder = builder.config("spark.ui.showConsoleProgress", "false")
     for k, v in conf.items():
-        builder = builder.config(k, str(v))
+        if k != "spark.driver.memory":  # settled when the JVM started
+            builder = builder.config(k, str(v))
     # PySpark replaces the SIGINT handler with one that raises KeyboardInterrupt in the
     # middle of whatever py4j call is under way; a command that handles signals itself
     # (``tidefeed emit`` finishes its transaction) keeps its own handler
@@ -92,6 +102,9 @@ def get_spark(
         signal.signal(signal.SIGINT, handler)
     spark.sparkContext.setLogLevel("ERROR")
     shown = {k: spark.conf.get(k, None) for k in SHOWN}
+    jvm: Any = spark._jvm
+    heap = jvm.java.lang.Runtime.getRuntime().maxMemory()
+    shown["heap"] = f"{heap / 2**30:.1f}g"  # what the JVM really has
     log.info(
         "spark %s: master %s, %s%s",
         spark.version,
