@@ -1,11 +1,19 @@
-"""Emitter throughput on a large Debezium batch, next to Spark's bare JSON read of it.
+"""Batch throughput of ``tidefeed emit`` on flat Debezium JSON lines, beside two peers.
 
-Generates N bank events (cached under the work folder), runs ``tidefeed emit`` over them in
-one batch transaction (keyed, local Spark) and reports events/s. The baseline, measured in
-the same run on the same files, is Spark parsing the same JSON lines with the same schema and
-counting them: the floor any Spark emitter pays before doing any CDC work.
+For each size (0.2 M and 2 M events by default) three real processes run over the same
+files, each timed from its start to its exit:
 
-    .venv/bin/python benchmarks/bench_emit.py [--events 2000000] [--files 8] [--work DIR]
+- ``tidefeed emit`` (keyed on ``id``, one batch transaction, local Spark);
+- a straightforward PySpark job: parse the lines with the record schema, turn each event into
+  ``-before`` / ``+after``, ``groupBy`` the whole record and the source transaction, drop the
+  zero sums, write Parquet;
+- DuckDB doing the same consolidation in SQL and writing Parquet.
+
+The marginal rate, (N2 - N1) / (T2 - T1), cancels each process's start-up (the JVM, Spark's
+session), so it compares the work itself. The transaction's own stages (from ``emit``'s log
+line) say where tidefeed's time goes.
+
+    .venv/bin/python benchmarks/bench_emit.py [--sizes 200000,2000000] [--files 8]
 """
 
 from __future__ import annotations
@@ -23,6 +31,57 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+
+RECORD_COLUMNS = ("id", "owner", "balance", "active", "note")
+
+SPARK_JOB = """
+import sys, time
+from feed.session import get_spark
+from feed.sources import spark_record_type
+from feed.demo_data import ACCOUNTS_SCHEMA
+from pyspark.sql import functions as F, types as T
+src, out, master = sys.argv[1:4]
+spark = get_spark(master)
+t = time.perf_counter()
+rec = spark_record_type(ACCOUNTS_SCHEMA)
+env = T.StructType([
+    T.StructField("before", rec), T.StructField("after", rec), T.StructField("op", T.StringType()),
+    T.StructField("source", T.StructType([T.StructField("txId", T.LongType())])),
+])
+e = spark.read.text(src).select(F.from_json("value", env).alias("e")).select("e.*")
+e = e.where(F.col("op").isNotNull())
+updates = e.where(F.col("before").isNotNull()).select(
+    F.col("before").alias("r"), F.col("source.txId").alias("time"), F.lit(-1).alias("diff")
+).unionByName(e.where(F.col("after").isNotNull()).select(
+    F.col("after").alias("r"), F.col("source.txId").alias("time"), F.lit(1).alias("diff")))
+out_df = (updates.groupBy("r", "time").agg(F.sum("diff").alias("diff"))
+          .where(F.col("diff") != 0).select("r.*", "time", "diff"))
+out_df.write.mode("overwrite").parquet(out)
+print("job", time.perf_counter() - t)
+"""
+
+DUCKDB_JOB = """
+import sys, time, duckdb
+src, out = sys.argv[1:3]
+rec = "STRUCT(id BIGINT, owner VARCHAR, balance BIGINT, active BOOLEAN, note VARCHAR)"
+con = duckdb.connect()
+t = time.perf_counter()
+con.execute(f'''
+COPY (
+  WITH e AS (
+    SELECT * FROM read_json('{src}/*.json', format='newline_delimited',
+      columns={{'before': '{rec}', 'after': '{rec}', 'op': 'VARCHAR',
+               'source': 'STRUCT(txId BIGINT)'}})
+    WHERE op IS NOT NULL
+  ), u AS (
+    SELECT before AS r, source.txId AS time, -1 AS diff FROM e WHERE before IS NOT NULL
+    UNION ALL
+    SELECT after AS r, source.txId AS time, 1 AS diff FROM e WHERE after IS NOT NULL
+  )
+  SELECT r.*, time, sum(diff)::BIGINT AS diff FROM u GROUP BY r, time HAVING sum(diff) <> 0
+) TO '{out}' (FORMAT parquet)''')
+print("job", time.perf_counter() - t)
+"""
 
 
 def make_input(folder: Path, events: int, files: int) -> int:
@@ -42,49 +101,58 @@ def make_input(folder: Path, events: int, files: int) -> int:
     return len(lines)
 
 
+def timed(cmd: list[str], what: str) -> tuple[float, str]:
+    """Run one process to its end; its wall time and its stderr (it must succeed)."""
+    t = time.perf_counter()
+    run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    wall = time.perf_counter() - t
+    if run.returncode != 0:
+        print(f"{what} failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+        raise SystemExit(1)
+    return wall, run.stdout + run.stderr
+
+
+def stages(output: str) -> dict[str, float]:
+    """The seconds per stage from emit's transaction lines (`read=1.23s ...`)."""
+    out: dict[str, float] = {}
+    for line in output.splitlines():
+        if ": txn " not in line:
+            continue
+        for part in line.split():
+            name, _, value = part.partition("=")
+            if value.endswith("s") and value[:-1].replace(".", "", 1).isdigit():
+                out[name] = out.get(name, 0.0) + float(value[:-1])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--events", type=int, default=2_000_000)
+    ap.add_argument("--sizes", default="200000,2000000")
     ap.add_argument("--files", type=int, default=8)
     ap.add_argument("--work", default="/tmp/tidefeed-bench-emit")
     ap.add_argument("--master", default="local[*]")
     args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(args.work)
-    src = work / "in"
-    t0 = time.perf_counter()
-    n = make_input(src, args.events, args.files)
-    print(f"input: {n} events in {args.files} files ({time.perf_counter() - t0:.1f}s to make)")
     schema = work / "accounts.avsc"
+    work.mkdir(parents=True, exist_ok=True)
     schema.write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
-
-    # baseline: Spark parses the same lines with the same schema, in the same kind of process
-    base_code = f"""
-import time
-from feed.session import get_spark
-from feed.sources import spark_record_type
-from feed.demo_data import ACCOUNTS_SCHEMA
-from pyspark.sql import functions as F, types as T
-spark = get_spark({args.master!r})
-rec = spark_record_type(ACCOUNTS_SCHEMA)
-env = T.StructType([T.StructField("before", rec), T.StructField("after", rec),
-                    T.StructField("op", T.StringType())])
-t = time.perf_counter()
-n = spark.read.text({str(src)!r}).select(F.from_json("value", env).alias("e")).where(
-    F.col("e.op").isNotNull()).count()
-print(time.perf_counter() - t, n)
-"""
-    out = subprocess.run(
-        [sys.executable, "-c", base_code], capture_output=True, text=True, check=True
-    )
-    base_s, base_n = out.stdout.split()[-2:]
-    base_rate = int(base_n) / float(base_s)
-
-    log = work / "log"
-    shutil.rmtree(log, ignore_errors=True)
-    t = time.perf_counter()
-    run = subprocess.run(
-        [
-            sys.executable,
+    py = sys.executable
+    walls: dict[str, list[float]] = {"tidefeed emit": [], "pyspark groupBy": [], "duckdb": []}
+    for n in sizes:
+        src = work / f"in-{n}"
+        t0 = time.perf_counter()
+        make_input(src, n, args.files)
+        size_mb = sum(p.stat().st_size for p in src.glob("*.json")) / 1e6
+        print(
+            f"\n{n:,} events, {size_mb:,.0f} MB in {args.files} files "
+            f"({time.perf_counter() - t0:.1f}s to make)"
+        )
+        out = work / f"out-{n}"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        emit = [
+            py,
             "-m",
             "feed.cli",
             "emit",
@@ -93,38 +161,41 @@ print(time.perf_counter() - t, n)
             "--feed",
             "bank",
             "--log",
-            str(log),
+            str(out / "log"),
             "--key",
             "id",
             "--schema",
             str(schema),
             "--master",
             args.master,
-        ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-    )
-    wall = time.perf_counter() - t
-    if run.returncode != 0:
-        errors = [x for x in run.stderr.splitlines() if "Error" in x or "Exception" in x]
-        print("\n".join(errors[:20]))
-        print(run.stderr[-3000:])
-        raise SystemExit(1)
-    txn_lines = [line for line in run.stderr.splitlines() if ": txn " in line]
-    print("\n".join(txn_lines))
-    # the transaction's own time (read+compute+write+commit), without JVM start-up
-    txn_s = 0.0
-    for line in txn_lines:
-        for part in line.split():
-            if part.endswith("s") and "=" in part:
-                txn_s += float(part.split("=")[1][:-1])
-    print(f"baseline (Spark parse+count): {base_rate:,.0f} events/s")
+        ]
+        wall, text = timed(emit, "tidefeed emit")
+        walls["tidefeed emit"].append(wall)
+        secs = stages(text)
+        print(
+            f"  tidefeed emit     {wall:6.1f}s  stages: "
+            + " ".join(f"{k}={v:.1f}s" for k, v in secs.items())
+        )
+        wall, _ = timed(
+            [py, "-c", SPARK_JOB, str(src), str(out / "spark"), args.master], "pyspark groupBy"
+        )
+        walls["pyspark groupBy"].append(wall)
+        print(f"  pyspark groupBy   {wall:6.1f}s")
+        wall, _ = timed([py, "-c", DUCKDB_JOB, str(src), str(out / "duckdb.parquet")], "duckdb")
+        walls["duckdb"].append(wall)
+        print(f"  duckdb            {wall:6.1f}s")
+    if len(sizes) < 2:
+        return
+    dn = sizes[-1] - sizes[0]
+    rates = {k: dn / max(v[-1] - v[0], 1e-9) for k, v in walls.items()}
+    print(f"\nmarginal rate, {sizes[0]:,} -> {sizes[-1]:,} events (start-up cancels):")
+    for k, r in rates.items():
+        print(f"  {k:18s} {r:12,.0f} events/s")
+    ours = rates["tidefeed emit"]
     print(
-        f"tidefeed emit, transaction:   {n / txn_s:,.0f} events/s "
-        f"({txn_s:.1f}s; {n / txn_s / base_rate:.0%} of baseline)"
+        f"  tidefeed / pyspark groupBy: {ours / rates['pyspark groupBy']:.2f}x; "
+        f"duckdb / tidefeed: {rates['duckdb'] / ours:.2f}x"
     )
-    print(f"tidefeed emit, whole process: {n / wall:,.0f} events/s ({wall:.1f}s incl. JVM start)")
 
 
 if __name__ == "__main__":

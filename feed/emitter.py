@@ -537,9 +537,13 @@ class Emitter:
         assert cfg.granularity is not None  # settled by open()
         seq = cp.seq + 1
         secs: dict[str, float] = {}
-        t0 = time.perf_counter()
         if self.progress is not None:
             self.progress.start(seq, len(files))
+        if self._spark is None:  # the first transaction of a process starts Spark
+            t0 = time.perf_counter()
+            _ = self.spark
+            secs["spark_start"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         options: dict[str, Any] = {
             k: v for k, v in (("order", cfg.order), ("deleted", cfg.deleted)) if v
         }
@@ -562,7 +566,7 @@ class Emitter:
         bad = changes.where(F.col("_error").isNotNull()).select("_file", "_raw", "_error")
         good = changes.where(F.col("_error").isNull() & (F.col("op") != "x"))
         held_files: frozenset[str] = frozenset()
-        order: list[str] | None = None
+        order: Any = None  # the released source transactions in order (a DataFrame)
         position: Any = None  # the highest source position, when the source tells it
         txn_cached: tuple[Any, ...] = ()
         held = redelivered = 0
@@ -630,7 +634,7 @@ class Emitter:
         self._stage("computing diffs", rows_read=input_rows)
 
         t1 = time.perf_counter()
-        good, units = assign_units(good, cfg.granularity, order)
+        good, units, ranked = assign_units(good, cfg.granularity, order)
         loaded = None
         if keyed:
             # only the state buckets this transaction's keys fall in
@@ -781,7 +785,7 @@ class Emitter:
         secs["commit"] = time.perf_counter() - t3
         maybe_die("after_commit")
         self._prune(new_cp)
-        for df in (changes, bad, cached, *txn_cached):
+        for df in (changes, bad, cached, ranked, *txn_cached):
             if df is not None:
                 df.unpersist()
         report = TxnReport(

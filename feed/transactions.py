@@ -57,7 +57,9 @@ class Assembled:
     redelivered: int  # events dropped as already done or repeated
     bad: DataFrame  # snapshot reads of a new snapshot behind the committed position
     position: Position | None = None  # the highest position among ``changes``
-    order: list[str] | None = None  # the released transactions in source order
+    #: the released transactions (``txn``) and their source order (``o``), for
+    #: :func:`feed.diffs.assign_units`
+    order: DataFrame | None = None
     cached: tuple[DataFrame, ...] = ()  # persisted here: unpersist after the commit
     #: the distinct values of ``assemble(bucket=...)`` over every data event read (None
     #: when no bucket column was given)
@@ -132,8 +134,7 @@ def assemble(
     flagged = data.withColumn("_keep", keep).withColumn("_dup", dup)
     bad = flagged.where(behind).select("_file", "_raw", F.lit(NEW_SNAPSHOT).alias("_error"))
     kept_only = F.col("_keep")
-    # one job for all a transaction's figures: what arrived, what is new, where it stands
-    figures = (
+    per_txn = (
         flagged.groupBy("txn")
         .agg(
             F.count(F.lit(1)).alias("total"),
@@ -145,60 +146,84 @@ def assemble(
             F.max(F.when(kept_only, F.struct("pos_hi", "pos_lo", "pos_n"))).alias("last"),
             F.min(F.when(kept_only, order_column())).alias("order"),
             F.collect_set("_file").alias("files"),
-            *([F.collect_set(bucket).alias("_buckets")] if bucket is not None else []),
         )
         # a transaction redelivered whole after it was turned into updates: its events
         # are filtered out and its END is done with
         .join(ends.where(F.col("commit_lsn") > committed[0]), "txn", "full")
-        .withColumn("_also", F.lit(False))
+        .persist()
     )
-    if also is not None:
-        figures = figures.unionByName(
-            also.withColumn("_also", F.lit(True)), allowMissingColumns=True
+    events = F.coalesce(F.col("events"), F.lit(0))
+    with_meta = F.coalesce(F.col("meta"), F.lit(False)) | F.col("expected").isNotNull()
+    incomplete = with_meta & (F.col("expected").isNull() | (events < F.col("expected")))
+    too_many = with_meta & (events > F.col("expected"))
+    # One job for every figure, and nothing per source transaction comes to the driver
+    # but the incomplete ones (the tail of the input, at most): a summary row, the
+    # distinct state buckets, the incomplete transactions and the caller's aggregate.
+    parts = [
+        per_txn.agg(
+            F.sum("total").alias("total"),
+            F.sum(events).alias("kept"),
+            F.count(F.when(events > 0, 1)).alias("ready"),
+            F.max(F.when(events > 0, F.col("last"))).alias("last"),
+        ).withColumn("_kind", F.lit("summary")),
+        per_txn.where(incomplete | too_many)
+        .select("txn", events.alias("events"), "expected", "first", incomplete.alias("open"))
+        .withColumn("_kind", F.lit("txn")),
+    ]
+    if bucket is not None:
+        parts.append(
+            flagged.select(bucket.alias("bucket")).distinct().withColumn("_kind", F.lit("bucket"))
         )
+    if also is not None:
+        parts.append(also.withColumn("_kind", F.lit("also")))
+    figures = parts[0]
+    for part in parts[1:]:
+        figures = figures.unionByName(part, allowMissingColumns=True)
     collected = figures.collect()
-    extra = tuple(r for r in collected if r["_also"])
-    stats = [r for r in collected if not r["_also"]]
+    summary = next(r for r in collected if r["_kind"] == "summary")
+    odd = [r for r in collected if r["_kind"] == "txn"]
     buckets = (
-        frozenset(b for r in stats for b in (r["_buckets"] or ())) if bucket is not None else None
+        frozenset(r["bucket"] for r in collected if r["_kind"] == "bucket")
+        if bucket is not None
+        else None
     )
+    for r in odd:
+        if r["expected"] is not None and r["events"] > r["expected"]:
+            log.warning(
+                "feed %s: source transaction %s has %d events, its END record counts %d",
+                feed,
+                r["txn"],
+                r["events"],
+                r["expected"],
+            )
     data = (
         flagged.where(kept_only)
         .dropDuplicates(["txn", "pos_lo", "pos_n", "op", "_dup"])
         .drop("_keep", "_dup")
     )
     data = persisted = data.persist()
-    total = sum(r["total"] or 0 for r in stats)
-    kept = sum(r["events"] or 0 for r in stats)
-    incomplete = []
-    for r in stats:
-        meta = bool(r["meta"]) or r["expected"] is not None
-        if not meta:
-            continue
-        events, expected = r["events"] or 0, r["expected"]
-        if expected is not None and events > expected:
-            log.warning(
-                "feed %s: source transaction %s has %d events, its END record counts %d",
-                feed,
-                r["txn"],
-                events,
-                expected,
-            )
-        if expected is None or events < expected:
-            incomplete.append(r)
-    held_txns = {r["txn"] for r in incomplete}
-    delivered = [tuple(r["first"]) for r in incomplete if r["first"] is not None]
-    if delivered:
-        cut = min(delivered)
-        held_txns.update(
-            r["txn"] for r in stats if r["first"] is not None and tuple(r["first"]) >= cut
-        )
+    ready, last = summary["ready"], summary["last"]
+    held_txns: set[str] = set()
     held_files: set[str] = set()
-    for r in stats:
-        if r["txn"] in held_txns:
+    ready_txns = per_txn.where(events > 0)
+    opened = [r for r in odd if r["open"]]
+    if opened:
+        # the first incomplete transaction in delivery order holds back every transaction
+        # delivered after it (few: the tail of what was read)
+        held = F.col("txn").isin([r["txn"] for r in opened])
+        starts = [tuple(r["first"]) for r in opened if r["first"] is not None]
+        if starts:
+            f, row = min(starts)
+            first_f, first_r = F.col("first.ord_file"), F.col("first.ord_row")
+            held = held | (first_f > f) | ((first_f == f) & (first_r >= row))
+        held = F.coalesce(held, F.lit(False))
+        for r in per_txn.where(held).select("txn", "files", "end_files").collect():
+            held_txns.add(r["txn"])
             held_files.update(r["files"] or ())
             held_files.update(r["end_files"] or ())
-    if held_txns:
+        ready_txns = ready_txns.where(~held)
+        again = ready_txns.agg(F.count(F.lit(1)).alias("n"), F.max("last").alias("m"))
+        ready, last = again.collect()[0]
         spark = changes.sparkSession
         held_df = spark.createDataFrame([(t,) for t in held_txns], "txn string")
         data = data.join(F.broadcast(held_df), "txn", "left_anti")
@@ -208,18 +233,16 @@ def assemble(
             feed,
             len(held_txns),
         )
-    ready_rows = [r for r in stats if r["txn"] not in held_txns and r["events"]]
-    lasts = [tuple(r["last"]) for r in ready_rows if r["last"] is not None]
     return Assembled(
         changes=data.select(*changes.columns),
         held_files=frozenset(held_files),
-        ready=len(ready_rows),
+        ready=ready,
         held=len(held_txns),
-        position=max(lasts) if lasts else None,
-        order=[r["txn"] for r in sorted(ready_rows, key=lambda r: tuple(r["order"]))],
-        redelivered=total - kept,
+        position=tuple(last) if last is not None else None,
+        order=ready_txns.select("txn", F.col("order").alias("o")),
+        redelivered=(summary["total"] or 0) - (summary["kept"] or 0),
         bad=bad,
-        cached=(ends, persisted),
+        cached=(ends, persisted, per_txn),
         buckets=buckets,
-        also=extra,
+        also=tuple(r for r in collected if r["_kind"] == "also"),
     )
