@@ -4,22 +4,25 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck pytest bench java-check clean reliability
+.PHONY: test demo lint typecheck pytest bench java-check clean reliability notebook
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# compat mode puts the checkout itself on the path, so PySpark's search for pyspark_*
+# modules finds pyspark_tidefeed (format("tidefeed") with no registration)
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[spark,postgres,delta,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[spark,postgres,delta,dev,bench]' \
+		--config-settings editable_mode=compat
 	touch $(STAMP)
 
 java-check:
 	@$(BIN)/python -m feed._java
 
 lint: $(STAMP)
-	$(BIN)/ruff check protocol feed tests benchmarks docs
-	$(BIN)/ruff format --check protocol feed tests benchmarks docs
+	$(BIN)/ruff check protocol feed tests benchmarks docs pyspark_tidefeed.py
+	$(BIN)/ruff format --check protocol feed tests benchmarks docs pyspark_tidefeed.py
 
 typecheck: $(STAMP)
 	$(BIN)/mypy protocol feed
@@ -28,6 +31,12 @@ pytest: $(STAMP) java-check
 	$(BIN)/python -m pytest
 
 test: lint typecheck pytest
+
+# JupyterLab on the notebooks, from the project's venv (installed on first use)
+notebook: $(STAMP) java-check
+	$(BIN)/python -c "import jupyterlab" 2>/dev/null || \
+		$(BIN)/python -m pip install --quiet -e '.[notebook]' --config-settings editable_mode=compat
+	$(BIN)/jupyter lab --notebook-dir=notebooks
 
 demo: $(STAMP) java-check
 	$(BIN)/tidefeed demo --workdir demo-output

@@ -4,4 +4,14 @@ Importing :mod:`feed` does not start or import Spark; the modules that need it i
 when they are used.
 """
 
-__all__: list[str] = []
+from typing import Any
+
+__all__ = ["register_spark"]
+
+
+def register_spark(spark: Any) -> None:
+    """Make ``spark.read.format("tidefeed")`` and ``spark.readStream.format("tidefeed")``
+    read committed feeds on this SparkSession (:mod:`feed.spark_source`)."""
+    from .spark_source import register_spark as register
+
+    register(spark)

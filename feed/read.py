@@ -68,27 +68,43 @@ class Feed:
         return tuple(self._r.info.key)
 
     @property
+    def name(self) -> str:
+        return self._r.name
+
+    def counts(self) -> dict[int, int]:
+        """The kept times below the frontier and how many updates each has."""
+        return dict(self._r.counts())
+
+    @property
     def schema(self) -> pa.Schema:
         """The columns of :meth:`updates`: ``time``, ``diff``, then the record's."""
         record = [f.with_nullable(True) for f in self._r.record_type]
         return pa.schema([pa.field("time", pa.int64()), pa.field("diff", pa.int64()), *record])
 
+    @property
+    def collection_schema(self) -> pa.Schema:
+        """The columns of :meth:`collection`: the record's, then ``count``."""
+        record = [f.with_nullable(True) for f in self._r.record_type]
+        return pa.schema([*record, pa.field("count", pa.int64())])
+
     # ---- updates -----------------------------------------------------------------------
     def batches(self, after: int | None = None, upto: int | None = None) -> Iterator[pa.Table]:
         """The updates at times ``>= after`` and ``< upto`` (default: from the start to the
-        frontier), one table per time in time order. On a compacted feed a start below
-        ``since`` begins with the collection at ``since`` (as updates at ``since``); a
-        start below ``since`` that is not 0 or None raises :class:`Compacted`."""
+        frontier), one table per time in time order. On a compacted feed a read from the
+        start (``after`` 0 or None) begins with the collection at ``since`` (as updates at
+        ``since``), and a read from ``since`` or later is exact; any other read of folded
+        times raises :class:`Compacted`."""
         r = self._r
         lo = 0 if after is None else after
         hi = r.frontier if upto is None else min(upto, r.frontier)
-        if 0 < lo < r.since:
+        if 0 < lo < r.since or (lo < r.since and 0 < hi <= r.since):
             raise Compacted(
                 f"feed {r.name!r}: times below {r.since} were compacted; read from "
-                f"after={r.since}, or from the start (the collection at {r.since})",
+                f"after={r.since}, or from the start up to a time above {r.since} (the "
+                f"collection at {r.since} stands for the folded times)",
                 since=r.since,
             )
-        if r.since > 0 and lo <= r.since < hi:
+        if lo < r.since < hi:  # from the start of a compacted feed
             yield self._flat(r.snapshot_updates(r.since).table(r.record_type))
             lo = r.since + 1
         for t in r.times(after=lo, until=hi):
@@ -103,9 +119,8 @@ class Feed:
         """The collection at complete time ``at`` (default: the latest): the record
         columns and ``count``, one row per record with a non-zero multiplicity."""
         if self._r.frontier == 0:
-            fields = [*self._r.record_type, pa.field("count", pa.int64())]
-            return pa.schema(fields).empty_table()
-        return self._r.snapshot(at)
+            return self.collection_schema.empty_table()
+        return self._r.snapshot(at).cast(self.collection_schema)
 
     def deltas(self, t1: int, t2: int) -> pa.Table:
         """What changed from complete time ``t1`` to complete time ``t2`` (``t1 < t2``):

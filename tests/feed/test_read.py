@@ -64,8 +64,14 @@ def test_updates_collections_deltas_history_and_progress(log_copy, compacted):  
     mid = f.updates(after=t1, upto=t2)
     assert set(mid.column("time").to_pylist()) <= set(range(t1, t2))
     if compacted:
+        # from since: exactly the kept times' updates; from the start: the collection first
+        from_since = f.updates(after=f.since)
+        assert set(from_since.column("time").to_pylist()) == set(kept)
+        assert from_since.num_rows == sum(n for t, n in f.counts().items() if t >= f.since)
         with pytest.raises(Compacted):
             f.updates(after=1)
+        with pytest.raises(Compacted):
+            f.updates(after=0, upto=f.since)
         with pytest.raises(Compacted):
             f.deltas(0, t2)
     # one record's life: its rows in time order, ending in its final row (or gone)

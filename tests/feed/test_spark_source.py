@@ -1,0 +1,189 @@
+"""``format("tidefeed")``: Spark's batch and streaming reads of a feed equal ``tidefeed
+inspect`` on the same feed, a streaming query restarted from its checkpoint reads every
+update once, and a compacted feed reads as its collection plus the kept times."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+from protocol import Updates, get_codec
+
+from ..e2e.helpers import write_parts_at_transactions
+from .model import run_emitter
+
+COLUMNS = ("id", "owner", "balance", "active", "note")
+BANK = generate_bank(transactions=40, seed=83)
+
+
+def emit(spark, src: Path, log: Path) -> None:
+    run_emitter(
+        spark,
+        source_kind="debezium",
+        source_path=str(src),
+        feed="accounts",
+        log=str(log),
+        key=("id",),
+        schema=ACCOUNTS_SCHEMA,
+        clock="logical",
+        granularity="transaction",
+    )
+
+
+def inspected(log: Path, *args: str) -> Counter:
+    """``tidefeed inspect``'s updates as a multiset of (time, diff, record columns...)."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "feed.cli",
+            "inspect",
+            "--log",
+            str(log),
+            "--feed",
+            "accounts",
+            "--format",
+            "ndjson",
+            *args,
+        ],
+        capture_output=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr.decode()
+    found: Counter = Counter()
+    for m in get_codec("ndjson").decode(out.stdout):
+        if isinstance(m, Updates):
+            for u in m:
+                found[(u.time, u.diff, *(u.record[c] for c in COLUMNS))] += 1
+    return found
+
+
+def reader(spark, log: Path):
+    """A new reader each time: a DataFrameReader keeps the options set on it."""
+    return spark.read.format("tidefeed").option("log", str(log))
+
+
+def rows(df) -> Counter:
+    return Counter((r["time"], r["diff"], *(r[c] for c in COLUMNS)) for r in df.collect())
+
+
+@pytest.fixture(scope="module")
+def registered(spark):
+    import feed
+
+    feed.register_spark(spark)
+    return spark
+
+
+@pytest.fixture()
+def two_parts(tmp_path):
+    """The bank's events cut into two files at a transaction boundary; only the first is
+    in the input folder."""
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    parts = write_parts_at_transactions(staged, BANK.events, 2)
+    src = tmp_path / "in"
+    src.mkdir()
+    parts[0].rename(src / parts[0].name)
+    return src, parts[1]
+
+
+def test_batch_reads_equal_inspect(registered, tmp_path, two_parts):
+    spark = registered
+    src, rest = two_parts
+    rest.rename(src / rest.name)
+    log = tmp_path / "log"
+    emit(spark, src, log)
+    every = inspected(log)
+    assert rows(reader(spark, log).load("accounts")) == every and sum(every.values()) > 40
+    times = sorted({k[0] for k in every})
+    lo, hi = times[5], times[20]
+    sliced = reader(spark, log).option("startingTime", lo).option("endingTime", hi)
+    sliced = sliced.load("accounts")
+    assert rows(sliced) == Counter({k: n for k, n in every.items() if lo <= k[0] < hi})
+    # the collection at a time: inspect --at
+    at = times[12]
+    got = reader(spark, log).option("at", at).load("accounts").collect()
+    expect = Counter()
+    for (t, diff, *record), n in every.items():
+        if t <= at:
+            expect[tuple(record)] += diff * n
+    assert Counter({tuple(r[c] for c in COLUMNS): r["count"] for r in got}) == +expect
+    latest = reader(spark, log).option("at", "latest").load("accounts")
+    assert latest.count() == len(BANK.final)
+
+
+def test_a_restarted_stream_reads_every_update_once(registered, tmp_path, two_parts):
+    spark = registered
+    src, rest = two_parts
+    log, out, ck = tmp_path / "log", tmp_path / "out", tmp_path / "ck"
+    emit(spark, src, log)
+
+    def run_stream() -> None:
+        q = (
+            spark.readStream.format("tidefeed")
+            .option("log", str(log))
+            .load("accounts")
+            .writeStream.format("parquet")
+            .option("checkpointLocation", str(ck))
+            .trigger(availableNow=True)
+            .start(str(out))
+        )
+        q.awaitTermination(120)
+        assert q.exception() is None
+
+    run_stream()
+    first = rows(spark.read.parquet(str(out)))
+    assert first == inspected(log)
+    rest.rename(src / rest.name)
+    emit(spark, src, log)  # more commits; the query starts again from its checkpoint
+    run_stream()
+    every = inspected(log)
+    assert rows(spark.read.parquet(str(out))) == every and len(every) > len(first)
+
+
+def test_a_compacted_feed_reads_as_its_collection_then_the_kept_times(
+    registered, tmp_path, two_parts
+):
+    from feed.compaction import compact
+    from feed.read import open_feed
+
+    spark = registered
+    src, rest = two_parts
+    rest.rename(src / rest.name)
+    log = tmp_path / "log"
+    emit(spark, src, log)
+    f = open_feed(str(log), "accounts")
+    since = sorted(f.counts())[10]
+    compact(str(log), "accounts", since)
+    assert rows(reader(spark, log).load("accounts")) == inspected(log)
+    got = rows(reader(spark, log).option("startingTime", since).load("accounts"))
+    assert got == inspected(log, "--after", str(since))
+    with pytest.raises(Exception, match="compacted up to time"):
+        reader(spark, log).option("startingTime", since - 1).load("accounts").collect()
+
+
+def test_options_are_checked_with_clear_errors(registered, tmp_path):
+    spark = registered
+    with pytest.raises(Exception, match="relative path"):
+        reader(spark, "some/log").load("accounts").collect()
+    with pytest.raises(Exception, match=r"option\(\"log\""):
+        spark.read.format("tidefeed").load("accounts").collect()
+    with pytest.raises(Exception, match=r"startingTime='soon' is not a time"):
+        reader(spark, tmp_path).option("startingTime", "soon").load("x").collect()
+    with pytest.raises(Exception, match=r"no feed 'x'"):
+        reader(spark, tmp_path).load("x").collect()
+
+
+def test_pyspark_finds_the_source_by_itself():
+    # PySpark registers DefaultSource of top-level pyspark_* modules on every session
+    import pyspark_tidefeed
+    from feed.spark_source import TidefeedDataSource
+
+    assert pyspark_tidefeed.DefaultSource is TidefeedDataSource
+    assert TidefeedDataSource.name() == "tidefeed"
