@@ -10,9 +10,9 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+from feed.demo_data import generate_bank
 
-from .feed.model import run_emitter
+from .feed.model import emit_bank
 
 NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
 #: what each notebook's last cell prints when its checks pass, and how many plots it shows
@@ -43,17 +43,7 @@ def test_notebook_runs_against_a_fresh_and_a_compacted_feed(
     src = tmp_path / "in"
     src.mkdir()
     (src / "part-0000.json").write_bytes(b"".join(e + b"\n" for e in bank.events))
-    run_emitter(
-        spark,
-        source_kind="debezium",
-        source_path=str(src),
-        feed="accounts",
-        log=str(tmp_path / "log"),
-        key=("id",),
-        schema=ACCOUNTS_SCHEMA,
-        clock="logical",
-        granularity="transaction",
-    )
+    emit_bank(spark, src, tmp_path / "log")
     if compacted:
         from feed.compaction import compact
         from feed.reader import FeedReader

@@ -67,6 +67,24 @@ def run_emitter(spark, **config):
     return e, e.run()
 
 
+def emit_bank(spark, src, log, feed: str = "accounts", **config):
+    """:func:`run_emitter` on bank Debezium input the way most tests feed it: keyed on
+    ``id``, the accounts schema, logical clock, one time per source transaction."""
+    from feed.demo_data import ACCOUNTS_SCHEMA
+
+    settings = dict(
+        source_kind="debezium",
+        source_path=str(src),
+        feed=feed,
+        log=str(log),
+        key=("id",),
+        schema=ACCOUNTS_SCHEMA,
+        clock="logical",
+        granularity="transaction",
+    )
+    return run_emitter(spark, **{**settings, **config})
+
+
 class DDReader:
     """A model of differential dataflow's CDCv2 reader (``capture.rs``), holding nothing at
     the start: its frontier begins at time 0; every progress takes one from each ``lower``

@@ -11,28 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+from feed.demo_data import generate_bank
 from protocol import Updates, get_codec
 
 from ..e2e.helpers import write_parts_at_transactions
-from .model import run_emitter
+from .model import emit_bank
 
 COLUMNS = ("id", "owner", "balance", "active", "note")
 BANK = generate_bank(transactions=40, seed=83)
-
-
-def emit(spark, src: Path, log: Path) -> None:
-    run_emitter(
-        spark,
-        source_kind="debezium",
-        source_path=str(src),
-        feed="accounts",
-        log=str(log),
-        key=("id",),
-        schema=ACCOUNTS_SCHEMA,
-        clock="logical",
-        granularity="transaction",
-    )
 
 
 def inspected(log: Path, *args: str) -> Counter:
@@ -98,7 +84,7 @@ def test_batch_reads_equal_inspect(registered, tmp_path, two_parts):
     src, rest = two_parts
     rest.rename(src / rest.name)
     log = tmp_path / "log"
-    emit(spark, src, log)
+    emit_bank(spark, src, log)
     every = inspected(log)
     assert rows(reader(spark, log).load("accounts")) == every and sum(every.values()) > 40
     times = sorted({k[0] for k in every})
@@ -122,7 +108,7 @@ def test_a_restarted_stream_reads_every_update_once(registered, tmp_path, two_pa
     spark = registered
     src, rest = two_parts
     log, out, ck = tmp_path / "log", tmp_path / "out", tmp_path / "ck"
-    emit(spark, src, log)
+    emit_bank(spark, src, log)
 
     def run_stream() -> None:
         q = (
@@ -141,7 +127,7 @@ def test_a_restarted_stream_reads_every_update_once(registered, tmp_path, two_pa
     first = rows(spark.read.parquet(str(out)))
     assert first == inspected(log)
     rest.rename(src / rest.name)
-    emit(spark, src, log)  # more commits; the query starts again from its checkpoint
+    emit_bank(spark, src, log)  # more commits; the query starts again from its checkpoint
     run_stream()
     every = inspected(log)
     assert rows(spark.read.parquet(str(out))) == every and len(every) > len(first)
@@ -157,7 +143,7 @@ def test_a_compacted_feed_reads_as_its_collection_then_the_kept_times(
     src, rest = two_parts
     rest.rename(src / rest.name)
     log = tmp_path / "log"
-    emit(spark, src, log)
+    emit_bank(spark, src, log)
     f = open_feed(str(log), "accounts")
     since = sorted(f.counts())[10]
     compact(str(log), "accounts", since)
