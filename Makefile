@@ -32,11 +32,13 @@ pytest: $(STAMP) java-check
 
 test: lint typecheck pytest
 
-# JupyterLab on the notebooks, from the project's venv (installed on first use)
+# JupyterLab on the notebooks, from the project's venv (installed on first use); on
+# 127.0.0.1, and as root too (containers, CI machines), which Jupyter refuses by default
 notebook: $(STAMP) java-check
 	$(BIN)/python -c "import jupyterlab" 2>/dev/null || \
 		$(BIN)/python -m pip install --quiet -e '.[notebook]' --config-settings editable_mode=compat
-	$(BIN)/jupyter lab --notebook-dir=notebooks
+	$(BIN)/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --no-browser \
+		$$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 demo: $(STAMP) java-check
 	$(BIN)/tidefeed demo --workdir demo-output
