@@ -102,10 +102,7 @@ def assign_units(
     units = ranked.join(F.broadcast(shift), "_range").select(
         "txn", (F.col("_start") + F.col("_n") - 1).cast("long").alias("unit")
     )
-    # broadcast, as the listed path: with a shuffle join here the CDF per-version test
-    # gives a wrong row at one time (something further on depends on the rows' physical
-    # order; not yet found)
-    return changes.join(F.broadcast(units), "txn"), total, ranked
+    return changes.join(units, "txn"), total, ranked
 
 
 def unkeyed_diffs(changes: DataFrame) -> DataFrame:

@@ -871,11 +871,13 @@ def _read_cdf(
         pos_hi=F.col("r._commit_version"),
         pos_lo=F.lit(0),
         txn=F.col("r._commit_version"),
-        # a Delta version is one transaction: versions order the feed, whatever the files.
-        # Inside a version the rows are a set, not a sequence: what a version removes
-        # (deletes, pre-images) comes before what it adds, whatever the row order
-        ord_file=F.col("r._commit_version"),
-        ord_row=F.when(is_before, F.lit(0)).otherwise(F.lit(1)),
+        # A Delta version is one transaction: versions (pos_hi) order the feed, whatever
+        # the files. Inside a version the rows are a set, not a sequence: what a version
+        # removes (deletes, pre-images) comes before what it adds. Delta changes a row once
+        # per version; input that changes a key twice in one version is ordered by file
+        # name and row, so the result never depends on how Spark happened to place rows.
+        ord_file=F.when(is_before, F.lit(0)).otherwise(F.lit(1 << 31)) + F.col("ord_file"),
+        ord_row=F.col("ord_row"),
         error=error,
     )
 
