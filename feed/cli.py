@@ -47,6 +47,7 @@ __all__ = ["build_parser", "main"]
 FORMATS = tuple(CODECS)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_SERVE_PORT = 8080
+DEFAULT_COMPACT_EVERY = 60.0  # seconds; ServerConfig.compact_seconds has the same default
 DEFAULT_RECEIVE_PORT = 9090
 DEFAULT_PUSH_TIMEOUT = 300.0
 
@@ -296,7 +297,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import ServerConfig, run_server
 
     config = ServerConfig(
-        log=args.log, host=args.host, port=args.port, token=args.token or None, retain=args.retain
+        log=args.log,
+        host=args.host,
+        port=args.port,
+        token=args.token or None,
+        retain=args.retain,
+        compact_seconds=args.compact_every,
     )
     return _listening("serve", args.host, args.port, lambda: run_server(config))
 
@@ -503,6 +509,12 @@ def build_parser() -> OptionParser:
         help="compact automatically, keeping the last T time units below each frontier "
         "(milliseconds with the wallclock clock) and all that subscriptions have not ACKed "
         "(default: never compact)",
+    )
+    p.option(
+        "--compact-every",
+        type=positive_float,
+        default=DEFAULT_COMPACT_EVERY,
+        help="seconds between two retention passes (with --retain)",
     )
 
     p = command("compact", cmd_compact, help="fold old times into one snapshot")

@@ -1,13 +1,16 @@
 """The reliability harness (``make reliability``): attack the running system, count losses.
 
 Real ``tidefeed`` processes: a keyed ``emit --follow --push`` (transaction granularity,
-logical clock) pushing through a fault-injecting TCP proxy into receiver A; a ``serve`` with
-a push subscription into receiver B; Debezium files arriving a few at a time. While they
-run, the harness SIGKILLs and restarts random processes (and ``compact`` runs it starts),
-injects faults (proxy resets, stalls, 500s and cut answers; the receiver's SQLite locked by
-another process; an empty newest commit file), fuzzes every decoder and HTTP endpoint with
-bad input, and keeps pull followers streaming. At the end every consumer must hold exactly
-the source table.
+logical clock, with and without ``--eager``) pushing through a fault-injecting TCP proxy into
+receiver A; a ``serve --retain`` (automatic compaction) with a push subscription into
+receiver B; Debezium files arriving a few at a time. While they run, the harness SIGKILLs
+and restarts random processes (the server also in the middle of a retention compaction, and
+``compact`` runs it starts), injects faults (proxy resets, stalls, 500s and cut answers; the
+receiver's SQLite locked by another process; an empty or cut newest commit file), and keeps
+pull followers streaming (named ones that ACK, anonymous ones that start again from a
+snapshot when compaction overtakes them). A load phase follows: no attacks, more push
+subscriptions, a transaction a second. Then it fuzzes every decoder and HTTP endpoint with
+bad input. At the end every consumer must hold exactly the source table.
 
 Prints one line: ``reliability: crashes=N faults=F lost=L duplicated=D bad_inputs=B
 rejected=R load_ok=yes|no`` (exit 0 only when nothing was lost or duplicated, every bad
@@ -16,7 +19,6 @@ input was rejected and the load held). ``RELIABILITY=long`` runs the long profil
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -26,14 +28,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import orjson
 
@@ -42,25 +41,34 @@ from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
 from feed.log import FeedLog
 from protocol import record_key
 
-from ..e2e.helpers import free_port, start, write_parts_at_transactions
+from ..e2e.helpers import free_port, start, write_parts, write_parts_at_transactions
 from ..feed.model import debezium_truth
+from .consumers import Followers, Monitor, get, put_json, receiver_frontier
 from .fuzz import fuzz_all
 from .proxy import FaultProxy
 
 
 @dataclass(frozen=True)
 class Profile:
-    transactions: int
-    files: int
+    transactions: int  # in the crash phase
+    files: int  # the crash phase's input arrives in this many files
     kills: int
-    followers: int
+    followers: int  # pull followers, the whole run
+    named_followers: int  # of which named pull subscriptions that ACK
     seconds_between_kills: tuple[float, float]
+    load_seconds: int  # the load phase: one transaction (one file) a second
+    push_subscriptions: int  # extra push subscriptions (receivers) in the load phase
     fuzz_examples: int
+    retain: int = 8  # serve --retain (logical times)
+    compact_every: float = 2.0
 
+
+FORMATS = ("ndjson", "avro", "arrow")  # the load phase's subscriptions take turns
 
 PROFILES = {
-    "quick": Profile(120, 24, 30, 10, (1.0, 4.0), 150),
-    "long": Profile(1200, 240, 300, 50, (1.0, 4.0), 2000),
+    "quick": Profile(120, 24, 30, 20, 5, (1.0, 4.0), 120, 4, 150),
+    "long": Profile(1200, 240, 300, 50, 10, (1.0, 4.0), 600, 10, 2000),
+    "smoke": Profile(30, 6, 8, 6, 2, (1.0, 3.0), 20, 2, 20),  # a minute: for changing it
 }
 
 
@@ -81,14 +89,17 @@ class Tally:
 
 
 class Proc:
-    """A restartable ``tidefeed`` process."""
+    """A restartable ``tidefeed`` process; ``args`` may be a function, to start it with
+    other flags each time (the emitter with and without ``--eager``)."""
 
-    def __init__(self, name: str, args: list[str], log: Path) -> None:
+    def __init__(self, name: str, args: list[str] | Callable[[], list[str]], log: Path) -> None:
         self.name, self.args, self.logfile = name, args, log
         self.p: subprocess.Popen[bytes] | None = None
+        self.last_args: list[str] = []
 
     def start(self) -> None:
-        self.p = start(*self.args, log=self.logfile)
+        self.last_args = self.args() if callable(self.args) else self.args
+        self.p = start(*self.last_args, log=self.logfile)
 
     def kill(self) -> None:
         if self.p is not None and self.p.poll() is None:
@@ -107,18 +118,8 @@ class Proc:
         return self.p is not None and self.p.poll() is None
 
 
-def _get(url: str, timeout: float = 10) -> Any:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except (urllib.error.URLError, OSError) as e:
-        return None, str(e).encode()
-
-
 def _collection(port: int) -> Counter:
-    status, body = _get(f"http://127.0.0.1:{port}/v1/collections/bank", timeout=60)
+    status, body = get(f"http://127.0.0.1:{port}/v1/collections/bank", timeout=60)
     if status != 200:
         return Counter()
     return Counter(
@@ -126,15 +127,10 @@ def _collection(port: int) -> Counter:
     )
 
 
-def _frontier(port: int) -> int | None:
-    status, body = _get(f"http://127.0.0.1:{port}/v1/push/bank")
-    return orjson.loads(body).get("frontier") if status == 200 else None
-
-
 def _wait_healthy(port: int, proc: Proc, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if _get(f"http://127.0.0.1:{port}/healthz", timeout=2)[0] == 200:
+        if get(f"http://127.0.0.1:{port}/healthz", timeout=2)[0] == 200:
             return
         if not proc.alive():
             raise RuntimeError(f"{proc.name} exited: see {proc.logfile}")
@@ -157,134 +153,26 @@ def _lock_sqlite(db: Path, seconds: float) -> None:
     subprocess.run([sys.executable, "-c", code, str(db), str(seconds)], check=False, timeout=90)
 
 
-class Followers:
-    """Pull consumers streaming ``follow=true`` from the feed server, reconnecting from
-    their last progress when the server is killed. Each keeps its own accumulated
-    collection; at the end each must equal the table."""
+def _stage(work: Path, profile: Profile, events: list[bytes]) -> tuple[list[Path], list[Path]]:
+    """The input files: the crash phase's transactions in ``profile.files`` files cut at
+    transaction boundaries, then one file per transaction for the load phase."""
 
-    def __init__(self, n: int, port: int) -> None:
-        self.n, self.port = n, port
-        self.collections = [Counter() for _ in range(n)]
-        self.frontiers: list[int | None] = [None] * n
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+    def tx(line: bytes) -> object:
+        e = orjson.loads(line)
+        return e.get("payload", e)["source"]["txId"]
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
-
-    async def _main(self) -> None:
-        import aiohttp
-
-        from protocol import Progress, Updates, get_codec
-
-        async def one(i: int) -> None:
-            codec = get_codec("ndjson")
-            pending: Counter = Counter()
-            while not self._stop.is_set():
-                after = self.frontiers[i]
-                q = f"?follow=true&format=ndjson{'' if after is None else f'&after={after}'}"
-                try:
-                    timeout = aiohttp.ClientTimeout(total=None, sock_read=30)
-                    async with (
-                        aiohttp.ClientSession(timeout=timeout) as s,
-                        s.get(f"http://127.0.0.1:{self.port}/v1/feeds/bank/changes{q}") as r,
-                    ):
-                        if r.status != 200:
-                            await asyncio.sleep(0.5)
-                            continue
-                        pending.clear()
-                        async for line in r.content:
-                            if self._stop.is_set():
-                                return
-                            if not line.strip():
-                                continue
-                            for m in codec.decode(line):
-                                if isinstance(m, Updates):
-                                    for u in m:
-                                        pending[record_key(u.record)] += u.diff
-                                elif isinstance(m, Progress) and m.counts:
-                                    # a time is complete: fold its updates in
-                                    self.collections[i].update(pending)
-                                    pending.clear()
-                                    self.frontiers[i] = m.upper
-                                elif isinstance(m, Progress) and not m.is_announcement():
-                                    self.frontiers[i] = m.upper
-                except (aiohttp.ClientError, TimeoutError, OSError):
-                    await asyncio.sleep(0.5)
-                except Exception as e:
-                    self.errors.append(f"follower {i}: {type(e).__name__}: {e}")
-                    await asyncio.sleep(0.5)
-
-        await asyncio.gather(*(one(i) for i in range(self.n)))
-
-    def results(self) -> list[Counter]:
-        return [+c for c in self.collections]
-
-
-class Monitor:
-    """Samples, every 0.2 s: each process's RSS (peak kept per role) and, for every new
-    committed frontier, how long until receivers A and B ACK it (commit -> ACK latency)."""
-
-    def __init__(self, procs: dict[str, Proc], store: CheckpointStore, ports: list[int]) -> None:
-        self.procs, self.store, self.ports = procs, store, ports
-        self.peak_rss: Counter = Counter()
-        self.latencies: list[float] = []
-        self._seen: dict[int, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-
-    def _rss(self, pid: int) -> int:
-        total = 0
-        pids = [pid]
-        with contextlib.suppress(OSError):  # the JVM is a child of the emitter
-            pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-        for p in pids:
-            with contextlib.suppress(OSError, ValueError):
-                for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-        return total
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            for name, proc in self.procs.items():
-                if proc.alive() and proc.p is not None:
-                    self.peak_rss[name] = max(self.peak_rss[name], self._rss(proc.p.pid))
-            with contextlib.suppress(Exception):
-                cp = self.store.latest()
-                now = time.monotonic()
-                if cp is not None and cp.frontier not in self._seen:
-                    self._seen[cp.frontier] = now
-                acked = [_frontier(p) for p in self.ports]
-                for f, t0 in list(self._seen.items()):
-                    if t0 > 0 and all(a is not None and a >= f for a in acked):
-                        self.latencies.append(now - t0)
-                        self._seen[f] = -1.0
-
-    def figures(self) -> dict[str, Any]:
-        lat = sorted(self.latencies)
-
-        def q(x: float) -> float | None:
-            return round(lat[min(len(lat) - 1, int(x * len(lat)))], 2) if lat else None
-
-        return {
-            "commit_to_ack_p50_s": q(0.5),
-            "commit_to_ack_p99_s": q(0.99),
-            "acked_commits": len(lat),
-            "peak_rss_mb": {k: round(v / 2**20) for k, v in self.peak_rss.items()},
-        }
+    groups: list[list[bytes]] = []
+    for line in events:
+        if not groups or tx(groups[-1][-1]) != tx(line):
+            groups.append([])
+        groups[-1].append(line)
+    crash = [line for g in groups[: profile.transactions] for line in g]
+    staged = write_parts_at_transactions(work / "staged", crash, profile.files)
+    load = [
+        write_parts(work / "staged", g, 1, start=profile.files + n)[0]
+        for n, g in enumerate(groups[profile.transactions :])
+    ]
+    return staged, load
 
 
 def run(profile: Profile, work: Path, seed: int = 1) -> int:
@@ -294,9 +182,9 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
     logging.getLogger("tidefeed").setLevel(logging.ERROR)
     rnd = random.Random(seed)
     tally = Tally()
-    bank = generate_bank(transactions=profile.transactions, seed=seed)
+    bank = generate_bank(transactions=profile.transactions + profile.load_seconds, seed=seed)
     truth = Counter({record_key(r): 1 for r in debezium_truth(bank.events)[0].values()})
-    staged = write_parts_at_transactions(work / "staged", bank.events, profile.files)
+    staged, load_files = _stage(work, profile, bank.events)
     src, log, logs = work / "in", work / "log", work / "logs"
     src.mkdir()
     logs.mkdir()
@@ -310,32 +198,46 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
     rb = Proc(
         "receiver B", ["receive", "--db", str(work / "b.db"), "--port", str(pb)], logs / "b.log"
     )
-    server = Proc("server", ["serve", "--log", str(log), "--port", str(ps)], logs / "serve.log")
-    emit = Proc(
-        "emitter",
+    server = Proc(
+        "server",
         [
-            "emit",
-            "--source",
-            f"debezium:{src}",
-            "--feed",
-            "bank",
+            "serve",
             "--log",
             str(log),
-            "--key",
-            "id",
-            "--clock",
-            "logical",
-            "--granularity",
-            "transaction",
-            "--schema",
-            str(work / "accounts.avsc"),
-            "--follow",
-            "--trigger",
-            "0.5",
-            "--push",
-            f"http://127.0.0.1:{pproxy}/v1/push/bank",
+            "--port",
+            str(ps),
+            "--retain",
+            str(profile.retain),
+            "--compact-every",
+            str(profile.compact_every),
         ],
-        logs / "emit.log",
+        logs / "serve.log",
+    )
+    emit_args = [
+        "emit",
+        "--source",
+        f"debezium:{src}",
+        "--feed",
+        "bank",
+        "--log",
+        str(log),
+        "--key",
+        "id",
+        "--clock",
+        "logical",
+        "--granularity",
+        "transaction",
+        "--schema",
+        str(work / "accounts.avsc"),
+        "--follow",
+        "--trigger",
+        "0.5",
+        "--push",
+        f"http://127.0.0.1:{pproxy}/v1/push/bank",
+    ]
+    # every restart is with or without --eager (updates pushed before their commit)
+    emit = Proc(
+        "emitter", lambda: emit_args + ["--eager"] * (rnd.random() < 0.5), logs / "emit.log"
     )
     for p, port in ((ra, pa_), (rb, pb)):
         p.start()
@@ -351,25 +253,31 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
         time.sleep(0.5)
     server.start()
     _wait_healthy(ps, server)
-    req = urllib.request.Request(
+    put_json(
         f"http://127.0.0.1:{ps}/v1/feeds/bank/subscriptions/b",
-        data=orjson.dumps({"url": f"http://127.0.0.1:{pb}/v1/push/bank"}),
-        method="PUT",
+        {"url": f"http://127.0.0.1:{pb}/v1/push/bank"},
     )
-    urllib.request.urlopen(req, timeout=10).close()
-    followers = Followers(profile.followers, ps)
+    followers = Followers(profile.followers, ps, named=profile.named_followers)
+    followers.subscribe()
     followers.start()
+    procs = {"emitter": emit, "server": server, "receiver A": ra, "receiver B": rb}
+    ports = {"server": ps, "receiver A": pa_, "receiver B": pb}
+    extra: list[Proc] = []  # the load phase's receivers
+    extra_ports: list[int] = []
     monitor = Monitor(
-        {"emitter": emit, "server": server, "receiver A": ra, "receiver B": rb}, store, [pa_, pb]
+        # roles and processes; the load receivers share one role (their peak is kept)
+        lambda: [*procs.items(), *(("receiver L", p) for p in extra)],
+        store,
+        lambda: [pa_, pb, *extra_ports],
+        followers,
     )
     monitor.start()
 
     # ---- attack while the files arrive -------------------------------------------------
-    procs = {"emitter": emit, "server": server, "receiver A": ra, "receiver B": rb}
-    ports = {"server": ps, "receiver A": pa_, "receiver B": pb}
     pending_files = staged[1:]
     kills_left = profile.kills
     compactions = 0
+    emit_eager: Counter[str] = Counter()
     while kills_left > 0 or pending_files:
         for _ in range(rnd.randint(0, 2)):
             if pending_files:
@@ -379,7 +287,7 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
         if kills_left <= 0:
             continue
         action = rnd.random()
-        if action < 0.12:
+        if action < 0.10:
             # a compaction killed at a random moment (or refused: a subscription's ACK)
             cp = store.latest()
             acked = _sub_ack(ps)
@@ -393,11 +301,24 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
                 c.wait(timeout=60)
                 compactions += 1
             continue
-        if action < 0.18:
+        if action < 0.16:
             tally.fault("sqlite locked")
             _lock_sqlite(work / "a.db", rnd.uniform(1, 4))
             continue
-        if action < 0.22 and emit.alive():
+        if action < 0.24 and server.alive():
+            # the server SIGKILLed inside a retention pass: when its compaction folder appears
+            when = _kill_mid_compaction(server, log, store, profile.compact_every + 3, rnd)
+            if when:
+                tally.kill(f"server mid-compaction, {when}")
+            else:
+                server.kill()
+                tally.kill("server")
+            kills_left -= 1
+            server.start()
+            with contextlib.suppress(RuntimeError):
+                _wait_healthy(ps, server, timeout=30)
+            continue
+        if action < 0.28 and emit.alive():
             # an empty newest commit file left behind (an old version, an object store)
             emit.kill()
             tally.kill("emitter")
@@ -416,6 +337,8 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
             continue
         name = rnd.choice(list(procs))
         proc = procs[name]
+        if name == "emitter":
+            emit_eager["eager" if "--eager" in emit.last_args else "plain"] += 1
         proc.kill()
         tally.kill(name)
         kills_left -= 1
@@ -424,42 +347,45 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
         if name in ports:
             with contextlib.suppress(RuntimeError):
                 _wait_healthy(ports[name], proc, timeout=30)
-        for p in procs.values():  # a process that died by itself is a finding
-            if p.p is not None and p.p.poll() not in (None, -signal.SIGKILL):
-                tally.notes.append(f"{p.name} exited {p.p.returncode} by itself")
-                p.start()
+        _restart_dead(procs.values(), tally)
 
-    # ---- let everything settle, then compare ---------------------------------------------
-    settle = time.monotonic() + 300
-    final = None
-    while time.monotonic() < settle:
-        cp = store.latest()
-        if cp is not None and cp.source.get("file") == staged[-1].name:
-            final = cp.frontier
-            if (
-                _frontier(pa_) == final
-                and _frontier(pb) == final
-                and all(f == final for f in followers.frontiers)
-            ):
-                break
-        for p in procs.values():
-            if not p.alive():
-                tally.notes.append(f"{p.name} was found dead while settling")
-                p.start()
-        time.sleep(1)
-    else:
-        tally.notes.append(
-            f"not settled in 300 s: feed frontier {final}, receiver A {_frontier(pa_)}, "
-            f"receiver B {_frontier(pb)}, followers {followers.frontiers}"
+    settled = _settle(store, staged[-1].name, procs, followers, [pa_, pb], tally)
+
+    # ---- load: no attacks, more push subscriptions, a transaction a second -------------
+    monitor.phase = "load"
+    for i in range(profile.push_subscriptions):
+        port = free_port()
+        p = Proc(
+            f"receiver L{i}",
+            ["receive", "--db", str(work / f"l{i}.db"), "--port", str(port)],
+            logs / f"l{i}.log",
         )
+        p.start()
+        _wait_healthy(port, p)
+        put_json(
+            f"http://127.0.0.1:{ps}/v1/feeds/bank/subscriptions/l{i}",
+            {"url": f"http://127.0.0.1:{port}/v1/push/bank", "format": FORMATS[i % 3]},
+        )
+        extra.append(p)
+        extra_ports.append(port)
+    load_started = time.monotonic()
+    for n, f in enumerate(load_files):
+        time.sleep(max(0.0, load_started + n + 1 - time.monotonic()))
+        f.rename(src / f.name)
+        _restart_dead([*procs.values(), *extra], tally)
+    last = load_files[-1].name if load_files else staged[-1].name
+    final = _settle(store, last, {**procs}, followers, [pa_, pb, *extra_ports], tally)
+    load_settled = final is not None
+
     followers.stop()
     monitor.stop()
     tally.faults += proxy.faults
     for k, v in proxy.kinds.items():
         tally.kinds[f"fault proxy {k}"] += v
     got = {"receiver A": _collection(pa_), "receiver B": _collection(pb)}
-    pulled = _pull(ps)
-    got["pull"] = pulled
+    for i, port in enumerate(extra_ports):
+        got[f"receiver L{i}"] = _collection(port)
+    got["pull"] = _pull(ps)
     for i, c in enumerate(followers.results()):
         got[f"follower {i}"] = c
     lost = dup = 0
@@ -469,8 +395,10 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
             tally.notes.append(f"{name}: lost {lo}, duplicated {du}")
         lost += lo
         dup += du
-    for p in procs.values():
+    for p in [*procs.values(), *extra]:
         p.stop()
+    end = store.latest()
+    since_at_end = end.since if end is not None else 0
     proxy.stop()
     print(
         f"reliability: crash phase: crashes={tally.crashes} faults={tally.faults} lost={lost} "
@@ -485,16 +413,25 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
     fuzz = fuzz_all(profile.fuzz_examples, work / "fuzz", seed=seed, log=log)
     tally.notes += fuzz.notes
 
-    load_ok = not followers.errors and all(f == final for f in followers.frontiers)
+    load_ok = (
+        settled is not None
+        and load_settled
+        and not followers.errors
+        and all(f == final for f in followers.frontiers)
+    )
     tally.notes += followers.errors
+    figures = monitor.figures()
     (work / "reliability.json").write_text(
         json.dumps(
             {
                 "profile": profile.__dict__,
                 "kinds": dict(tally.kinds),
+                "emitter_killed_while": dict(emit_eager),
                 "compactions_started": compactions,
                 "final_frontier": final,
-                "load": monitor.figures(),
+                "final_since": since_at_end,
+                "followers_restarted_from_snapshot": followers.overtaken,
+                "figures": figures,
                 "notes": tally.notes,
             },
             indent=2,
@@ -502,11 +439,20 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
     )
     for note in fuzz.notes + followers.errors:
         print(f"reliability: note: {note}", file=sys.stderr)
-    load = monitor.figures()
+    crash, steady = figures["crash"], figures["load"]
     print(
-        f"reliability: {dict(tally.kinds)}; commit->ACK p50 {load['commit_to_ack_p50_s']}s "
-        f"p99 {load['commit_to_ack_p99_s']}s over {load['acked_commits']} commits; "
-        f"{profile.followers} pull followers; peak RSS MB {load['peak_rss_mb']}",
+        f"reliability: {dict(tally.kinds)}; emitter killed {dict(emit_eager)}; "
+        f"{followers.overtaken} follower restarts from a snapshot; compacted to {since_at_end}",
+        file=sys.stderr,
+    )
+    print(
+        f"reliability: crash phase: commit->ACK p50 {crash['commit_to_ack_p50_s']}s "
+        f"p99 {crash['commit_to_ack_p99_s']}s over {crash['commits_acked_by_every_receiver']} "
+        f"commits; load phase ({profile.load_seconds}s, {len(extra_ports) + 2} receivers, "
+        f"{profile.followers} followers): commit->ACK p50 {steady['commit_to_ack_p50_s']}s "
+        f"p99 {steady['commit_to_ack_p99_s']}s over {steady['commits_acked_by_every_receiver']} "
+        f"commits, commit->every follower p50 {steady['commit_to_every_follower_p50_s']}s "
+        f"p99 {steady['commit_to_every_follower_p99_s']}s; peak RSS MB {figures['peak_rss_mb']}",
         file=sys.stderr,
     )
     print(
@@ -518,8 +464,71 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
     return 0 if ok else 1
 
 
+def _restart_dead(procs: Iterable[Proc], tally: Tally) -> None:
+    """A process that died by itself (not by the harness's SIGKILL) is a finding."""
+    for p in procs:
+        if p.p is not None and p.p.poll() not in (None, -signal.SIGKILL):
+            tally.notes.append(f"{p.name} exited {p.p.returncode} by itself")
+            p.start()
+
+
+def _settle(
+    store: CheckpointStore,
+    last_file: str,
+    procs: dict[str, Proc],
+    followers: Followers,
+    receivers: list[int],
+    tally: Tally,
+    seconds: float = 300,
+) -> int | None:
+    """Wait until the feed has taken ``last_file`` and every receiver and follower is at
+    its frontier; returns that frontier, or None (with a note) when they never get there."""
+    deadline = time.monotonic() + seconds
+    final = None
+    while time.monotonic() < deadline:
+        cp = store.latest()
+        if cp is not None and cp.source.get("file") == last_file:
+            final = cp.frontier
+            if all(receiver_frontier(p) == final for p in receivers) and all(
+                f == final for f in followers.frontiers
+            ):
+                return final
+        for p in procs.values():
+            if not p.alive():
+                tally.notes.append(f"{p.name} was found dead while settling")
+                p.start()
+        time.sleep(1)
+    tally.notes.append(
+        f"not settled in {seconds:.0f} s: feed frontier {final}, receivers "
+        f"{[receiver_frontier(p) for p in receivers]}, followers {followers.frontiers}"
+    )
+    return None
+
+
+def _kill_mid_compaction(
+    server: Proc, log: Path, store: CheckpointStore, wait: float, rnd: random.Random
+) -> str | None:
+    """SIGKILL the server while a retention pass compacts: as soon as a compaction folder
+    above the committed ``since`` appears. Returns where the kill fell (before or after the
+    compaction's commit), or None when no pass started within ``wait``."""
+    folder = log / "bank" / "compacted"
+    cp = store.latest()
+    since = cp.since if cp is not None else 0
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if any(int(d.name) > since for d in folder.iterdir() if d.name.isdigit()):
+                time.sleep(rnd.uniform(0, 0.02))
+                server.kill()
+                after = store.latest()
+                committed = after is not None and after.since > since
+                return "after its commit" if committed else "before its commit"
+        time.sleep(0.005)
+    return None
+
+
 def _sub_ack(port: int) -> int | None:
-    status, body = _get(f"http://127.0.0.1:{port}/v1/feeds/bank/subscriptions/b")
+    status, body = get(f"http://127.0.0.1:{port}/v1/feeds/bank/subscriptions/b")
     return orjson.loads(body).get("acked") if status == 200 else None
 
 
@@ -527,7 +536,7 @@ def _pull(port: int) -> Counter:
     """A fresh pull consumer reading the whole feed (a snapshot at since, then the tail)."""
     from protocol import Updates, get_codec
 
-    status, body = _get(f"http://127.0.0.1:{port}/v1/feeds/bank/changes?format=ndjson", 120)
+    status, body = get(f"http://127.0.0.1:{port}/v1/feeds/bank/changes?format=ndjson", 120)
     out: Counter = Counter()
     if status != 200:
         return out
