@@ -20,6 +20,7 @@ import pyarrow.json as pa_json
 
 from .codecs import Codec, Decoder, Encoder, check_field_names
 from .errors import CodecError, Compacted
+from .jsontext import json_objects, span
 from .messages import INT64_MAX, INT64_MIN, Message, Progress, Updates, _json_default
 
 __all__ = ["NdjsonCodec"]
@@ -33,14 +34,40 @@ MAX_UPDATES_PER_LINE = 2_000
 
 class NdjsonEncoder(Encoder):
     def _write_updates(self, updates: Updates) -> None:
-        self._out.write(
-            orjson.dumps({"updates": updates.rows()}, option=_DUMP_OPTS, default=_json_default)
-        )
+        line = _columnar_line(updates) if updates.has_table() else None
+        if line is None:  # wire rows, or a record type left to orjson
+            line = orjson.dumps(
+                {"updates": updates.rows()}, option=_DUMP_OPTS, default=_json_default
+            )
+        self._out.write(line)
         self._out.write(b"\n")
 
     def _write_progress(self, p: Progress) -> None:
         self._out.write(orjson.dumps({"progress": p.to_wire()}))
         self._out.write(b"\n")
+
+
+def _columnar_line(updates: Updates) -> bytes | None:
+    """The ``{"updates": [...]}`` line of an Arrow-held batch built column-wise (see
+    :mod:`.jsontext`), or None when its record type is left to orjson."""
+    table = updates.table()
+    data = json_objects(table.column("data"))
+    if data is None:
+        return None
+    rows = pc.binary_join_element_wise(
+        '{"data":',
+        data,
+        ',"time":',
+        pc.cast(table.column("time"), pa.string()),
+        ',"diff":',
+        pc.cast(table.column("diff"), pa.string()),
+        "},",
+        "",
+    )
+    if isinstance(rows, pa.ChunkedArray):
+        rows = rows.combine_chunks()
+    text = span(rows, 0, len(rows))
+    return b"".join((b'{"updates":[', text[:-1], b"]}"))
 
 
 def _bad_rows(rows: list[Any]) -> str | None:

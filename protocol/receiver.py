@@ -18,6 +18,7 @@ runs in a worker thread, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import logging
@@ -32,7 +33,7 @@ from aiohttp import web
 
 from ._http import HttpError, error_middleware, json_response, token_middleware
 from .codecs import codec_for_content_type
-from .errors import CodecError, ProtocolError
+from .errors import CodecError, ProtocolError, TidefeedError
 from .messages import Updates, _json_default
 from .sqlite_store import SqliteDatabase
 from .state import Consumer
@@ -64,6 +65,7 @@ class ReceiverConfig:
 DB = web.AppKey("db", SqliteDatabase)
 CONSUMERS = web.AppKey("consumers", dict)
 LOCKS = web.AppKey("locks", dict)
+FOLDING = web.AppKey("folding", dict)
 CONFIG = web.AppKey("config", ReceiverConfig)
 
 
@@ -138,6 +140,8 @@ async def post_push(request: web.Request) -> web.Response:
                 "feed %s: rejected a %d-byte body (epoch %d): %s", feed, len(body), epoch, e
             )
             raise
+    if result.committed:
+        _fold_soon(request.app, feed)
     if result.frontier != before:
         log.info(
             "feed %s: committed [%s, %s), %d update(s) (epoch %d)",
@@ -150,6 +154,27 @@ async def post_push(request: web.Request) -> web.Response:
     if result.rollbacks:  # every session's announcement is one
         log.debug("feed %s: announcement: pending updates rolled back (epoch %d)", feed, epoch)
     return json_response({"frontier": result.frontier, "pending": result.pending})
+
+
+def _fold_soon(app: web.Application, feed: str) -> None:
+    """Fold ``feed``'s new parts into its kept collection in the background, after the
+    ACK: a collection read then finds little or nothing left to fold. One fold per feed
+    at a time; a commit during a fold is picked up by the fold's next round."""
+    folding: dict[str, asyncio.Task[None]] = app[FOLDING]
+    if feed in folding:
+        return
+    store = app[DB].store(feed)
+
+    async def fold() -> None:
+        try:
+            while await asyncio.to_thread(store.fold):
+                pass  # parts committed meanwhile: fold them too
+        except TidefeedError as e:  # a locked or closed database: the next read folds
+            log.debug("feed %s: background fold stopped: %s", feed, e)
+        finally:
+            folding.pop(feed, None)
+
+    folding[feed] = asyncio.create_task(fold(), name=f"fold {feed}")
 
 
 def _check_pending(app: web.Application, feed: str, consumer: Consumer, messages: Any) -> None:
@@ -244,12 +269,17 @@ def make_receiver_app(config: ReceiverConfig) -> web.Application:
     app[CONFIG] = config
     app[CONSUMERS] = {}
     app[LOCKS] = {}
+    app[FOLDING] = {}
 
     async def database(app: web.Application):  # type: ignore[no-untyped-def]
         app[DB] = await asyncio.to_thread(
             lambda: SqliteDatabase(config.db, busy_timeout=config.busy_timeout)
         )
         yield
+        for task in list(app[FOLDING].values()):  # a fold ends with its current part
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await asyncio.to_thread(app[DB].close)
 
     app.cleanup_ctx.append(database)
