@@ -1,15 +1,13 @@
-"""Push throughput: updates/s ACKed end to end by the reference receiver, per format, next to
-a raw aiohttp transfer of the same bodies (a server that only reads them), same run.
+"""Delivery on the product path, per format: ``tidefeed serve`` pushes a feed to ``tidefeed
+receive`` through a push subscription, and streams it to a pull client. Two feeds, made by
+``tidefeed emit``: one time of N updates (``--updates``, 1 M by default), and 100 times of
+10 000. Beside each figure, the same run measures a raw aiohttp transfer of the same bytes
+(a server that only reads them), the feed server's ``/healthz`` answers while the work
+goes on (p99 and worst), and then ``GET /v1/collections`` on the receiver: its time and
+the receiver's peak-RSS growth. ``benchmarks/bench_receiver.py`` measures the receiver
+alone, with a hand-built client.
 
-Both servers run as separate processes on 127.0.0.1. The client pushes a synthetic feed of
-T times with U updates each (one body per time: its updates and its progress); U defaults
-to the publisher's body bound (50,000 updates). Before timing, each server gets one body of
-the same shape on another feed, so one-off start-up costs (imports, first allocations) are
-not counted as throughput. Each measurement is repeated (``--runs``, each run on a new feed
-of the same server) and the median is shown with the range: the machine is shared and
-single runs swing by ±20%.
-
-    .venv/bin/python benchmarks/bench_push.py [--times 12] [--updates 50000] [--runs 3]
+    .venv/bin/python benchmarks/bench_push.py [--updates 1000000] [--formats ndjson,avro,arrow]
 """
 
 from __future__ import annotations
@@ -17,161 +15,230 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
+import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import aiohttp
+import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from feed.demo_data import ACCOUNTS_SCHEMA
-from protocol import Progress, Update, Updates, announcement, get_codec
+from bench_follow import SCHEMA
+from bench_receiver import RAW_SERVER, free_port, wait_up
 
-SCHEMA = ACCOUNTS_SCHEMA
-#: updates/s ACKed end to end that issue #4 asks for on a 2-core machine
+TIDEFEED = [sys.executable, "-m", "feed.cli"]
+#: updates/s ACKed end to end that the delivery issue asks for on a 2-core machine
 TARGETS = {"ndjson": 1_000_000, "avro": 300_000, "arrow": 3_000_000}
 
-RAW_SERVER = """
-import sys
-from aiohttp import web
-async def sink(request):
-    await request.read()
-    return web.json_response({"frontier": 0, "pending": 0})
-app = web.Application(client_max_size=1 << 30)
-app.router.add_post("/v1/push/{feed}", sink)
-app.router.add_get("/healthz", lambda r: web.json_response({}))
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
-"""
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_up(port: int) -> None:
-    for _ in range(300):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(port)
-
-
-def bodies(fmt: str, times: int, per_time: int) -> list[bytes]:
-    codec = get_codec(fmt)
-    out = [codec.encode([announcement(0)], schema=SCHEMA)]
-    lower = 0
-    for t in range(1, times + 1):
-        ups = Updates.of(
-            Update(
-                {
-                    "id": t * per_time + i,
-                    "owner": f"o{i % 97}",
-                    "balance": i,
-                    "active": i % 2 == 0,
-                    "note": None,
-                },
-                t,
-                1,
+def make_feed(work: Path, name: str, times: int, per_time: int) -> tuple[Path, float]:
+    """A Debezium file of ``times`` source transactions of ``per_time`` inserts each,
+    emitted with transaction granularity: one time per transaction."""
+    src, log = work / f"in-{name}", work / "log"
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir(parents=True)
+    (work / "schema.avsc").write_bytes(orjson.dumps(SCHEMA))
+    n = times * per_time
+    with open(src / "part-0000.json", "wb") as f:
+        for start in range(0, n, 100_000):
+            f.write(
+                b"".join(
+                    orjson.dumps(
+                        {
+                            "op": "c",
+                            "after": {"id": i, "owner": f"owner {i}", "balance": i % 977},
+                            "source": {"lsn": i + 1, "txId": 1 + i // per_time},
+                        }
+                    )
+                    + b"\n"
+                    for i in range(start, min(n, start + 100_000))
+                )
             )
-            for i in range(per_time)
+    t0 = time.monotonic()
+    subprocess.run(
+        [
+            *TIDEFEED,
+            "emit",
+            "--source",
+            f"debezium:{src}",
+            "--feed",
+            name,
+            "--log",
+            str(log),
+            "--schema",
+            str(work / "schema.avsc"),
+            "--clock",
+            "logical",
+            "--granularity",
+            "transaction",
+            "--log-level",
+            "warning",
+        ],
+        check=True,
+    )
+    return log, time.monotonic() - t0
+
+
+def get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return orjson.loads(r.read())
+
+
+class HealthProbe:
+    """Asks /healthz every 50 ms in a thread of its own; keeps every answer's time."""
+
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/healthz"
+        self.times: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            urllib.request.urlopen(self.url, timeout=60).read()
+            self.times.append(time.monotonic() - t0)
+            time.sleep(0.05)
+
+    def p99_and_worst(self) -> str:
+        t = sorted(self.times) or [0.0]
+        return f"{t[min(len(t) - 1, int(0.99 * len(t)))] * 1000:.0f}/{t[-1] * 1000:.0f} ms"
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def push(serve: int, receive: int, feed: str, fmt: str, frontier: int) -> tuple[float, str, str]:
+    """Subscribe a new receiver feed and wait until it ACKs the frontier: seconds taken,
+    the receiver feed's name, and /healthz p99/worst meanwhile."""
+    name = f"{feed}-{fmt}-{time.monotonic_ns()}"
+    sub = {"url": f"http://127.0.0.1:{receive}/v1/push/{name}", "format": fmt}
+    with HealthProbe(serve) as probe:
+        t0 = time.monotonic()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{serve}/v1/feeds/{feed}/subscriptions/{name}",
+            data=orjson.dumps(sub),
+            method="PUT",
+            headers={"Content-Type": "application/json"},
         )
-        if fmt == "arrow":
-            ups = Updates.from_arrow(ups.table())  # as an Arrow producer holds them
-        out.append(codec.encode([ups, Progress(lower, t + 1, ((t, per_time),))], schema=SCHEMA))
-        lower = t + 1
-    return out
+        urllib.request.urlopen(req, timeout=30).read()
+        while True:
+            try:
+                if get(f"http://127.0.0.1:{receive}/v1/push/{name}")["frontier"] == frontier:
+                    break
+            except urllib.error.HTTPError:
+                pass
+            status = get(f"http://127.0.0.1:{serve}/v1/feeds/{feed}/subscriptions/{name}")
+            if status.get("status") == "stopped":
+                raise RuntimeError(f"subscription {name}: {status}")
+            time.sleep(0.02)
+        took = time.monotonic() - t0
+    return took, name, probe.p99_and_worst()
 
 
-async def push_all(url: str, ctype: str, payloads: list[bytes], runs: int) -> list[float]:
-    """Seconds to push ``payloads`` to ``url`` and read every ACK, once per run, each run on
-    a feed of its own, after one warm-up body."""
-    headers = {"Content-Type": ctype, "Tidefeed-Epoch": "1"}
+def collection(receive: int, name: str) -> tuple[float, int]:
+    t0 = time.monotonic()
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{receive}/v1/collections/{name}", timeout=600
+    ) as r:
+        rows = sum(1 for _ in r)
+    return time.monotonic() - t0, rows
+
+
+async def pull(serve: int, feed: str, fmt: str) -> tuple[bytes, float]:
     async with aiohttp.ClientSession() as s:
-        for body in payloads[:2]:
-            async with s.post(url + "-warmup", data=body, headers=headers) as r:
-                if r.status != 200:
-                    raise RuntimeError(f"warm-up: {r.status}: {await r.text()}")
-        out = []
-        for run in range(runs):
-            t0 = time.perf_counter()
-            for body in payloads:
-                async with s.post(f"{url}-{run}", data=body, headers=headers) as r:
-                    if r.status != 200:
-                        raise RuntimeError(f"{r.status}: {await r.text()}")
-                    await r.read()
-            out.append(time.perf_counter() - t0)
-        return out
+        t0 = time.monotonic()
+        async with s.get(f"http://127.0.0.1:{serve}/v1/feeds/{feed}/changes?format={fmt}") as r:
+            body = await r.read()
+        return body, time.monotonic() - t0
+
+
+async def raw_post(port: int, body: bytes) -> float:
+    async with aiohttp.ClientSession() as s:
+        t0 = time.monotonic()
+        async with s.post(f"http://127.0.0.1:{port}/v1/push/x", data=body) as r:
+            await r.read()
+        return time.monotonic() - t0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--times", type=int, default=12)
-    ap.add_argument("--updates", type=int, default=50_000)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--updates", type=int, default=1_000_000, help="the one big time's size")
+    ap.add_argument("--formats", default="ndjson,avro,arrow")
+    ap.add_argument("--shapes", default="one,many", help="one: 1 time of --updates; many: 100x10k")
+    ap.add_argument("--work", default="/tmp/tidefeed-bench-push")
     args = ap.parse_args()
-    n = args.times * args.updates
-    raw_port = free_port()
-    raw = subprocess.Popen([sys.executable, "-c", RAW_SERVER, str(raw_port)])
-    rows = []
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    every = {"one": (1, args.updates), "many": (100, 10_000)}
+    shapes = {k: every[k] for k in args.shapes.split(",")}
+    for feed, (times, per) in shapes.items():
+        log, took = make_feed(work, feed, times, per)
+        print(f"tidefeed emit: feed {feed!r}, {times} time(s) of {per:,} inserts, {took:.1f}s")
+    sp, rp, raw = free_port(), free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEFEED_")}
+    quiet = ["--log-level", "warning"]
+    procs = [
+        subprocess.Popen(
+            [*TIDEFEED, "serve", "--log", str(log), "--port", str(sp), *quiet], env=env
+        ),
+        subprocess.Popen(
+            [*TIDEFEED, "receive", "--db", str(work / "r.db"), "--port", str(rp), *quiet],
+            env=env,
+        ),
+        subprocess.Popen([sys.executable, "-c", RAW_SERVER, str(raw)], env=env),
+    ]
+    receiver_pid = procs[1].pid
     try:
-        wait_up(raw_port)
-        for fmt in ("ndjson", "avro", "arrow"):
-            payloads = bodies(fmt, args.times, args.updates)
-            ctype = get_codec(fmt).content_type
-            size = sum(len(b) for b in payloads)
-            with tempfile.TemporaryDirectory() as d:
-                port = free_port()
-                rec = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "feed.cli",
-                        "receive",
-                        "--db",
-                        f"{d}/r.db",
-                        "--port",
-                        str(port),
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    env=dict(os.environ),
-                )
-                try:
-                    wait_up(port)
-                    url = f"http://127.0.0.1:{port}/v1/push/bench"
-                    secs = asyncio.run(push_all(url, ctype, payloads, args.runs))
-                finally:
-                    rec.terminate()
-                    rec.wait()
-            raw_secs = asyncio.run(
-                push_all(f"http://127.0.0.1:{raw_port}/v1/push/bench", ctype, payloads, args.runs)
-            )
-            rates = sorted(n / x for x in secs)
-            rows.append((fmt, size, rates, statistics.median(n / x for x in raw_secs)))
-    finally:
-        raw.terminate()
-        raw.wait()
-    print(f"{n} updates in {args.times} bodies of {args.updates}, median of {args.runs} runs")
-    print(
-        f"{'format':8} {'MB':>6} {'ACKed upd/s':>12} {'(min - max)':>23} {'raw upd/s':>12} "
-        f"{'ratio':>6} {'target':>10}"
-    )
-    for fmt, size, rates, raw_rate in rows:
-        ours = statistics.median(rates)
-        span = f"({rates[0]:,.0f} - {rates[-1]:,.0f})"
+        for p in (sp, rp, raw):
+            wait_up(p)
         print(
-            f"{fmt:8} {size / 1e6:6.1f} {ours:12,.0f} {span:>23} {raw_rate:12,.0f} "
-            f"{ours / raw_rate:6.0%} {TARGETS[fmt]:10,}"
+            f"{'feed':14} {'format':7} {'push (target)':>22} {'/healthz p99/worst':>19} "
+            f"{'pull':>10} {'raw aiohttp':>12} {'GET collection':>15} {'rss growth':>11}"
         )
+        for feed, (times, per) in shapes.items():
+            n = times * per
+            frontier = get(f"http://127.0.0.1:{sp}/v1/feeds/{feed}")["frontier"]
+            for fmt in args.formats.split(","):
+                took, name, health = push(sp, rp, feed, fmt, frontier)
+                rss0 = peak_rss_mb(receiver_pid)
+                coll_s, rows = collection(rp, name)
+                grew = peak_rss_mb(receiver_pid) - rss0
+                if rows != n:
+                    raise SystemExit(f"{name}: the receiver holds {rows} records, not {n}")
+                body, pull_s = asyncio.run(pull(sp, feed, fmt))
+                raw_s = statistics.median(asyncio.run(raw_post(raw, body)) for _ in range(3))
+                label = f"{times}x{per:,}"
+                print(
+                    f"{label:14} {fmt:7} {n / took / 1e6:6.2f}M u/s ({TARGETS[fmt] / 1e6:.1f}M) "
+                    f"{health:>19} {n / pull_s / 1e6:6.2f}M/s {n / raw_s / 1e6:8.2f}M/s "
+                    f"{coll_s:13.1f}s {grew:8.0f} MB",
+                    flush=True,
+                )
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=60)
 
 
 if __name__ == "__main__":

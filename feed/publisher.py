@@ -77,9 +77,26 @@ class Publisher:
         self.on_ack = on_ack
         self.on_error = on_error  # told of every failure that is retried
         self.acked: int | None = None
+        self._in_flight: asyncio.Task[None] | None = None
 
     async def session(self) -> SessionReport:
-        """One push session from the receiver's frontier up to the feed's frontier."""
+        """One push session from the receiver's frontier up to the feed's frontier.
+
+        Bodies are pipelined: while one is on its way (sent, read and applied by the
+        receiver), the next is read from the log and encoded. They are still sent one at
+        a time, each after the previous one's ACK, so the receiver takes them in order."""
+        try:
+            report = await self._session()
+            await self._drain()
+            return report
+        finally:
+            if self._in_flight is not None and not self._in_flight.done():
+                self._in_flight.cancel()
+                with contextlib.suppress(asyncio.CancelledError, PushRejected):
+                    await self._in_flight
+            self._in_flight = None
+
+    async def _session(self) -> SessionReport:
         self.reader.refresh()
         frontier, _ = await self.client.handshake()
         report = SessionReport(frontier=frontier)
@@ -134,12 +151,24 @@ class Publisher:
     async def _send(
         self, body: list[Message], report: SessionReport, *, updates: int | None = None
     ) -> None:
+        """Encode ``body`` (while the previous body is on its way), wait for the previous
+        body's ACK, then start sending this one."""
         if updates is None:
             updates = sum(len(m) for m in body if isinstance(m, Updates))
-        sent = self.client.bytes_sent
-        ack = await self.client.push(body, epoch=self.epoch)
+        data = await asyncio.to_thread(self.client.encode, body)
         if updates:
-            self._bytes_per_update = (self.client.bytes_sent - sent) / updates
+            self._bytes_per_update = len(data) / updates
+        await self._drain()
+        self._in_flight = asyncio.create_task(self._post(data, report))
+
+    async def _drain(self) -> None:
+        """Wait for the body on its way; its failure is raised here."""
+        task, self._in_flight = self._in_flight, None
+        if task is not None:
+            await task
+
+    async def _post(self, data: bytes, report: SessionReport) -> None:
+        ack = await self.client.post(data, epoch=self.epoch)
         maybe_die("during_publish")  # the receiver kept it; this process never learns
         report.bodies += 1
         report.frontier = ack.frontier

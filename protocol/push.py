@@ -108,11 +108,15 @@ class PushClient:
 
     async def push(self, messages: Sequence[Message], *, epoch: int) -> Ack:
         """Send one body; return the receiver's ACK."""
-        body = await asyncio.to_thread(self._encode, messages)
+        return await self.post(await asyncio.to_thread(self.encode, messages), epoch=epoch)
+
+    async def post(self, body: bytes, *, epoch: int) -> Ack:
+        """Send one encoded body (see :meth:`encode`); return the receiver's ACK."""
         obj = await self._call("POST", body, epoch=epoch)
         return Ack(frontier=obj.get("frontier"), pending=int(obj.get("pending") or 0))
 
-    def _encode(self, messages: Sequence[Message]) -> bytes:
+    def encode(self, messages: Sequence[Message]) -> bytes:
+        """One body in this client's format (blocking: call it from a worker thread)."""
         buf = io.BytesIO()
         enc = self.codec.encoder(buf, schema=self.schema)
         enc.write_all(messages)

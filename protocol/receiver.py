@@ -24,6 +24,7 @@ import itertools
 import logging
 import re
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,9 @@ DB = web.AppKey("db", SqliteDatabase)
 CONSUMERS = web.AppKey("consumers", dict)
 LOCKS = web.AppKey("locks", dict)
 FOLDING = web.AppKey("folding", dict)
+LAST_COMMIT = web.AppKey("last_commit", dict)
+#: a feed's background fold waits for this long a pause in its pushes
+FOLD_IDLE_SECONDS = 0.5
 CONFIG = web.AppKey("config", ReceiverConfig)
 
 
@@ -157,9 +161,11 @@ async def post_push(request: web.Request) -> web.Response:
 
 
 def _fold_soon(app: web.Application, feed: str) -> None:
-    """Fold ``feed``'s new parts into its kept collection in the background, after the
-    ACK: a collection read then finds little or nothing left to fold. One fold per feed
-    at a time; a commit during a fold is picked up by the fold's next round."""
+    """Fold ``feed``'s new parts into its kept collection in the background, once pushes
+    to it pause for :data:`FOLD_IDLE_SECONDS`, a round at a time (a round holds the
+    database, which a commit then waits for): a collection read then finds little or
+    nothing left to fold, and a stream of pushes is not slowed down."""
+    app[LAST_COMMIT][feed] = time.monotonic()
     folding: dict[str, asyncio.Task[None]] = app[FOLDING]
     if feed in folding:
         return
@@ -167,8 +173,12 @@ def _fold_soon(app: web.Application, feed: str) -> None:
 
     async def fold() -> None:
         try:
-            while await asyncio.to_thread(store.fold):
-                pass  # parts committed meanwhile: fold them too
+            while True:
+                idle = time.monotonic() - app[LAST_COMMIT][feed]
+                if idle < FOLD_IDLE_SECONDS:
+                    await asyncio.sleep(FOLD_IDLE_SECONDS - idle)
+                elif not await asyncio.to_thread(store.fold, max_rounds=1):
+                    return
         except TidefeedError as e:  # a locked or closed database: the next read folds
             log.debug("feed %s: background fold stopped: %s", feed, e)
         finally:
@@ -270,6 +280,7 @@ def make_receiver_app(config: ReceiverConfig) -> web.Application:
     app[CONSUMERS] = {}
     app[LOCKS] = {}
     app[FOLDING] = {}
+    app[LAST_COMMIT] = {}
 
     async def database(app: web.Application):  # type: ignore[no-untyped-def]
         app[DB] = await asyncio.to_thread(
