@@ -66,6 +66,7 @@ class Publisher:
         logger: logging.Logger | None = None,
         on_ack: Callable[[Ack], None] | None = None,
         on_error: Callable[[Exception], None] | None = None,
+        on_sent: Callable[[int, int], None] | None = None,
     ) -> None:
         self.reader = reader
         self.client = client
@@ -76,6 +77,7 @@ class Publisher:
         self.log = logger or log
         self.on_ack = on_ack
         self.on_error = on_error  # told of every failure that is retried
+        self.on_sent = on_sent  # told (updates, bytes) of every body the receiver ACKed
         self.acked: int | None = None
         self._in_flight: asyncio.Task[None] | None = None
 
@@ -159,7 +161,7 @@ class Publisher:
         if updates:
             self._bytes_per_update = len(data) / updates
         await self._drain()
-        self._in_flight = asyncio.create_task(self._post(data, report))
+        self._in_flight = asyncio.create_task(self._post(data, report, updates))
 
     async def _drain(self) -> None:
         """Wait for the body on its way; its failure is raised here."""
@@ -167,9 +169,11 @@ class Publisher:
         if task is not None:
             await task
 
-    async def _post(self, data: bytes, report: SessionReport) -> None:
+    async def _post(self, data: bytes, report: SessionReport, updates: int) -> None:
         ack = await self.client.post(data, epoch=self.epoch)
         maybe_die("during_publish")  # the receiver kept it; this process never learns
+        if self.on_sent is not None:
+            self.on_sent(updates, len(data))
         report.bodies += 1
         report.frontier = ack.frontier
         self.acked = ack.frontier

@@ -76,11 +76,18 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # subscription: a push subscription's name; "" for a pull stream
         self.updates = Counter(
-            "tidefeed_updates_served", "Updates sent to consumers", ["feed", "via"], registry=r
+            "tidefeed_updates_served",
+            "Updates sent to consumers (push: ACKed by the receiver)",
+            ["feed", "subscription", "via"],
+            registry=r,
         )
         self.bytes = Counter(
-            "tidefeed_bytes_sent", "Body bytes sent to consumers", ["feed", "via"], registry=r
+            "tidefeed_bytes_sent",
+            "Body bytes sent to consumers (push: ACKed by the receiver)",
+            ["feed", "subscription", "via"],
+            registry=r,
         )
         self.push_errors = Counter(
             "tidefeed_push_errors", "Failed pushes", ["feed", "subscription"], registry=r
@@ -279,9 +286,9 @@ async def changes(request: web.Request) -> web.StreamResponse:
             data = await asyncio.to_thread(encode, chunk)
             n = sum(len(x) for x in chunk if isinstance(x, Updates))
             if n:
-                m.updates.labels(feed, "pull").inc(n)
+                m.updates.labels(feed, "", "pull").inc(n)
             if data:
-                m.bytes.labels(feed, "pull").inc(len(data))
+                m.bytes.labels(feed, "", "pull").inc(len(data))
                 await resp.write(data)
 
     if snapshot and reader.frontier > 0:
@@ -438,6 +445,10 @@ async def _push_sessions(app: web.Application, store: SubscriptionStore, sub: Su
         store.ack(sub.name, ack.frontier)
         lag()
 
+    def on_sent(updates: int, nbytes: int) -> None:
+        m.updates.labels(sub.feed, sub.name, "push").inc(updates)
+        m.bytes.labels(sub.feed, sub.name, "push").inc(nbytes)
+
     def on_error(e: Exception) -> None:
         m.push_errors.labels(sub.feed, sub.name).inc()
         _failed(sub, e)
@@ -451,8 +462,9 @@ async def _push_sessions(app: web.Application, store: SubscriptionStore, sub: Su
             lag()
             if sub.acked is None or sub.acked < reader.frontier:
                 epoch = reader.checkpoint.epoch if reader.checkpoint else 0
-                pub = Publisher(reader, client, epoch=epoch, on_ack=on_ack, on_error=on_error)
-                sent_before = client.bytes_sent
+                pub = Publisher(
+                    reader, client, epoch=epoch, on_ack=on_ack, on_error=on_error, on_sent=on_sent
+                )
                 try:
                     await pub.deliver()
                 except DeliveryStopped as e:
@@ -461,8 +473,6 @@ async def _push_sessions(app: web.Application, store: SubscriptionStore, sub: Su
                     await asyncio.to_thread(store.stop, sub.name, str(e))
                     log.error("push %s/%s stopped: %s", sub.feed, sub.name, e)
                     return
-                finally:
-                    m.bytes.labels(sub.feed, "push").inc(client.bytes_sent - sent_before)
                 await asyncio.to_thread(store.flush)
             lag()
             await asyncio.sleep(st.config.poll_seconds)

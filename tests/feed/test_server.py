@@ -234,7 +234,12 @@ async def test_push_subscription_into_a_receiver_and_pull_acks(feed_log, tmp_pat
             assert state["kind"] == "push" and state["status"] == "active"
             async with s.get(f"{base}/metrics") as r:
                 text = await r.text()
-            assert 'tidefeed_bytes_sent_total{feed="bank",via="push"}' in text
+            async with s.get(f"{base}/v1/feeds/bank") as r:
+                total = sum(c["count"] for c in (await r.json())["counts"])
+            # every update pushed once, counted once the receiver ACKed it
+            pushed = f'{{feed="bank",subscription="mv",via="push"}} {float(total)}'
+            assert f"tidefeed_updates_served_total{pushed}" in text, text
+            assert 'tidefeed_bytes_sent_total{feed="bank",subscription="mv",via="push"}' in text
             # a named pull subscriber
             async with s.put(f"{base}/v1/feeds/bank/subscriptions/nb", json={}) as r:
                 assert (await r.json())["kind"] == "pull"
