@@ -291,11 +291,13 @@ async def changes(request: web.Request) -> web.StreamResponse:
                 m.bytes.labels(feed, "", "pull").inc(len(data))
                 await resp.write(data)
 
-    if snapshot and reader.frontier > 0:
-        lower = reader.frontier
-        await send(await asyncio.to_thread(reader.snapshot_opening, lower))
-    else:
-        await send(opening)
+    async def begin() -> None:
+        nonlocal lower
+        if snapshot and reader.frontier > 0:
+            lower = reader.frontier
+            await send(await asyncio.to_thread(reader.snapshot_opening, lower))
+        else:
+            await send(opening)
 
     def overtaken(at: int, since: int) -> Compacted:
         return Compacted(
@@ -326,24 +328,27 @@ async def changes(request: web.Request) -> web.StreamResponse:
             await send([Progress(lower, frontier, ())])
             lower = frontier
 
-    try:
-        await catch_up()
-        await _follow(st, reader, follow, lambda: lower, catch_up, send)
+    try:  # a consumer may go away at any write, the opening's too
+        try:
+            await begin()
+            await catch_up()
+            await _follow(st, reader, follow, lambda: lower, catch_up, send)
+        except Compacted as e:
+            # never an empty or partial time: the stream ends after its last whole message,
+            # NDJSON with a last line saying why (Avro and Arrow have no place for it)
+            log.info(
+                "feed %s: a stream at %d was overtaken by compaction to %d", feed, lower, e.since
+            )
+            if fmt == "ndjson":
+                line = {"error": "compacted", "detail": str(e), "since": e.since}
+                await resp.write(orjson.dumps(line) + b"\n")
+        encoder.close()
+        tail = sink.getvalue()
+        if tail:
+            await resp.write(tail)
+        await resp.write_eof()
     except ConnectionResetError:
         log.info("feed %s: a consumer went away", feed)
-        return resp
-    except Compacted as e:
-        # never an empty or partial time: the stream ends after its last whole message,
-        # NDJSON with a last line saying why (Avro and Arrow have no place for it)
-        log.info("feed %s: a stream at %d was overtaken by compaction to %d", feed, lower, e.since)
-        if fmt == "ndjson":
-            line = {"error": "compacted", "detail": str(e), "since": e.since}
-            await resp.write(orjson.dumps(line) + b"\n")
-    encoder.close()
-    tail = sink.getvalue()
-    if tail:
-        await resp.write(tail)
-    await resp.write_eof()
     return resp
 
 

@@ -412,3 +412,38 @@ async def test_metrics_count_the_quarantined_rows_of_committed_transactions(spar
         assert f'tidefeed_quarantined_rows{{feed="bank"}} {float(len(rows))}' in text
     finally:
         await runner.cleanup()
+
+
+async def test_a_consumer_leaving_during_a_snapshot_is_one_log_line(feed_log, monkeypatch, caplog):
+    """A client gone in the middle of the opening snapshot: the server notes it in one line,
+    with no traceback (the reliability harness's fuzzing found one there)."""
+    import logging
+    import socket
+    import struct
+
+    import feed.server as server
+
+    monkeypatch.setattr(server, "STREAM_CHUNK_UPDATES", 1)  # a write per update
+    log, _ = feed_log
+    base, runner = await serve(make_server_app(ServerConfig(log=str(log))))
+    host, port = base.removeprefix("http://").split(":")
+    caplog.set_level(logging.INFO)
+    try:
+        for _ in range(5):
+            loop = asyncio.get_running_loop()
+            sock = socket.create_connection((host, int(port)))
+            sock.setblocking(False)
+            request = b"GET /v1/feeds/bank/changes?snapshot=true HTTP/1.1\r\nHost: x\r\n\r\n"
+            await loop.sock_sendall(sock, request)
+            assert (await loop.sock_recv(sock, 1024)).startswith(b"HTTP/1.1 200")
+            # leave at once, with a reset
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        for _ in range(100):
+            if sum("a consumer went away" in r.getMessage() for r in caplog.records) == 5:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await runner.cleanup()
+    assert sum("a consumer went away" in r.getMessage() for r in caplog.records) == 5
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
