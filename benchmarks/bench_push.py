@@ -4,7 +4,9 @@ receive`` through a push subscription, and streams it to a pull client. Two feed
 10 000. Beside each figure, the same run measures a raw aiohttp transfer of the same bytes
 (a server that only reads them), the feed server's ``/healthz`` answers while the work
 goes on (p99 and worst), and then ``GET /v1/collections`` on the receiver: its time and
-the receiver's peak-RSS growth. ``benchmarks/bench_receiver.py`` measures the receiver
+the receiver's peak-RSS growth. Last, a run under load: 50 ``follow=true`` pull streams,
+a push subscription and a pull of the 1M time at once (``/healthz`` p99, the server's
+peak RSS, every client checked). ``benchmarks/bench_receiver.py`` measures the receiver
 alone, with a hand-built client.
 
     .venv/bin/python benchmarks/bench_push.py [--updates 1000000] [--formats ndjson,avro,arrow]
@@ -180,11 +182,71 @@ async def raw_post(port: int, body: bytes) -> float:
         return time.monotonic() - t0
 
 
+async def under_load(serve: int, receive: int, followers: int, frontiers: dict[str, int]) -> str:
+    """``followers`` ``follow=true`` NDJSON streams on feed ``many`` (each from its last
+    time: 10k updates, then heartbeats), a push subscription of feed ``one`` and a pull
+    of feed ``one`` in Arrow, all at once. Checks that every follower holds the last
+    time's 10k records at the frontier, that the pull read every update and that the
+    receiver ACKed the frontier; returns the figures."""
+    from protocol import Progress, Updates, get_codec
+
+    base = f"http://127.0.0.1:{serve}/v1/feeds"
+    last = frontiers["many"] - 1
+    held = [0] * followers
+    reached = [asyncio.Event() for _ in range(followers)]
+
+    async def follow(i: int, s: aiohttp.ClientSession) -> None:
+        codec = get_codec("ndjson")
+        async with s.get(f"{base}/many/changes?follow=true&format=ndjson&after={last}") as r:
+            async for line in r.content:
+                for m in codec.decode(line) if line.strip() else ():
+                    if isinstance(m, Updates):
+                        held[i] += sum(u.diff for u in m)
+                    elif isinstance(m, Progress) and m.upper >= frontiers["many"]:
+                        reached[i].set()  # and stays connected: heartbeats from now on
+
+    async def big_pull(s: aiohttp.ClientSession) -> int:
+        async with s.get(f"{base}/one/changes?format=arrow") as r:
+            body = await r.read()
+        return sum(len(m) for m in get_codec("arrow").decode(body) if isinstance(m, Updates))
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    with HealthProbe(serve) as probe:
+        async with aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=followers + 10)
+        ) as s:
+            streams = [asyncio.create_task(follow(i, s)) for i in range(followers)]
+            await asyncio.sleep(1)  # the followers are connected and caught up
+            t0 = time.monotonic()
+            pushed = asyncio.to_thread(push, serve, receive, "one", "arrow", frontiers["one"])
+            (took, _, _), pulled = await asyncio.gather(pushed, big_pull(s))
+            whole = time.monotonic() - t0
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in reached)), 60)
+            open_streams = sum(not t.done() for t in streams)
+            for t in streams:
+                t.cancel()
+    rss = peak_rss_mb(SERVER_PID[0])
+    n = frontiers["updates"]
+    if pulled != n or any(h != 10_000 for h in held) or open_streams != followers:
+        raise SystemExit(
+            f"under load: pulled {pulled} of {n}; followers held {set(held)}; "
+            f"{open_streams} of {followers} streams still open"
+        )
+    return (
+        f"{followers} followers + push + a 1M pull: /healthz p99/worst {probe.p99_and_worst()}, "
+        f"push {n / took / 1e6:.2f}M u/s, all done in {whole:.1f}s, server peak RSS {rss:.0f} MB"
+    )
+
+
+SERVER_PID: list[int] = []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--updates", type=int, default=1_000_000, help="the one big time's size")
     ap.add_argument("--formats", default="ndjson,avro,arrow")
     ap.add_argument("--shapes", default="one,many", help="one: 1 time of --updates; many: 100x10k")
+    ap.add_argument("--followers", type=int, default=50, help="pull followers in the load run")
     ap.add_argument("--work", default="/tmp/tidefeed-bench-push")
     args = ap.parse_args()
     work = Path(args.work)
@@ -209,6 +271,7 @@ def main() -> None:
         subprocess.Popen([sys.executable, "-c", RAW_SERVER, str(raw)], env=env),
     ]
     receiver_pid = procs[1].pid
+    SERVER_PID.append(procs[0].pid)
     try:
         for p in (sp, rp, raw):
             wait_up(p)
@@ -235,6 +298,12 @@ def main() -> None:
                     f"{coll_s:13.1f}s {grew:8.0f} MB",
                     flush=True,
                 )
+        if set(shapes) == {"one", "many"}:
+            frontiers = {
+                f: get(f"http://127.0.0.1:{sp}/v1/feeds/{f}")["frontier"] for f in ("one", "many")
+            }
+            frontiers["updates"] = args.updates
+            print(asyncio.run(under_load(sp, rp, args.followers, frontiers)))
     finally:
         for p in procs:
             p.terminate()

@@ -373,6 +373,7 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
         time.sleep(max(0.0, load_started + n + 1 - time.monotonic()))
         f.rename(src / f.name)
         _restart_dead([*procs.values(), *extra], tally)
+    load_took = time.monotonic() - load_started
     last = load_files[-1].name if load_files else staged[-1].name
     final = _settle(store, last, {**procs}, followers, [pa_, pb, *extra_ports], tally)
     load_settled = final is not None
@@ -431,6 +432,8 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
                 "final_frontier": final,
                 "final_since": since_at_end,
                 "followers_restarted_from_snapshot": followers.overtaken,
+                "load_transactions": len(load_files),
+                "load_seconds": round(load_took),
                 "figures": figures,
                 "notes": tally.notes,
             },
@@ -448,7 +451,8 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
     print(
         f"reliability: crash phase: commit->ACK p50 {crash['commit_to_ack_p50_s']}s "
         f"p99 {crash['commit_to_ack_p99_s']}s over {crash['commits_acked_by_every_receiver']} "
-        f"commits; load phase ({profile.load_seconds}s, {len(extra_ports) + 2} receivers, "
+        f"commits; load phase ({len(load_files)} transactions in {load_took:.0f}s, "
+        f"{len(extra_ports) + 2} receivers, "
         f"{profile.followers} followers): commit->ACK p50 {steady['commit_to_ack_p50_s']}s "
         f"p99 {steady['commit_to_ack_p99_s']}s over {steady['commits_acked_by_every_receiver']} "
         f"commits, commit->every follower p50 {steady['commit_to_every_follower_p50_s']}s "
