@@ -104,9 +104,9 @@ async def test_pull_in_each_format_and_resume_with_after(feed_log, fmt):
 async def test_a_large_time_streams_in_bounded_chunks(feed_log, fmt, monkeypatch):
     """A time (and a snapshot) larger than one chunk is sent as several update messages
     before its progress, each encoded off the event loop; the stream stays exact."""
-    import feed.server as server
+    import feed.pull as pull
 
-    monkeypatch.setattr(server, "STREAM_CHUNK_UPDATES", 3)
+    monkeypatch.setattr(pull, "STREAM_CHUNK_UPDATES", 3)
     log, _ = feed_log
     counts = FeedReader(str(log), "bank").counts()
     base, runner = await serve(make_server_app(ServerConfig(log=str(log))))
@@ -421,9 +421,9 @@ async def test_a_consumer_leaving_during_a_snapshot_is_one_log_line(feed_log, mo
     import socket
     import struct
 
-    import feed.server as server
+    import feed.pull as pull
 
-    monkeypatch.setattr(server, "STREAM_CHUNK_UPDATES", 1)  # a write per update
+    monkeypatch.setattr(pull, "STREAM_CHUNK_UPDATES", 1)  # a write per update
     log, _ = feed_log
     base, runner = await serve(make_server_app(ServerConfig(log=str(log))))
     host, port = base.removeprefix("http://").split(":")

@@ -1,0 +1,232 @@
+"""Feed info and pull streaming (DESIGN §7): ``GET /v1/feeds``, ``GET /v1/feeds/{feed}`` and
+``GET /v1/feeds/{feed}/changes?after=T&follow=…&snapshot=…&format=…``: a streamed response —
+the announcement, then every committed time ``>= T`` (or one consolidated snapshot, then the
+live tail), with heartbeats while idle. ``T`` below ``since`` is 410. Reading and encoding
+run in worker threads, a bounded chunk at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from protocol import CODECS, CheckpointError, Compacted, Progress, Updates, announcement, get_codec
+from protocol._http import HttpError, json_response
+
+from .reader import FeedReader
+from .server_state import ServerState, state_of
+
+__all__ = ["changes", "feed_info", "list_feeds"]
+
+log = logging.getLogger("tidefeed.serve")
+
+#: updates per encoded chunk of a pull stream (bounded bytes per write and per loop turn)
+STREAM_CHUNK_UPDATES = 20_000
+
+
+def _describe(r: FeedReader, *, counts: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "name": r.name,
+        "schema": r.info.schema,
+        "key": list(r.info.key),
+        "clock": r.info.clock,
+        "frontier": r.frontier,
+        "since": r.since,
+        "epoch": r.checkpoint.epoch if r.checkpoint else 0,
+    }
+    if counts:
+        d["counts"] = [{"time": t, "count": n} for t, n in sorted(r.counts().items())]
+    return d
+
+
+async def list_feeds(request: web.Request) -> web.Response:
+    st = state_of(request)
+
+    def describe_all() -> list[dict[str, Any]]:
+        return [_describe(st.reader(f), counts=False) for f in st.feed_names()]
+
+    return json_response({"feeds": await asyncio.to_thread(describe_all)})
+
+
+async def feed_info(request: web.Request) -> web.Response:
+    st = state_of(request)
+    feed = request.match_info["feed"]
+    return json_response(await asyncio.to_thread(lambda: _describe(st.reader(feed), counts=True)))
+
+
+def _int_param(request: web.Request, name: str) -> int | None:
+    raw = request.query.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise HttpError(400, "bad_request", f"'{name}' must be an integer, got {raw!r}") from None
+    if not 0 <= value < 1 << 63:  # times are 64-bit (DESIGN §1)
+        raise HttpError(400, "bad_request", f"'{name}' must be a time in [0, 2**63)")
+    return value
+
+
+def _bool_param(request: web.Request, name: str) -> bool:
+    raw = request.query.get(name, "false").lower()
+    if raw not in ("true", "false", "1", "0"):
+        raise HttpError(400, "bad_request", f"'{name}' must be true or false, got {raw!r}")
+    return raw in ("true", "1")
+
+
+def _format(request: web.Request) -> str:
+    fmt = request.query.get("format")
+    if fmt is None:
+        accept = request.headers.get("Accept", "")
+        fmt = next((c.name for c in CODECS.values() if c.content_type in accept), "ndjson")
+    if fmt not in CODECS:
+        raise HttpError(
+            415, "unsupported_format", f"unknown format {fmt!r}; use one of {', '.join(CODECS)}"
+        )
+    return fmt
+
+
+async def changes(request: web.Request) -> web.StreamResponse:
+    st = state_of(request)
+    feed = request.match_info["feed"]
+    after = _int_param(request, "after")
+    follow = _bool_param(request, "follow")
+    snapshot = _bool_param(request, "snapshot")
+    fmt = _format(request)
+    await asyncio.to_thread(st.reader, feed)  # 404 for an unknown feed
+    # this stream's own reader: a reader shared with other requests could be refreshed
+    # between listing times and closing them, and announce times this stream never sent
+    reader = await asyncio.to_thread(FeedReader, st.config.log, feed)
+    opening: list[Any] = []
+    lower = 0
+    if not (snapshot and reader.frontier > 0):
+        try:
+            opening, lower = await asyncio.to_thread(reader.opening, after)
+        except Compacted as e:
+            raise HttpError(410, "compacted", str(e), extra={"since": e.since}) from None
+    codec = get_codec(fmt)
+    resp = web.StreamResponse(headers={"Content-Type": codec.content_type})
+    await resp.prepare(request)
+    sink = io.BytesIO()
+    encoder = codec.encoder(sink, schema=reader.info.schema)
+    m = st.metrics
+
+    def encode(messages: list[Any]) -> bytes:
+        for msg in messages:
+            encoder.write(msg)
+        encoder.flush()
+        data = sink.getvalue()
+        sink.seek(0)
+        sink.truncate()
+        return data
+
+    async def send(messages: list[Any]) -> None:
+        """Encode in a worker thread, a bounded chunk at a time: a large time never holds
+        the event loop (other streams, pushes, /healthz) and never becomes one huge
+        write; each chunk is an update message of its own (consumers take any number
+        before the progress)."""
+        for chunk in _chunks(messages):
+            data = await asyncio.to_thread(encode, chunk)
+            n = sum(len(x) for x in chunk if isinstance(x, Updates))
+            if n:
+                m.updates.labels(feed, "", "pull").inc(n)
+            if data:
+                m.bytes.labels(feed, "", "pull").inc(len(data))
+                await resp.write(data)
+
+    async def begin() -> None:
+        nonlocal lower
+        if snapshot and reader.frontier > 0:
+            lower = reader.frontier
+            await send(await asyncio.to_thread(reader.snapshot_opening, lower))
+        else:
+            await send(opening)
+
+    def overtaken(at: int, since: int) -> Compacted:
+        return Compacted(
+            f"feed {feed!r} was compacted to {since} while this stream was at {at}: "
+            f"resume from a snapshot (snapshot=true), or pull from after={since} if you "
+            f"hold everything below {since}",
+            since=since,
+        )
+
+    async def catch_up() -> None:
+        nonlocal lower
+        frontier = reader.frontier  # one checkpoint for the times listed and the closing
+        if reader.since > lower:
+            raise overtaken(lower, reader.since)
+        for t in await asyncio.to_thread(reader.times, lower, frontier):
+            try:
+                batch = await asyncio.to_thread(reader.updates, t)
+            except CheckpointError:
+                # its files are gone: folded by a compaction since this stream listed it?
+                since = (await asyncio.to_thread(FeedReader, st.config.log, feed)).since
+                if since <= t:
+                    raise
+                raise overtaken(t, since) from None
+            n = len(batch)
+            await send(([batch] if n else []) + [Progress(lower, t + 1, ((t, n),) if n else ())])
+            lower = t + 1
+        if lower < frontier:
+            await send([Progress(lower, frontier, ())])
+            lower = frontier
+
+    try:  # a consumer may go away at any write, the opening's too
+        try:
+            await begin()
+            await catch_up()
+            await _follow(st, reader, follow, lambda: lower, catch_up, send)
+        except Compacted as e:
+            # never an empty or partial time: the stream ends after its last whole message,
+            # NDJSON with a last line saying why (Avro and Arrow have no place for it)
+            log.info(
+                "feed %s: a stream at %d was overtaken by compaction to %d", feed, lower, e.since
+            )
+            if fmt == "ndjson":
+                line = {"error": "compacted", "detail": str(e), "since": e.since}
+                await resp.write(orjson.dumps(line) + b"\n")
+        encoder.close()
+        tail = sink.getvalue()
+        if tail:
+            await resp.write(tail)
+        await resp.write_eof()
+    except ConnectionResetError:
+        log.info("feed %s: a consumer went away", feed)
+    return resp
+
+
+def _chunks(messages: list[Any]) -> list[list[Any]]:
+    """``messages`` in groups to encode together: small messages share a group, update
+    batches are cut into slices of at most :data:`STREAM_CHUNK_UPDATES`."""
+    out: list[list[Any]] = [[]]
+    for msg in messages:
+        if isinstance(msg, Updates) and len(msg) > STREAM_CHUNK_UPDATES:
+            for i in range(0, len(msg), STREAM_CHUNK_UPDATES):
+                out.append([msg.slice(i, STREAM_CHUNK_UPDATES)])
+            out.append([])
+        else:
+            out[-1].append(msg)
+    return [c for c in out if c]
+
+
+async def _follow(
+    st: ServerState, reader: FeedReader, follow: bool, position: Any, catch_up: Any, send: Any
+) -> None:
+    """Keep streaming new commits; a heartbeat announcement when nothing came for a while."""
+    idle_since = time.monotonic()
+    while follow:
+        await asyncio.sleep(st.config.poll_seconds)
+        before = position()
+        await asyncio.to_thread(reader.refresh)
+        await catch_up()
+        if position() != before:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since >= st.config.heartbeat_seconds:
+            # heartbeat: an announcement is legal anywhere and nothing is pending here
+            await send([announcement(position())])
+            idle_since = time.monotonic()
