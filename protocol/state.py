@@ -143,6 +143,10 @@ class Consumer:
         self._frontier = state.frontier
         self._epoch = state.epoch
         self._pending: _Pending = {}
+        #: per pending time, the hashes of all its pieces, sorted: a new body's records are
+        #: looked up in it (a binary search each), where a hash set of everything pending
+        #: was rebuilt per body (quadratic in a time spread over many bodies)
+        self._sorted: dict[int, np.ndarray] = {}
 
     @property
     def frontier(self) -> int | None:
@@ -190,6 +194,19 @@ class Consumer:
 def _examples(table: pa.Table) -> list[WireRow]:
     rows: list[WireRow] = table.slice(0, EXAMPLES_KEPT).to_pylist(maps_as_pydicts="strict")
     return rows
+
+
+def _in_sorted(sorted_hashes: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+    """Which of ``hashes`` are in ``sorted_hashes`` (a binary search each)."""
+    if not len(sorted_hashes):
+        return np.zeros(len(hashes), dtype=bool)
+    order = np.argsort(hashes)  # sorted needles walk the haystack in order: cache-friendly
+    needles = hashes[order]
+    at = np.searchsorted(sorted_hashes, needles)
+    at[at == len(sorted_hashes)] = 0
+    found = np.empty(len(hashes), dtype=bool)
+    found[order] = sorted_hashes[at] == needles
+    return found
 
 
 def _by_time(table: pa.Table) -> Iterator[tuple[int, pa.Table]]:
@@ -294,11 +311,15 @@ class _Txn:
         hashes = row_hashes(table.column("data"))
         hv = pa.array(hashes)
         pieces = self._pieces(t)
-        have = pa.array(np.concatenate([p.hashes for p in pieces])) if pieces else None
+        found = np.zeros(len(hashes), dtype=bool)
+        if self._base(t):
+            found |= _in_sorted(self.c._sorted[t], hashes)
+        staged = self.added.get(t, [])
+        if staged:  # this body's earlier batches at t: few, looked up directly
+            found |= np.isin(hashes, np.concatenate([p.hashes for p in staged]))
         repeated = len(pc.unique(hv)) != len(hashes)
-        meets = have is not None and pc.any(pc.is_in(hv, value_set=have)).as_py()
-        if repeated or meets:
-            table, hashes = self._exact(t, table, hashes, hv, pieces, have, repeated)
+        if repeated or found.any():
+            table, hashes = self._exact(t, table, hashes, hv, pieces, hashes[found], repeated)
             if not len(hashes):
                 return
         self.added.setdefault(t, []).append(_Piece(table, hashes))
@@ -310,7 +331,7 @@ class _Txn:
         hashes: np.ndarray,
         hv: pa.Array,
         pieces: list[_Piece],
-        have: pa.Array | None,
+        met: np.ndarray,
         repeated: bool,
     ) -> tuple[pa.Table, np.ndarray]:
         """Compare exactly the records whose hashes collide; drop duplicates, raise on a
@@ -320,8 +341,8 @@ class _Txn:
             counts = pc.value_counts(hv)
             many = pc.greater(counts.field("counts"), 1)
             suspects.append(counts.field("values").filter(many))
-        if have is not None:
-            suspects.append(have.filter(pc.is_in(have, value_set=hv)))
+        if len(met):  # hashes of this batch also found among the pending pieces
+            suspects.append(pa.array(met))
         suspect = pa.concat_arrays(suspects)
         known: dict[bytes, int] = {}
         for p in pieces:
@@ -415,11 +436,17 @@ class _Txn:
             c._store.commit(updates=self.result.committed, frontier=self.frontier, epoch=self.epoch)
         # the store has it durably: now the in-memory view may follow
         if self.cleared:
-            c._pending = {}
+            c._pending, c._sorted = {}, {}
         for t in self.done_times:
             c._pending.pop(t, None)
+            c._sorted.pop(t, None)
         for t, pieces in self.added.items():
             c._pending[t] = c._pending.get(t, []) + pieces
+            new = np.concatenate([p.hashes for p in pieces])
+            old = c._sorted.get(t)
+            # two sorted runs: the stable sort (timsort) merges them in linear time
+            both = new if old is None else np.concatenate([old, np.sort(new)])
+            c._sorted[t] = np.sort(both, kind="stable")
         c._frontier, c._epoch = self.frontier, self.epoch
         self.result.frontier = self.frontier
         self.result.pending = c.pending
