@@ -8,10 +8,14 @@ tombstone), written under a temporary name, fsynced, then renamed into place, so
 emitter never reads a partial file.
 
 **Exactly once.** Debezium marks a batch processed only after this handler returns, that
-is after its file is durable, and flushes its offsets (``<out>/_offsets.dat``) some time
-later. A crash in between makes Debezium deliver those events again after a restart: they
-land in a later file, and the emitter's position filter (feed/transactions.py) drops them.
-Nothing is lost; duplicates never reach the feed.
+is after its file is durable, and then flushes its offsets (``<out>/_offsets.dat``): after
+every batch by default (``offset.flush.interval.ms=0``). A crash in between makes Debezium
+deliver those events again after a restart: they land in a later file, and the emitter's
+position filter (feed/transactions.py) drops them. Nothing is lost; duplicates never reach
+the feed. Flushing after every batch also records the end of the initial snapshot at
+once: a capture killed before that record snapshots the table again when it restarts
+(which the emitter turns into one replacing time, but the transactions in between are
+then lost as separate times).
 
 PostgreSQL must run with ``wal_level=logical``; the user needs the REPLICATION attribute
 (or to own the tables) and the connector creates a publication and a replication slot
@@ -95,7 +99,7 @@ def debezium_properties(cfg: CaptureConfig) -> dict[str, str]:
         "connector.class": "io.debezium.connector.postgresql.PostgresConnector",
         "offset.storage": "org.apache.kafka.connect.storage.FileOffsetBackingStore",
         "offset.storage.file.filename": os.path.join(cfg.out, OFFSETS_FILE),
-        "offset.flush.interval.ms": "10000",
+        "offset.flush.interval.ms": "0",  # after every batch: see the module docstring
         "database.hostname": db["host"],
         "database.port": db["port"],
         "database.user": db["user"],

@@ -34,6 +34,7 @@ __all__ = [
     "consolidate_diffs",
     "fill_unavailable",
     "keyed_diffs",
+    "replacement_deletes",
     "snapshot_diffs",
     "unkeyed_diffs",
 ]
@@ -220,6 +221,43 @@ def keyed_diffs(
     else:
         new_state = new_rows
     return Diffs(diffs=minus.unionByName(plus), units=0, state=new_state, bad=bad, cached=last)
+
+
+def replacement_deletes(
+    changes: DataFrame, state: DataFrame | None, key: Sequence[str], snapshot: tuple[int, str]
+) -> DataFrame:
+    """``snapshot`` (its LSN and source transaction) replaces the collection: a delete of
+    every live ``state`` row (the whole state before it) whose key none of its reads in
+    ``changes`` has, shaped like ``changes``. The snapshot is the first source transaction
+    released (unit 0) and its deletes sit at its LSN, before every later change."""
+    if state is None:
+        return changes.limit(0)
+    lsn, txn = snapshot
+    gone = F.col(GONE_COLUMN) if GONE_COLUMN in state.columns else F.lit(False)
+    live = state.where(~F.coalesce(gone, F.lit(False))).select(
+        _key_of(F.col("data"), key).alias("k"), "data"
+    )
+    reads = changes.where((F.col("op") == "r") & (F.col("txn") == txn))
+    held = reads.select(_key_of(F.col("after"), key).alias("k")).distinct()
+    given = {
+        "op": F.lit("d"),
+        "before": F.col("data"),
+        "weight": F.lit(1),
+        "pos_hi": F.lit(lsn),
+        "pos_lo": F.lit(lsn),
+        "pos_n": F.lit(0),
+        "txn": F.lit(txn),
+        "unit": F.lit(0),
+        "ord_file": F.lit(0),
+        "ord_row": F.lit(0),
+        "_file": F.lit("(new snapshot)"),
+    }
+    return live.join(held, "k", "left_anti").select(
+        *[
+            given.get(f.name, F.lit(None)).cast(f.dataType).alias(f.name)
+            for f in changes.schema.fields
+        ]
+    )
 
 
 def fill_unavailable(changes: DataFrame, state: DataFrame | None, key: Sequence[str]) -> Diffs:

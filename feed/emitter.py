@@ -526,6 +526,7 @@ class Emitter:
             consolidate_diffs,
             fill_unavailable,
             keyed_diffs,
+            replacement_deletes,
             snapshot_diffs,
             unkeyed_diffs,
         )
@@ -564,12 +565,16 @@ class Emitter:
             keep_raw = F.lit(True)
         changes = changes.withColumn("_raw", F.when(keep_raw, F.col("_raw"))).persist(_spillable())
         bad = changes.where(F.col("_error").isNotNull()).select("_file", "_raw", "_error")
-        good = changes.where(F.col("_error").isNull() & (F.col("op") != "x"))
+        # (another table's last snapshot read stays: it says where a snapshot ends)
+        good = changes.where(
+            F.col("_error").isNull() & ((F.col("op") != "x") | (F.col("_snap") == "last"))
+        )
         held_files: frozenset[str] = frozenset()
         order: Any = None  # the released source transactions in order (a DataFrame)
         position: Any = None  # the highest source position, when the source tells it
         txn_cached: tuple[Any, ...] = ()
         held = redelivered = 0
+        replaces: tuple[int, str] | None = None  # a new Debezium snapshot, released alone
         keyed = bool(self.info.key) and cfg.source_kind != "snapshot"
         image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
         touched: frozenset[int] | None = None  # the state buckets this transaction meets
@@ -583,6 +588,7 @@ class Emitter:
                 good,
                 cp.source.get("pos", [0, 0]),
                 snapshot_lsn=cp.source.get("snapshot_lsn"),
+                new_feed="snapshot_lsn" not in cp.source,
                 logger=self.log,
                 feed=cfg.feed,
                 bucket=bucket_of(image, self.info.key, buckets) if buckets else None,
@@ -594,6 +600,18 @@ class Emitter:
             bad = bad.unionByName(assembled.bad)
             held, redelivered = assembled.held, assembled.redelivered
             txn_cached = assembled.cached
+            replaces = assembled.replaces
+            if replaces is not None and not keyed:
+                for df in (changes, *txn_cached):
+                    df.unpersist()
+                raise SourceError(
+                    f"feed {cfg.feed!r}: Debezium snapshotted {cfg.table or 'the table'} "
+                    f"again (snapshot LSN {replaces[0]}); an unkeyed feed cannot tell which "
+                    "rows the new snapshot no longer holds, so nothing was committed: give "
+                    "the feed --key, or start a new feed from the new snapshot"
+                )
+            if replaces is not None and buckets:
+                touched = frozenset(range(buckets))  # every key may have gone
             if held and not assembled.ready:
                 for df in (changes, *txn_cached):
                     df.unpersist()
@@ -639,6 +657,9 @@ class Emitter:
         if keyed:
             # only the state buckets this transaction's keys fall in
             loaded = self._state.load(cp.state, good, image, touched=touched)
+            if replaces is not None:
+                gone = replacement_deletes(good, loaded.rows, self.info.key, replaces)
+                good = good.unionByName(gone)
         if toast_rows:
             if loaded is not None:
                 from .state import GONE_COLUMN
@@ -765,7 +786,9 @@ class Emitter:
             source.update(consumed_position(cp.source, "file", self._listed, files, held_names))
         if cfg.source_kind == "cdf" and position is not None:
             source["cdf_version"] = position[0]
-        if cfg.source_kind == "debezium" and "snapshot_lsn" not in source:
+        if replaces is not None:
+            source["snapshot_lsn"] = replaces[0]  # the feed's own snapshot from now on
+        elif cfg.source_kind == "debezium" and "snapshot_lsn" not in source:
             # the first snapshot read committed: later reads at another LSN are a new one
             reads = good.where(F.col("op") == "r").agg(F.min("pos_lo").alias("m"))
             source["snapshot_lsn"] = reads.collect()[0]["m"]  # None: the feed had none

@@ -11,7 +11,8 @@ op         ``c`` insert, ``u`` update, ``d`` delete, ``r`` snapshot read, ``w`` 
 before     the row before the change (a record struct), or null
 after      the row after the change, or null
 weight     the multiplicity of the change (1, or a weighted row's delta)
-pos_hi     position in the source, major part (Debezium: the commit LSN)
+pos_hi     position in the source, major part (Debezium: the commit LSN, else the
+           event's own LSN, as for a snapshot read)
 pos_lo     position in the source, minor part (Debezium: ``source.lsn``)
 pos_n      position in the source, last part (Debezium: ``transaction.total_order``)
 txn        the source transaction the change belongs to (as a string)
@@ -24,6 +25,7 @@ _raw       the raw input text of the row
 _error     why the row is bad, or null
 _skip      why the line carries no change for this feed (tombstone, heartbeat, …), or null
 _toast     the columns holding Debezium's unavailable-value placeholder, or null
+_snap      Debezium's ``source.snapshot`` (``first``, ``last``, ``incremental``, …), or null
 ========== ================================================================================
 
 Bad rows are kept with a reason so the transaction driver can quarantine them (DESIGN §10):
@@ -73,6 +75,7 @@ CHANGE_COLUMNS = (
     "_error",
     "_skip",
     "_toast",
+    "_snap",
 )
 
 _CONNECT_TYPES = {
@@ -519,7 +522,8 @@ def _read_debezium(
     the feed table's events in the transaction (``tx_count``) and the transaction's commit
     LSN (``pos_hi``): the emitter uses them to tell complete transactions.
 
-    Positions: ``pos_hi`` is the commit LSN of ``source.sequence`` (0 when absent),
+    Positions: ``pos_hi`` is the commit LSN of ``source.sequence`` (the event's own LSN
+    when absent),
     ``pos_lo`` the event's own LSN, ``pos_n`` its ``transaction.total_order`` (0 without
     transaction metadata). A primary-key update's delete and create share an LSN but not
     a total order; a snapshot's rows share everything but their row.
@@ -664,7 +668,12 @@ def _read_debezium(
     txn = F.coalesce(tx_xid, F.col("src.txId"), F.concat(F.lit("lsn:"), F.col("src.lsn")))
     # Debezium/Postgres puts ["<last commit LSN>", "<LSN>"] in source.sequence; the commit
     # LSN orders changes across concurrent transactions, so it is the major position.
-    pos_hi = F.coalesce(seq.getItem(0).try_cast("long"), F.lit(0).cast("long"))
+    # Without a last commit LSN (a snapshot read; the first transaction streamed after a
+    # start) the event's own LSN takes its place: a snapshot's LSN is its consistent
+    # point, after every transaction it holds and before every one streamed after it, so
+    # a second snapshot falls in order among the streamed transactions; a first streamed
+    # event's LSN is below its commit, which the next transaction's events carry.
+    pos_hi = F.coalesce(seq.getItem(0).try_cast("long"), lsn, F.lit(0).cast("long"))
     return _canonical(
         df,
         op=F.when(skip.isNotNull(), F.lit("x")).when(is_end, F.lit("E")).otherwise(op),
@@ -682,6 +691,9 @@ def _read_debezium(
         error=error,
         skip=skip,
         toast=_toast_columns(after, record),
+        # "first", "true", "last", "last_in_data_collection", "incremental", … : where a
+        # snapshot ends (feed/transactions.py), also on the reads of other tables
+        snap=F.col("src.snapshot"),
     )
 
 
@@ -831,6 +843,7 @@ def _canonical(df: DataFrame, **c: Column) -> DataFrame:
         c["error"].alias("_error"),
         c.get("skip", F.lit(None)).cast("string").alias("_skip"),
         c.get("toast", F.lit(None)).cast("string").alias("_toast"),
+        c.get("snap", F.lit(None)).cast("string").alias("_snap"),
     )
 
 

@@ -22,7 +22,19 @@ updates now:
   emitter transaction reads them again (the position filter drops what was done).
 * **Order.** A transaction with metadata takes its END record's commit LSN as ``pos_hi``:
   times then follow the source's commit order whichever copy of a redelivered event was
-  read first.
+  read first. A snapshot's reads take the snapshot's LSN.
+* **A new snapshot.** Debezium snapshots the table again when its offsets are lost (or
+  were never flushed past the first snapshot, or ``snapshot.mode=always``): reads at
+  another LSN than the feed's own snapshot, after the committed position. Such a snapshot
+  is the whole table at its LSN, so it is released as a *replacement* (``Assembled.
+  replaces``: the emitter retracts every key it does not hold), once it is complete: its
+  ``last`` read (of any table) is in, or an event delivered after it. The transactions
+  delivered before it go first, in an emitter transaction of their own, and what comes
+  after it follows it in the same one; an incomplete one delivered before it will
+  never complete (Debezium streams on from the new snapshot, which holds its effect if it
+  committed) and is dropped as *superseded*, as is an unfinished snapshot before it.
+  Incremental snapshot reads (``source.snapshot`` ``incremental``) are not whole-table
+  snapshots: they are applied as they come.
 """
 
 from __future__ import annotations
@@ -66,6 +78,9 @@ class Assembled:
     buckets: frozenset[int] | None = None
     #: the rows of ``assemble(also=...)``, collected by the same job
     also: tuple[Row, ...] = ()
+    #: a new snapshot, the first transaction released, as the whole table: (LSN, ``txn``)
+    replaces: tuple[int, str] | None = None
+    superseded: int = 0  # source transactions dropped: a new snapshot came after them
 
 
 def _position_filter(pos: Position, snapshot_lsn: int | None) -> tuple[Column, Column]:
@@ -86,10 +101,31 @@ def _position_filter(pos: Position, snapshot_lsn: int | None) -> tuple[Column, C
 
 #: why a snapshot read behind the committed position is quarantined
 NEW_SNAPSHOT = (
-    "a new snapshot of the table arrived after the feed's own (Debezium snapshotted again: "
-    "offsets lost, snapshot.mode=always, or an incremental snapshot); a snapshot cannot say "
-    "which rows went, so it is not applied: start a new feed from it"
+    "a snapshot of the table older than the feed's committed position and not the feed's "
+    "own: the feed holds later changes than it, so it is not applied"
 )
+
+
+def _snapshot_figures(changes: DataFrame) -> DataFrame:
+    """One row per snapshot LSN among ``changes``: its first and last place in delivery
+    order, whether its end was read (``s_end``) and its transaction (``s_txn``: null when
+    only another table's end marker is at that LSN)."""
+    snap = F.coalesce(F.col("_snap"), F.lit(""))
+    whole = (F.col("op") == "r") & (snap != "incremental")
+    ends_here = (snap == "last") | ((F.col("op") == "r") & (snap == "last_in_data_collection"))
+    at = F.struct("ord_file", "ord_row")
+    return (
+        changes.where(whole | ends_here)
+        .groupBy(F.col("pos_lo").alias("lsn"))
+        .agg(
+            F.min(at).alias("s_first"),
+            F.max(F.when(F.col("op") == "r", at)).alias("s_last"),
+            F.max(ends_here).alias("s_end"),
+            F.max(F.when(F.col("op") == "r", F.col("txn"))).alias("s_txn"),
+            F.collect_set("_file").alias("s_files"),
+        )
+        .withColumn("_kind", F.lit("snap"))
+    )
 
 
 def assemble(
@@ -97,6 +133,7 @@ def assemble(
     pos: Sequence[int],
     *,
     snapshot_lsn: int | None = None,
+    new_feed: bool = False,
     logger: logging.Logger | None = None,
     feed: str = "",
     bucket: Column | None = None,
@@ -104,6 +141,9 @@ def assemble(
 ) -> Assembled:
     """Decide which of ``changes`` (good Debezium rows: data events and END records) can
     become updates, given the committed position ``pos``. See the module docstring.
+    ``snapshot_lsn`` is the feed's own snapshot; on a ``new_feed`` (none decided yet) the
+    first snapshot delivered is its own. Rows whose ``_snap`` is ``last`` may come from
+    other tables (op ``x``): they only say where a snapshot ends.
 
     One Spark job computes every figure; the caller's own figures ride along with it:
     ``bucket`` (an int column over the data events; its distinct values come back as
@@ -146,6 +186,7 @@ def assemble(
             F.max(F.when(kept_only, F.struct("pos_hi", "pos_lo", "pos_n"))).alias("last"),
             F.min(F.when(kept_only, order_column())).alias("order"),
             F.collect_set("_file").alias("files"),
+            F.max(F.struct("ord_file", "ord_row")).alias("latest"),
         )
         # a transaction redelivered whole after it was turned into updates: its events
         # are filtered out and its END is done with
@@ -154,7 +195,11 @@ def assemble(
     )
     events = F.coalesce(F.col("events"), F.lit(0))
     with_meta = F.coalesce(F.col("meta"), F.lit(False)) | F.col("expected").isNotNull()
-    incomplete = with_meta & (F.col("expected").isNull() | (events < F.col("expected")))
+    # (a transaction whose every event read was turned into updates before, read again
+    # with a file held back for another one, waits for nothing)
+    incomplete = with_meta & (
+        (F.col("expected").isNull() & (events > 0)) | (events < F.col("expected"))
+    )
     too_many = with_meta & (events > F.col("expected"))
     # One job for every figure, and nothing per source transaction comes to the driver
     # but the incomplete ones (the tail of the input, at most): a summary row, the
@@ -165,10 +210,12 @@ def assemble(
             F.sum(events).alias("kept"),
             F.count(F.when(events > 0, 1)).alias("ready"),
             F.max(F.when(events > 0, F.col("last"))).alias("last"),
+            F.max("latest").alias("latest"),
         ).withColumn("_kind", F.lit("summary")),
         per_txn.where(incomplete | too_many)
         .select("txn", events.alias("events"), "expected", "first", incomplete.alias("open"))
         .withColumn("_kind", F.lit("txn")),
+        _snapshot_figures(changes),
     ]
     if bucket is not None:
         parts.append(
@@ -203,46 +250,140 @@ def assemble(
     )
     data = persisted = data.persist()
     ready, last = summary["ready"], summary["last"]
+    snaps = sorted(
+        (r for r in collected if r["_kind"] == "snap" and r["s_first"] is not None),
+        key=lambda r: tuple(r["s_first"]),
+    )
+    own = (snaps[0]["lsn"] if snaps else None) if new_feed else snapshot_lsn
+    # (a new snapshot with only another table's end marker: the feed's table was empty)
+    fresh = [r for r in snaps if r["lsn"] != own and r["lsn"] > committed[0]]
+    opened = [r for r in odd if r["open"]]
+    dropped: set[str] = set()  # superseded by a new snapshot
+    hold_from: tuple[int, int] | None = None  # hold what is delivered from here on
+    replaces: tuple[int, str] | None = None
+    empty_at: tuple[int, int] | None = None  # where a new snapshot without rows is
+    if fresh:
+        snap = fresh[0]
+        at = tuple(snap["s_first"])
+        dropped = {r["txn"] for r in opened if r["first"] is not None and tuple(r["first"]) < at}
+        dropped |= {
+            r["s_txn"] for r in snaps if tuple(r["s_first"]) < at and not r["s_end"] and r["s_txn"]
+        }
+        opened = [r for r in opened if r["txn"] not in dropped]
+        first_f, first_r = F.col("first.ord_file"), F.col("first.ord_row")
+        before = (first_f < at[0]) | ((first_f == at[0]) & (first_r < at[1]))
+        earlier = per_txn.where((events > 0) & before)
+        if dropped:
+            earlier = earlier.where(~F.col("txn").isin(sorted(dropped)))
+        latest = summary["latest"]
+        end_at = tuple(snap["s_last"] or snap["s_first"])
+        ended = snap["s_end"] or (latest is not None and tuple(latest) > end_at)
+        if not earlier.isEmpty():
+            hold_from = at  # what came before it goes first
+        elif ended:
+            lsn = int(snap["lsn"])
+            replaces = (lsn, snap["s_txn"] or f"snapshot:{lsn}")
+            if snap["s_txn"] is None:
+                empty_at = at
+            if len(fresh) > 1:
+                hold_from = tuple(fresh[1]["s_first"])  # one new snapshot at a time
+            # delivered after it but committed before it (Debezium streaming again from
+            # an older slot position): the snapshot holds their effect
+            older = per_txn.where((events > 0) & ~before & (F.col("last.pos_hi") < lsn))
+            dropped |= {r["txn"] for r in older.select("txn").collect()}
+            log.warning(
+                "feed %s: Debezium snapshotted the table again (at LSN %d): the feed moves "
+                "to that snapshot in one time, retracting the rows it does not hold",
+                feed,
+                snap["lsn"],
+            )
+        else:
+            hold_from = at
+            log.info("feed %s: a new snapshot (LSN %d) is not complete yet", feed, snap["lsn"])
+        if dropped:
+            log.warning(
+                "feed %s: %d source transaction(s) dropped: delivered in part before the new "
+                "snapshot (never to be delivered whole again), or committed before it; the "
+                "snapshot holds their effect",
+                feed,
+                len(dropped),
+            )
     held_txns: set[str] = set()
     held_files: set[str] = set()
     ready_txns = per_txn.where(events > 0)
-    opened = [r for r in odd if r["open"]]
-    if opened:
+    if opened or hold_from is not None or dropped:
         # the first incomplete transaction in delivery order holds back every transaction
         # delivered after it (few: the tail of what was read)
-        held = F.col("txn").isin([r["txn"] for r in opened])
+        first_f, first_r = F.col("first.ord_file"), F.col("first.ord_row")
+        held = F.lit(False)
+        if opened:
+            held = F.col("txn").isin([r["txn"] for r in opened])
         starts = [tuple(r["first"]) for r in opened if r["first"] is not None]
+        if hold_from is not None:
+            starts.append(hold_from)
         if starts:
             f, row = min(starts)
-            first_f, first_r = F.col("first.ord_file"), F.col("first.ord_row")
             held = held | (first_f > f) | ((first_f == f) & (first_r >= row))
+        if dropped:
+            held = held & ~F.col("txn").isin(sorted(dropped))
         held = F.coalesce(held, F.lit(False))
         for r in per_txn.where(held).select("txn", "files", "end_files").collect():
             held_txns.add(r["txn"])
             held_files.update(r["files"] or ())
             held_files.update(r["end_files"] or ())
+        if hold_from is not None:  # a held snapshot's files, its end marker's too
+            for r in snaps:
+                if tuple(r["s_first"]) >= hold_from:
+                    held_files.update(r["s_files"] or ())
         ready_txns = ready_txns.where(~held)
+        if dropped:
+            ready_txns = ready_txns.where(~F.col("txn").isin(sorted(dropped)))
         again = ready_txns.agg(F.count(F.lit(1)).alias("n"), F.max("last").alias("m"))
         ready, last = again.collect()[0]
         spark = changes.sparkSession
-        held_df = spark.createDataFrame([(t,) for t in held_txns], "txn string")
-        data = data.join(F.broadcast(held_df), "txn", "left_anti")
-        log.info(
-            "feed %s: %d source transaction(s) incomplete or behind an incomplete one: "
-            "held back until the rest arrives",
-            feed,
-            len(held_txns),
+        out = spark.createDataFrame([(t,) for t in held_txns | dropped], "txn string")
+        data = data.join(F.broadcast(out), "txn", "left_anti")
+        if held_txns:
+            log.info(
+                "feed %s: %d source transaction(s) incomplete or behind an incomplete one "
+                "or a new snapshot: held back until the rest arrives",
+                feed,
+                len(held_txns),
+            )
+    order = ready_txns.select("txn", F.col("order").alias("o"))
+    if replaces is not None and empty_at is not None:
+        # the table was empty in the new snapshot: its time holds only retractions
+        at_snap = F.struct(
+            *[
+                F.lit(v).cast("long").alias(n)
+                for n, v in zip(
+                    ("pos_hi", "pos_lo", "pos_n"), (replaces[0], replaces[0], 0), strict=True
+                )
+            ],
+            *[
+                F.lit(v).cast("long").alias(n)
+                for n, v in zip(("ord_file", "ord_row"), empty_at, strict=True)
+            ],
         )
+        empty = changes.sparkSession.range(1).select(
+            F.lit(replaces[1]).alias("txn"), at_snap.alias("o")
+        )
+        order = order.unionByName(empty)
+        ready = (ready or 0) + 1
+        mark = (replaces[0], replaces[0], 0)
+        last = mark if last is None or tuple(last) < mark else last
     return Assembled(
         changes=data.select(*changes.columns),
         held_files=frozenset(held_files),
         ready=ready,
         held=len(held_txns),
         position=tuple(last) if last is not None else None,
-        order=ready_txns.select("txn", F.col("order").alias("o")),
+        order=order,
         redelivered=(summary["total"] or 0) - (summary["kept"] or 0),
         bad=bad,
         cached=(ends, persisted, per_txn),
         buckets=buckets,
         also=tuple(r for r in collected if r["_kind"] == "also"),
+        replaces=replaces,
+        superseded=len(dropped),
     )

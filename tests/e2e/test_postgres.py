@@ -6,8 +6,11 @@ re-insert, a primary-key update, a change undone inside its transaction, NULLs, 
 numeric/timestamp/timestamptz/date/uuid/json/time columns, an unchanged TOASTed column
 under REPLICA IDENTITY DEFAULT, a second table with REPLICA IDENTITY FULL captured into
 the same folder). The capture is SIGKILLed inside a large transaction and restarted, so
-Debezium delivers part of it twice. The feed must equal ``SELECT * FROM`` the table after
-each PostgreSQL transaction, one time per transaction, in batch and in ``--follow``.
+Debezium delivers part of it twice; later its offsets are lost while it is down, so it
+snapshots both tables again, and the feed moves to that snapshot in one time. The feed
+must equal ``SELECT * FROM`` the table after each PostgreSQL transaction, one time per
+transaction (the transactions made while the capture was down: one time, the snapshot's),
+in batch and in ``--follow``.
 
 Skipped only where PostgreSQL or the postgres extra is absent; ``.ci/run`` sets
 ``TIDEFEED_REQUIRE_POSTGRES=1``, which turns that skip into a failure.
@@ -119,6 +122,13 @@ AFTER_CRASH = [
     ["UPDATE ledger SET note = 'changed' WHERE id = 1", "DELETE FROM ledger WHERE id = 2"],
     [f"INSERT INTO accounts VALUES {_row_sql(999)}"],
 ]
+# while the capture is down with its offsets lost: Debezium snapshots again on restart,
+# and the feed moves to that snapshot in one time (a row gone, one new, one changed)
+WHILE_DOWN = [
+    ["DELETE FROM accounts WHERE id = 3", f"INSERT INTO accounts VALUES {_row_sql(777)}"],
+    ["UPDATE accounts SET owner = 'while down' WHERE id = 4", "DELETE FROM ledger WHERE id = 1"],
+]
+AFTER_RESNAPSHOT = [["UPDATE accounts SET owner = 'streamed again' WHERE id = 777"]]
 
 
 class Capture:
@@ -126,7 +136,9 @@ class Capture:
         self.pg, self.out, self.logs = pg, out, logs
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, *debezium: str) -> None:
+        """Start the capture; ``debezium``: more ``KEY=VALUE`` connector settings."""
+        more = [a for kv in debezium for a in ("--debezium", kv)]
         self.proc = start(
             "capture",
             "postgres",
@@ -139,6 +151,7 @@ class Capture:
             # small batches: a large transaction spans many files, so a kill lands inside it
             "--debezium",
             "max.batch.size=10",
+            *more,
             log=self.logs / "capture.log",
         )
 
@@ -148,16 +161,26 @@ class Capture:
     def text(self) -> str:
         return "".join(p.read_text() for p in self.files())
 
-    def wait_for(self, needle: str, timeout: float = 120) -> None:
+    def wait_for(self, needle: str, timeout: float = 120, times: int = 1) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.out.exists() and needle in self.text():
+            if self.out.exists() and self.text().count(needle) >= times:
                 return
             assert self.proc is not None and self.proc.poll() is None, (
                 self.logs / "capture.log"
             ).read_text()[-3000:]
             time.sleep(0.3)
         raise TimeoutError(f"capture never wrote {needle!r}")
+
+    def wait_for_offsets(self, needle: bytes, timeout: float = 120) -> None:
+        """Until Debezium's flushed offsets hold ``needle``."""
+        path = self.out / "_offsets.dat"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists() and needle in path.read_bytes():
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"Debezium's offsets never held {needle!r}")
 
     def kill(self) -> None:
         assert self.proc is not None
@@ -191,11 +214,13 @@ def captured(tmp_path_factory):
         ledger_truths: list[Counter] = []
         capture.start()
         capture.wait_for('"snapshot":"last"')
-        # Debezium's first offset flush records the finished snapshot: a restart after it
+        # the offsets record the finished snapshot (flushed after every batch): a restart
         # streams on instead of snapshotting again
-        deadline = time.monotonic() + 60
-        while not (capture.out / "_offsets.dat").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        capture.wait_for_offsets(b'"snapshot_completed":true')
+        assert capture.stop() in (0, 143)
+        # streaming with offsets flushed only at a clean stop, so that the kill below makes
+        # Debezium deliver what it streamed again
+        capture.start("offset.flush.interval.ms=3600000")
         follower = start(
             "emit",
             "--source",
@@ -244,6 +269,23 @@ def captured(tmp_path_factory):
             run(txn)
         capture.wait_for('"owner":"owner 999"')
         capture.wait_for('"status":"END"', timeout=5)
+        time.sleep(2)  # the END record of the last transaction
+        assert capture.stop() in (0, 143)
+        # the offsets are lost: the restarted capture snapshots both tables again
+        (capture.out / "_offsets.dat").unlink()
+        for txn in WHILE_DOWN:
+            conn.autocommit = False
+            for sql in txn:
+                cur.execute(sql)
+            conn.commit()
+            conn.autocommit = True
+        truths.append(table_multiset(cur, "accounts"))  # one time: the new snapshot
+        ledger_truths.append(table_multiset(cur, "ledger"))
+        capture.start()
+        capture.wait_for('"snapshot":"last"', times=2)
+        for txn in AFTER_RESNAPSHOT:
+            run(txn)
+        capture.wait_for('"owner":"streamed again"')
         time.sleep(2)  # the END record of the last transaction
         assert capture.stop() in (0, 143)
         yield {

@@ -1,6 +1,6 @@
 """Debezium details that real connectors produce, on hand-written events (no PostgreSQL):
 snapshots sharing one LSN, lines without a row change, other tables, the TOAST
-placeholder, a second snapshot, and transactions held back until their END arrives.
+placeholder, a new snapshot after a lost offset, and transactions held back until their END arrives.
 tests/e2e/test_postgres.py checks the same against the real connector."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections import Counter
 
 import orjson
+import pytest
 
 from feed.emitter import Emitter, EmitterConfig
 from feed.reader import FeedReader
-from protocol import check_messages
+from protocol import SourceError, check_messages
 
 from .model import as_multiset, collection_of
 
@@ -27,7 +28,7 @@ SCHEMA = {
 TOAST = "__debezium_unavailable_value"
 
 
-def event(op, row, lsn, *, xid, order=None, commit=None, table="accounts", before=None):
+def event(op, row, lsn, *, xid, order=None, commit=None, table="accounts", before=None, snap=None):
     """One change event as the PostgreSQL connector writes it (bare envelope)."""
     return {
         "before": before if op != "d" else row,
@@ -38,7 +39,7 @@ def event(op, row, lsn, *, xid, order=None, commit=None, table="accounts", befor
             "sequence": orjson.dumps([None if commit is None else str(commit), str(lsn)]).decode(),
             "schema": "public",
             "table": table,
-            "snapshot": "true" if op == "r" else "false",
+            "snapshot": snap or ("true" if op == "r" else "false"),
         },
         "op": op,
         "transaction": None if order is None else {"id": f"{xid}:{lsn}", "total_order": order},
@@ -88,6 +89,15 @@ def rows(*items):
 
 def snapshot(n, lsn=100, xid=1):
     return [event("r", {"id": i, "owner": f"o{i}", "doc": f"d{i}"}, lsn, xid=xid) for i in range(n)]
+
+
+def resnapshot(items, lsn, xid, *, last="last"):
+    """A snapshot Debezium took again: ``items`` (id, owner), the last read marked
+    ``last`` (None: no end marker among these reads)."""
+    out = [event("r", {"id": i, "owner": o, "doc": None}, lsn, xid=xid) for i, o in items]
+    if last and out:
+        out[-1]["source"]["snapshot"] = last
+    return out
 
 
 def test_snapshot_rows_share_an_lsn_and_lines_without_changes_are_skipped(spark, tmp_path):
@@ -170,16 +180,121 @@ def test_toast_placeholder_in_an_unkeyed_feed_is_quarantined(spark, tmp_path):
     assert collection_of(reader) == rows((0, "o0", "d0"), (1, "o1", "d1"))
 
 
-def test_a_second_snapshot_behind_the_feed_is_quarantined_not_applied(spark, tmp_path):
+def test_a_new_snapshot_replaces_the_collection_in_one_time(spark, tmp_path):
+    """Debezium lost its offsets and snapshotted again: the feed moves to the new snapshot
+    in one time (rows it no longer holds retracted), a transaction cut off before it is
+    dropped instead of holding everything back, and streaming goes on after it."""
     src = tmp_path / "in"
-    write(src, "part-0.json", [*snapshot(3), event("d", {"id": 0}, 200, xid=5, commit=150)])
+    write(
+        src,
+        "part-0.json",
+        [
+            *snapshot(3),
+            event("d", {"id": 0}, 200, xid=5, order=1),
+            end(5, 210, {"accounts": 1}),
+            event("c", {"id": 5, "owner": "five", "doc": None}, 220, xid=6, order=1),
+            end(6, 230, {"accounts": 1}),
+        ],
+    )
     e = open_emitter(spark, tmp_path)
     e.run()
-    # the connector lost its offsets and snapshotted again (new LSN, no commit LSN)
-    write(src, "part-1.json", snapshot(3, lsn=400, xid=6) + snapshot(3)[:1])
+    cut = [  # two of its three events came before the crash; never delivered whole again
+        event("u", {"id": 1, "owner": "lost", "doc": None}, 300 + i, xid=7, order=1 + i)
+        for i in range(2)
+    ]
+    write(src, "part-1.json", cut)
+    # the restarted connector snapshots at LSN 400 (the other table's read ends it), then
+    # streams on
+    write(
+        src,
+        "part-2.json",
+        [
+            *resnapshot([(1, "one"), (2, "o2"), (7, "seven")], 400, 8, last=None),
+            event("r", {"id": 1}, 400, xid=8, table="ledger", snap="last"),
+            event("u", {"id": 7, "owner": "SEVEN", "doc": None}, 450, xid=9, order=1),
+            end(9, 460, {"accounts": 1}),
+        ],
+    )
     reports = e.run()
     e.close()
-    assert [r.bad_rows for r in reports] == [3]  # the new snapshot; the old one's row dropped
+    assert sum(r.bad_rows for r in reports) == 0
+    reader = FeedReader(str(tmp_path / "log"), "t")
+    assert check_messages(reader.messages(), non_negative=True, key=["id"]) == []
+    assert reader.frontier == 6  # snapshot, delete, insert, new snapshot, update
+    assert collection_of(reader, at=3) == rows((1, "o1", "d1"), (2, "o2", "d2"), (5, "five", None))
+    new = rows((1, "one", None), (2, "o2", None), (7, "seven", None))
+    assert collection_of(reader, at=4) == new  # 5 retracted: the new snapshot lacks it
+    assert collection_of(reader, at=5) == new - rows((7, "seven", None)) + rows((7, "SEVEN", None))
+    checkpoint = orjson.loads(sorted((tmp_path / "log/t/_commits").glob("*.json"))[-1].read_bytes())
+    assert checkpoint["source"]["snapshot_lsn"] == 400
+
+
+def test_a_new_snapshot_waits_for_its_end_and_goes_after_what_came_before(spark, tmp_path):
+    src = tmp_path / "in"
+    write(src, "part-0.json", snapshot(2))
+    e = open_emitter(spark, tmp_path)
+    e.run()
+    again = resnapshot([(0, "zero"), (1, "one"), (2, "two")], 400, 8)
+    write(
+        src,
+        "part-1.json",
+        [
+            event("c", {"id": 3, "owner": "three", "doc": None}, 300, xid=7, order=1),
+            end(7, 310, {"accounts": 1}),
+            *again[:2],
+        ],
+    )
+    report = e.step()  # the transaction before the snapshot goes first
+    assert report is not None and report.progress.upper == 3
+    assert e.step() is None  # the snapshot's end is not in: nothing more
+    write(src, "part-2.json", again[2:])
+    reports = e.run()
+    e.close()
+    assert sum(r.bad_rows for r in reports) == 0
+    reader = FeedReader(str(tmp_path / "log"), "t")
+    assert check_messages(reader.messages(), non_negative=True, key=["id"]) == []
+    assert reader.frontier == 4
+    assert collection_of(reader, at=2) == rows((0, "o0", "d0"), (1, "o1", "d1"), (3, "three", None))
+    assert collection_of(reader, at=3) == rows(
+        (0, "zero", None), (1, "one", None), (2, "two", None)
+    )
+
+
+def test_a_new_snapshot_on_an_unkeyed_feed_fails_and_commits_nothing(spark, tmp_path):
+    src = tmp_path / "in"
+    write(src, "part-0.json", snapshot(2))
+    e = open_emitter(spark, tmp_path, key=())
+    e.run()
+    commits = sorted(p.name for p in (tmp_path / "log/t/_commits").iterdir())
+    write(src, "part-1.json", resnapshot([(0, "zero")], 400, 8))
+    with pytest.raises(SourceError, match=r"snapshotted public\.accounts again"):
+        e.run()
+    e.close()
+    assert sorted(p.name for p in (tmp_path / "log/t/_commits").iterdir()) == commits
+    assert collection_of(FeedReader(str(tmp_path / "log"), "t")) == rows(
+        (0, "o0", "d0"), (1, "o1", "d1")
+    )
+
+
+def test_an_older_snapshot_behind_the_feed_is_quarantined_not_applied(spark, tmp_path):
+    src = tmp_path / "in"
+    write(
+        src,
+        "part-0.json",
+        [
+            *snapshot(3, lsn=300),
+            event("d", {"id": 0}, 350, xid=5, order=1),
+            end(5, 360, {"accounts": 1}),
+        ],
+    )
+    e = open_emitter(spark, tmp_path)
+    e.run()
+    # a snapshot from before the feed's own (its LSN is behind the committed position),
+    # and part of the feed's own snapshot again
+    write(src, "part-1.json", snapshot(3, lsn=100, xid=6) + snapshot(3, lsn=300)[:1])
+    reports = e.run()
+    e.close()
+    assert [r.bad_rows for r in reports] == [3]  # the older snapshot; the own one's row dropped
     reader = FeedReader(str(tmp_path / "log"), "t")
     assert collection_of(reader) == rows((1, "o1", "d1"), (2, "o2", "d2"))
     reasons = {
@@ -187,7 +302,7 @@ def test_a_second_snapshot_behind_the_feed_is_quarantined_not_applied(spark, tmp
         for p in (tmp_path / "log/t/quarantine").rglob("*.json")
         for line in p.read_bytes().splitlines()
     }
-    assert len(reasons) == 1 and "new snapshot" in reasons.pop()
+    assert len(reasons) == 1 and "older than the feed's committed position" in reasons.pop()
 
 
 def test_a_transaction_is_held_back_until_its_end_and_all_its_events_arrive(spark, tmp_path):
@@ -221,3 +336,54 @@ def test_a_transaction_is_held_back_until_its_end_and_all_its_events_arrive(spar
     assert reader.frontier == 4  # snapshot, the big transaction, the delete: one time each
     assert collection_of(reader, at=2) == base + added
     assert collection_of(reader, at=3) == base + added - rows((10, "b", None))
+
+
+def test_a_file_read_again_for_a_held_transaction_is_consumed_once_that_one_completes(
+    spark, tmp_path
+):
+    """A file holding a finished transaction and the start of an unfinished one is read
+    again; the finished one, all redelivered by then, must not be waited for."""
+    src = tmp_path / "in"
+    write(src, "part-0.json", snapshot(1))
+    e = open_emitter(spark, tmp_path)
+    e.run()
+    b = [
+        event("c", {"id": 20 + i, "owner": "b", "doc": None}, 400 + i, xid=8, order=1 + i)
+        for i in range(2)
+    ]
+    write(
+        src,
+        "part-1.json",
+        [
+            event("c", {"id": 10, "owner": "a", "doc": None}, 300, xid=7, order=1),
+            end(7, 310, {"accounts": 1}),
+            b[0],
+        ],
+    )
+    e.run()
+    write(src, "part-2.json", [b[1], end(8, 410, {"accounts": 2})])
+    e.run()
+    assert e.pending_files() == []
+    e.close()
+    reader = FeedReader(str(tmp_path / "log"), "t")
+    assert reader.frontier == 4
+    assert collection_of(reader) == rows(
+        (0, "o0", "d0"), (10, "a", None), (20, "b", None), (21, "b", None)
+    )
+
+
+def test_a_new_snapshot_without_rows_of_the_table_empties_it(spark, tmp_path):
+    """The table was emptied while the capture was down: the new snapshot has no read of
+    it, only the other table's end marker at the new LSN."""
+    src = tmp_path / "in"
+    write(src, "part-0.json", snapshot(2))
+    e = open_emitter(spark, tmp_path)
+    e.run()
+    write(src, "part-1.json", [event("r", {"id": 1}, 400, xid=8, table="ledger", snap="last")])
+    reports = e.run()
+    e.close()
+    assert sum(r.bad_rows for r in reports) == 0
+    reader = FeedReader(str(tmp_path / "log"), "t")
+    assert check_messages(reader.messages(), non_negative=True, key=["id"]) == []
+    assert reader.frontier == 3
+    assert collection_of(reader, at=2) == Counter()
