@@ -224,19 +224,16 @@ def keyed_diffs(
 
 
 def replacement_deletes(
-    changes: DataFrame, state: DataFrame | None, key: Sequence[str], snapshot: tuple[int, str]
+    changes: DataFrame, live: DataFrame | None, key: Sequence[str], snapshot: tuple[int, str]
 ) -> DataFrame:
     """``snapshot`` (its LSN and source transaction) replaces the collection: a delete of
-    every live ``state`` row (the whole state before it) whose key none of its reads in
-    ``changes`` has, shaped like ``changes``. The snapshot is the first source transaction
-    released (unit 0) and its deletes sit at its LSN, before every later change."""
-    if state is None:
+    every ``live`` state row (the whole state before it, tombstones left out) whose key
+    none of its reads in ``changes`` has, shaped like ``changes``. The snapshot is the
+    first source transaction released (unit 0) and its deletes sit at its LSN, before
+    every later change."""
+    if live is None:
         return changes.limit(0)
     lsn, txn = snapshot
-    gone = F.col(GONE_COLUMN) if GONE_COLUMN in state.columns else F.lit(False)
-    live = state.where(~F.coalesce(gone, F.lit(False))).select(
-        _key_of(F.col("data"), key).alias("k"), "data"
-    )
     reads = changes.where((F.col("op") == "r") & (F.col("txn") == txn))
     held = reads.select(_key_of(F.col("after"), key).alias("k")).distinct()
     given = {
@@ -252,7 +249,8 @@ def replacement_deletes(
         "ord_row": F.lit(0),
         "_file": F.lit("(new snapshot)"),
     }
-    return live.join(held, "k", "left_anti").select(
+    keyed = live.select(_key_of(F.col("data"), key).alias("k"), "data")
+    return keyed.join(held, "k", "left_anti").select(
         *[
             given.get(f.name, F.lit(None)).cast(f.dataType).alias(f.name)
             for f in changes.schema.fields

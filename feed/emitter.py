@@ -574,7 +574,7 @@ class Emitter:
         position: Any = None  # the highest source position, when the source tells it
         txn_cached: tuple[Any, ...] = ()
         held = redelivered = 0
-        replaces: tuple[int, str] | None = None  # a new Debezium snapshot, released alone
+        replaces: tuple[int, str] | None = None  # a new Debezium snapshot: (LSN, txn)
         keyed = bool(self.info.key) and cfg.source_kind != "snapshot"
         image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
         touched: frozenset[int] | None = None  # the state buckets this transaction meets
@@ -653,20 +653,19 @@ class Emitter:
 
         t1 = time.perf_counter()
         good, units, ranked = assign_units(good, cfg.granularity, order)
-        loaded = None
+        loaded = live = None
         if keyed:
+            from .state import GONE_COLUMN
+
             # only the state buckets this transaction's keys fall in
             loaded = self._state.load(cp.state, good, image, touched=touched)
+            if loaded.rows is not None:  # a deleted key's tombstone is not a row
+                live = loaded.rows.where(~F.col(GONE_COLUMN))
             if replaces is not None:
-                gone = replacement_deletes(good, loaded.rows, self.info.key, replaces)
+                gone = replacement_deletes(good, live, self.info.key, replaces)
                 good = good.unionByName(gone)
         if toast_rows:
             if loaded is not None:
-                from .state import GONE_COLUMN
-
-                live = loaded.rows
-                if live is not None:  # a deleted key's tombstone is no earlier value
-                    live = live.where(~F.col(GONE_COLUMN))
                 filled = fill_unavailable(good, live, self.info.key)
                 good = filled.diffs
                 assert filled.bad is not None

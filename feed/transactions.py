@@ -80,7 +80,6 @@ class Assembled:
     also: tuple[Row, ...] = ()
     #: a new snapshot, the first transaction released, as the whole table: (LSN, ``txn``)
     replaces: tuple[int, str] | None = None
-    superseded: int = 0  # source transactions dropped: a new snapshot came after them
 
 
 def _position_filter(pos: Position, snapshot_lsn: int | None) -> tuple[Column, Column]:
@@ -104,6 +103,14 @@ NEW_SNAPSHOT = (
     "a snapshot of the table older than the feed's committed position and not the feed's "
     "own: the feed holds later changes than it, so it is not applied"
 )
+
+
+def _first_from(at: tuple[int, int]) -> Column:
+    """Whether a transaction of ``per_txn`` was first delivered at or after ``at``
+    (``ord_file``, ``ord_row``)."""
+    f, row = at
+    first_f, first_r = F.col("first.ord_file"), F.col("first.ord_row")
+    return (first_f > f) | ((first_f == f) & (first_r >= row))
 
 
 def _snapshot_figures(changes: DataFrame) -> DataFrame:
@@ -270,8 +277,7 @@ def assemble(
             r["s_txn"] for r in snaps if tuple(r["s_first"]) < at and not r["s_end"] and r["s_txn"]
         }
         opened = [r for r in opened if r["txn"] not in dropped]
-        first_f, first_r = F.col("first.ord_file"), F.col("first.ord_row")
-        before = (first_f < at[0]) | ((first_f == at[0]) & (first_r < at[1]))
+        before = ~_first_from(at)
         earlier = per_txn.where((events > 0) & before)
         if dropped:
             earlier = earlier.where(~F.col("txn").isin(sorted(dropped)))
@@ -314,7 +320,6 @@ def assemble(
     if opened or hold_from is not None or dropped:
         # the first incomplete transaction in delivery order holds back every transaction
         # delivered after it (few: the tail of what was read)
-        first_f, first_r = F.col("first.ord_file"), F.col("first.ord_row")
         held = F.lit(False)
         if opened:
             held = F.col("txn").isin([r["txn"] for r in opened])
@@ -322,8 +327,7 @@ def assemble(
         if hold_from is not None:
             starts.append(hold_from)
         if starts:
-            f, row = min(starts)
-            held = held | (first_f > f) | ((first_f == f) & (first_r >= row))
+            held = held | _first_from(min(starts))
         if dropped:
             held = held & ~F.col("txn").isin(sorted(dropped))
         held = F.coalesce(held, F.lit(False))
@@ -353,24 +357,25 @@ def assemble(
     order = ready_txns.select("txn", F.col("order").alias("o"))
     if replaces is not None and empty_at is not None:
         # the table was empty in the new snapshot: its time holds only retractions
+        lsn, (f, row) = replaces[0], empty_at
         at_snap = F.struct(
             *[
                 F.lit(v).cast("long").alias(n)
-                for n, v in zip(
-                    ("pos_hi", "pos_lo", "pos_n"), (replaces[0], replaces[0], 0), strict=True
+                for n, v in (
+                    ("pos_hi", lsn),
+                    ("pos_lo", lsn),
+                    ("pos_n", 0),
+                    ("ord_file", f),
+                    ("ord_row", row),
                 )
-            ],
-            *[
-                F.lit(v).cast("long").alias(n)
-                for n, v in zip(("ord_file", "ord_row"), empty_at, strict=True)
-            ],
+            ]
         )
         empty = changes.sparkSession.range(1).select(
             F.lit(replaces[1]).alias("txn"), at_snap.alias("o")
         )
         order = order.unionByName(empty)
         ready = (ready or 0) + 1
-        mark = (replaces[0], replaces[0], 0)
+        mark = (lsn, lsn, 0)
         last = mark if last is None or tuple(last) < mark else last
     return Assembled(
         changes=data.select(*changes.columns),
@@ -385,5 +390,4 @@ def assemble(
         buckets=buckets,
         also=tuple(r for r in collected if r["_kind"] == "also"),
         replaces=replaces,
-        superseded=len(dropped),
     )
