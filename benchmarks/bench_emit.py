@@ -37,7 +37,7 @@ RECORD_COLUMNS = ("id", "owner", "balance", "active", "note")
 SPARK_JOB = """
 import sys, time
 from feed.session import get_spark
-from feed.sources import spark_record_type
+from feed.source_rows import spark_record_type
 from feed.demo_data import ACCOUNTS_SCHEMA
 from pyspark.sql import functions as F, types as T
 src, out, master = sys.argv[1:4]

@@ -39,8 +39,8 @@ from .cliopts import (
     version,
     with_env,
 )
-from .emitter import DEFAULT_CLOCK, DEFAULT_GRANULARITY, DEFAULT_MAX_FILES, DEFAULT_TRIGGER
 from .session import DEFAULT_MASTER
+from .settings import DEFAULT_CLOCK, DEFAULT_GRANULARITY, DEFAULT_MAX_FILES, DEFAULT_TRIGGER
 
 __all__ = ["build_parser", "main"]
 

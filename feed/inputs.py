@@ -21,9 +21,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from protocol import SourceError
 
-__all__ = ["FilePosition", "list_files"]
+__all__ = ["FilePosition", "edge_txn", "list_files"]
 
 
 def list_files(path: str, *, what: str = "source path") -> list[str]:
@@ -95,3 +97,37 @@ def consumed_position(
 def without_legacy(source: Mapping[str, Any]) -> dict[str, Any]:
     """``source`` without the whole-list keys of checkpoints from before high-waters."""
     return {k: v for k, v in source.items() if k not in ("files", "tx_files")}
+
+
+def edge_txn(kind: str, path: str, *, last: bool) -> str | None:
+    """The source transaction of the first (or last) change of a JSON-lines file, if known.
+    Lines that carry no change (tombstones, heartbeats, transaction metadata) are passed."""
+    if kind not in ("debezium", "cdf") or path.endswith(".parquet"):
+        return None
+    try:
+        with open(path, "rb") as f:
+            if last:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - (1 << 20)))
+                lines = [x for x in f.read().splitlines() if x.strip()][::-1]
+            else:
+                lines = [x for x in (f.readline() for _ in range(100)) if x.strip()]
+    except OSError:
+        return None
+    from .debezium import debezium_event
+
+    for line in lines:
+        if kind == "cdf":
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            v = row.get("_commit_version") if isinstance(row, dict) else None
+        else:
+            found = debezium_event(line)
+            if found is None:
+                continue
+            src = found[1].get("source")
+            v = src.get("txId") if isinstance(src, dict) else None
+        return None if v is None else str(v)
+    return None

@@ -1,0 +1,254 @@
+"""Kafka Connect encodings: a Connect schema as an Avro record schema, and the raw JSON
+text of a Connect value as a typed Spark column.
+
+Debezium writes values the way Kafka Connect's JSON converter does: decimals as base64
+big-endian unscaled integers (with the scale in the schema, or beside the value for
+PostgreSQL ``numeric`` without one), times as numbers in a unit the logical type names.
+:func:`typed_record` reads a struct of raw strings into the feed's record type with Spark's
+native expressions, and names every field whose value does not fit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyspark.sql import Column
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+__all__ = [
+    "CONNECT_NAME",
+    "DECIMAL",
+    "TOAST_PLACEHOLDER",
+    "VARIABLE_DECIMAL",
+    "VARIABLE_DECIMAL_TYPE",
+    "as_strings",
+    "connect_names",
+    "connect_to_avro",
+    "typed_record",
+]
+
+_CONNECT_TYPES = {
+    "int8": "int",
+    "int16": "int",
+    "int32": "int",
+    "int64": "long",
+    "float32": "float",
+    "float64": "double",
+    "boolean": "boolean",
+    "string": "string",
+    "bytes": "bytes",
+}
+
+#: the ``connect.name`` attribute a record field keeps: how its JSON value is encoded
+CONNECT_NAME = "connect.name"
+DECIMAL = "org.apache.kafka.connect.data.Decimal"
+VARIABLE_DECIMAL = "io.debezium.data.VariableScaleDecimal"
+#: PostgreSQL ``numeric`` without a declared precision has no fixed scale: tidefeed holds it
+#: as decimal(38, 18) (20 integer digits, 18 after the point); a value with more digits is
+#: a type mismatch, quarantined, never rounded
+VARIABLE_DECIMAL_TYPE = (38, 18)
+#: Debezium's marker for an unchanged TOASTed column (REPLICA IDENTITY DEFAULT)
+TOAST_PLACEHOLDER = "__debezium_unavailable_value"
+
+# Kafka Connect / Debezium logical types -> Avro logical types
+_CONNECT_LOGICAL: dict[str, dict[str, Any]] = {
+    "io.debezium.time.ZonedTimestamp": {"type": "long", "logicalType": "timestamp-micros"},
+    "io.debezium.time.MicroTimestamp": {"type": "long", "logicalType": "local-timestamp-micros"},
+    "io.debezium.time.Timestamp": {"type": "long", "logicalType": "local-timestamp-micros"},
+    "io.debezium.time.NanoTimestamp": {"type": "long", "logicalType": "local-timestamp-micros"},
+    "org.apache.kafka.connect.data.Timestamp": {
+        "type": "long",
+        "logicalType": "local-timestamp-micros",
+    },
+    "io.debezium.time.Date": {"type": "int", "logicalType": "date"},
+    "org.apache.kafka.connect.data.Date": {"type": "int", "logicalType": "date"},
+    # Spark 4 cannot hold TIME columns yet: a time of day is its microseconds since midnight
+    "io.debezium.time.MicroTime": {"type": "long"},
+    "io.debezium.time.Time": {"type": "long"},
+    "io.debezium.time.NanoTime": {"type": "long"},
+    "org.apache.kafka.connect.data.Time": {"type": "long"},
+    "io.debezium.data.Uuid": {"type": "string", "logicalType": "uuid"},
+    "io.debezium.data.Json": {"type": "string"},
+    "io.debezium.data.Xml": {"type": "string"},
+    "io.debezium.data.Enum": {"type": "string"},
+    "io.debezium.time.ZonedTime": {"type": "string"},
+    "io.debezium.time.MicroDuration": {"type": "long"},
+}
+
+
+def _connect_field_type(f: dict[str, Any], name: str) -> Any:
+    """The Avro type of one Kafka Connect schema field, logical types decoded."""
+    kind = f.get("type")
+    logical = f.get("name")
+    if logical == DECIMAL:
+        params = f.get("parameters") or {}
+        scale = int(params.get("scale", 0))
+        precision = int(params.get("connect.decimal.precision", 38))
+        if precision > 38:
+            # wider than Spark's decimals: keep the exact digits as text
+            return {"type": "string", CONNECT_NAME: DECIMAL}
+        return {
+            "type": "bytes",
+            "logicalType": "decimal",
+            "precision": precision,
+            "scale": scale,
+            CONNECT_NAME: DECIMAL,
+        }
+    if logical == VARIABLE_DECIMAL:
+        precision, scale = VARIABLE_DECIMAL_TYPE
+        return {
+            "type": "bytes",
+            "logicalType": "decimal",
+            "precision": precision,
+            "scale": scale,
+            CONNECT_NAME: VARIABLE_DECIMAL,
+        }
+    if isinstance(logical, str) and logical in _CONNECT_LOGICAL:
+        return {**_CONNECT_LOGICAL[logical], CONNECT_NAME: logical}
+    if kind == "struct":
+        return connect_to_avro(f.get("fields", []), name)
+    if kind == "array":
+        items = f.get("items") or {}
+        return {"type": "array", "items": _connect_field_type(items, f"{name}_item")}
+    if kind == "map":
+        values = f.get("values") or {}
+        return {"type": "map", "values": _connect_field_type(values, f"{name}_value")}
+    return _CONNECT_TYPES.get(str(kind), "string")
+
+
+def connect_to_avro(fields: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """An Avro record schema from Kafka Connect struct fields, in their column order."""
+    out = []
+    for f in fields:
+        avro = _connect_field_type(f, f"{name}_{f['field']}")
+        entry: dict[str, Any] = {"name": f["field"], "type": avro}
+        if f.get("optional"):
+            entry = {"name": f["field"], "type": ["null", avro], "default": None}
+        out.append(entry)
+    return {"type": "record", "name": name, "fields": out}
+
+
+def connect_names(schema: dict[str, Any]) -> dict[str, str]:
+    """Each top-level field's ``connect.name`` (how Debezium encodes its value), if any."""
+    out = {}
+    for f in schema.get("fields", []):
+        t = f.get("type")
+        if isinstance(t, list):
+            t = next((b for b in t if b != "null"), None)
+        if isinstance(t, dict) and isinstance(t.get(CONNECT_NAME), str):
+            out[f["name"]] = t[CONNECT_NAME]
+    return out
+
+
+def as_strings(t: T.StructType) -> T.StructType:
+    """The same fields, all as strings: Spark's JSON reader then keeps each value's raw text
+    (objects and arrays as JSON), so a line is parsed once and typed by casts."""
+    return T.StructType([T.StructField(f.name, T.StringType()) for f in t.fields])
+
+
+def _be_integer(b: Column) -> Column:
+    """A big-endian two's-complement byte string as decimal(38, 0) (null past 38 digits)."""
+
+    def value(h: Column) -> Column:
+        pairs = F.filter(F.split(F.regexp_replace(h, "(..)", "$1,"), ","), lambda x: x != "")
+        negative = F.conv(F.substring(h, 1, 2), 16, 10).cast("int") >= 128
+        start = F.when(negative, F.lit(-1)).otherwise(F.lit(0)).cast(_UNSCALED)
+        return F.aggregate(
+            pairs,
+            start,
+            lambda acc, x: F.try_add(
+                F.try_multiply(acc, F.lit(256)), F.conv(x, 16, 10).cast("int")
+            ).cast(_UNSCALED),
+        )
+
+    return F.transform(F.array(F.hex(b)), value)[0]
+
+
+_UNSCALED = T.DecimalType(38, 0)
+
+
+def _scaled_text(unscaled: Column, scale: Column) -> Column:
+    """The exact decimal text of ``unscaled * 10^-scale``. (Each input is bound once, as
+    a lambda variable: the expression stays small however often it is used.)"""
+
+    def text(u: Column, s: Column) -> Column:
+        t = F.abs(u).cast("string")
+        # lpad also cuts longer strings: pad only the short ones
+        digits = F.when(F.length(t) <= s, F.lpad(t, s + 1, "0")).otherwise(t)
+        whole = F.substring(digits, F.lit(1), F.length(digits) - s)
+        frac = F.substring(digits, F.length(digits) - s + 1, s)
+        sign = F.when(u < 0, F.lit("-")).otherwise(F.lit(""))
+        return F.when(s > 0, F.concat(sign, whole, F.lit("."), frac)).otherwise(
+            F.concat(sign, whole)
+        )
+
+    pair = F.array(F.struct(unscaled.alias("u"), scale.alias("s")))
+    return F.transform(pair, lambda p: text(p["u"], p["s"]))[0]
+
+
+_TIME_UNITS = {  # Debezium/Connect numeric time encodings -> factor to microseconds
+    "io.debezium.time.MicroTimestamp": 1,
+    "io.debezium.time.Timestamp": 1000,
+    "org.apache.kafka.connect.data.Timestamp": 1000,
+    "io.debezium.time.MicroTime": 1,
+    "io.debezium.time.Time": 1000,
+    "org.apache.kafka.connect.data.Time": 1000,
+}
+_NANOS = ("io.debezium.time.NanoTimestamp", "io.debezium.time.NanoTime")
+
+
+def _micros(r: Column, enc: str) -> Column:
+    n = r.try_cast("long")
+    return F.floor(n / 1000).cast("long") if enc in _NANOS else n * _TIME_UNITS[enc]
+
+
+def _decode(r: Column, t: T.DataType, enc: str | None) -> Column:
+    """A raw JSON value (as text) read as type ``t``; ``enc`` is the field's Connect logical
+    type when the value is encoded (base64 decimals, epoch numbers), else plain text."""
+    if isinstance(t, T.StringType):
+        if enc == DECIMAL:  # wider than 38 digits: keep the exact text
+            raw = F.unbase64(r)
+            return _scaled_text(_be_integer(raw), F.lit(0))
+        return r
+    if isinstance(t, T.DecimalType):
+        if enc == DECIMAL:
+            text = _scaled_text(_be_integer(F.unbase64(r)), F.lit(t.scale))
+            return text.try_cast(t)
+        if enc == VARIABLE_DECIMAL:
+            v = F.from_json(r, "scale int, value string")
+            text = _scaled_text(_be_integer(F.unbase64(v["value"])), v["scale"])
+            # more fractional digits than the column holds would be rounded: a mismatch
+            return F.when(v["scale"] <= t.scale, text.try_cast(t))
+        return r.try_cast(t)
+    if isinstance(t, T.TimestampType | T.TimestampNTZType) and enc in (*_TIME_UNITS, *_NANOS):
+        ts = F.timestamp_micros(_micros(r, enc))
+        return ts.cast(t) if isinstance(t, T.TimestampNTZType) else ts
+    if isinstance(t, T.DateType) and enc in (
+        "io.debezium.time.Date",
+        "org.apache.kafka.connect.data.Date",
+    ):
+        return F.date_from_unix_date(r.try_cast("int"))
+    if isinstance(t, T.LongType) and enc in (*_TIME_UNITS, *_NANOS):
+        return _micros(r, enc)
+    if isinstance(t, T.StructType | T.ArrayType | T.MapType):
+        return F.from_json(r, t)
+    if isinstance(t, T.BinaryType):
+        return F.try_to_binary(r, F.lit("base64"))
+    return r.try_cast(t)
+
+
+def typed_record(
+    raw: Column, record: T.StructType, label: str, encodings: dict[str, str] | None = None
+) -> tuple[Column, list[Column]]:
+    """``raw`` (a struct of strings) cast to ``record``, and one column per field naming it
+    (``label`` + name) when its raw value does not fit the field's type. ``encodings`` maps
+    a field to its Kafka Connect logical type (see :func:`connect_names`)."""
+    values, mismatches = [], []
+    for f in record.fields:
+        r = raw[f.name]
+        v = _decode(r, f.dataType, (encodings or {}).get(f.name))
+        values.append(v.alias(f.name))
+        mismatches.append(F.when(r.isNotNull() & v.isNull(), F.lit(label + f.name)))
+    value = F.when(raw.isNull(), F.lit(None).cast(record)).otherwise(F.struct(*values))
+    return value, mismatches

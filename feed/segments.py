@@ -1,0 +1,61 @@
+"""Writing a transaction: its updates as each time's segment files, its keyed state and its
+quarantined rows, all before the commit names them (see :mod:`feed.emitter`).
+
+Updates are written by one Spark job to ``_staging/<seq>-<random>/time=<t>/`` and moved to
+``times/<t>/`` under names of the writing epoch (:meth:`feed.log.FeedLog.install_time`): a
+redo of the same transaction replaces them. Each time's row count is read from the Parquet
+footers, so the manifest's counts are the files' own.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from .dataflow import Computed, TxnContext
+from .manifest import Segment
+
+__all__ = ["write_transaction"]
+
+
+def write_transaction(
+    ctx: TxnContext, seq: int, done: Computed
+) -> tuple[list[Segment], str | None]:
+    """Write transaction ``seq``'s updates, state and bad rows; return its segments (by
+    time) and the state reference its commit names."""
+    from pyspark.sql import functions as F
+
+    fl, cp = ctx.feedlog, ctx.cp
+    staging = fl.path("_staging", f"{seq}-{uuid.uuid4().hex[:8]}")
+    flat = done.updates.select("time", "data.*", "diff")
+    flat.write.partitionBy("time").parquet(ctx.spark_path(staging))
+    segments = _install(ctx, staging, cp.epoch)
+    state_ref = cp.state
+    if done.new_state is not None and done.loaded is not None:
+        state_ref = ctx.state.write(seq, done.new_state, done.loaded)
+    elif done.new_state is not None:  # successive snapshots: the last one, whole
+        state_ref = f"state/{seq}-{uuid.uuid4().hex[:8]}"
+        done.new_state.select("data.*").write.parquet(ctx.spark_path(fl.path(state_ref)))
+    if done.bad_rows:
+        done.bad.select(
+            F.col("_file").alias("file"),
+            F.col("_raw").alias("raw"),
+            F.col("_error").alias("reason"),
+        ).write.mode("overwrite").json(ctx.spark_path(fl.path("quarantine", str(seq))))
+    fl.delete_dir(staging)
+    return segments, state_ref
+
+
+def _install(ctx: TxnContext, staging: str, epoch: int) -> list[Segment]:
+    """Move staged ``time=<t>`` folders to ``times/<t>``; return each time's segment."""
+    fl = ctx.feedlog
+    segments = []
+    for d in fl.list_dir(staging):
+        if not d.base_name.startswith("time="):
+            continue
+        t = int(d.base_name.split("=", 1)[1])
+        files = [i.path for i in fl.list_dir(d.path) if i.base_name.endswith(".parquet")]
+        n = fl.row_count(files)
+        if n:
+            installed = fl.install_time(t, epoch, files)
+            segments.append(Segment(t, epoch, n, tuple(installed)))
+    return sorted(segments, key=lambda s: s.time)

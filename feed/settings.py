@@ -1,0 +1,173 @@
+"""A feed's settings: this run's flags (:class:`EmitterConfig`) and the feed's own
+(``feed.json``, written when the feed is created).
+
+A new feed takes its settings from the flags (the defaults where they are left out) and its
+record schema from ``--schema``, a Delta table or the first input. A later run is checked
+against them before anything is read: a flag left out takes the feed's value, a flag that
+differs is refused (:func:`settle`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
+
+from protocol import SourceError, fingerprint
+
+from .log import FeedInfo, FeedLog
+
+__all__ = [
+    "DEFAULT_CLOCK",
+    "DEFAULT_GRANULARITY",
+    "DEFAULT_MAX_FILES",
+    "DEFAULT_TRIGGER",
+    "EmitterConfig",
+    "create_feed",
+    "load_schema_file",
+    "settle",
+]
+
+DEFAULT_TRIGGER = 5.0
+DEFAULT_MAX_FILES = 1000
+DEFAULT_CLOCK = "wallclock"  # a new feed's, when --clock is left out
+DEFAULT_GRANULARITY = "batch"  # a new feed's, when --granularity is left out
+RESERVED = ("time", "diff")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EmitterConfig:
+    source_kind: str
+    source_path: str
+    feed: str
+    log: str
+    key: tuple[str, ...] = ()
+    schema: dict[str, Any] | None = None
+    clock: str | None = None  # None: the feed's, else wallclock
+    granularity: str | None = None  # None: the feed's, else batch
+    follow: bool = False
+    trigger: float = DEFAULT_TRIGGER
+    master: str | None = None
+    on_bad_record: str = "quarantine"
+    max_files_per_txn: int = DEFAULT_MAX_FILES
+    order: str | None = None  # upsert: the column that orders upserts
+    deleted: str | None = None  # upsert: the boolean column that marks deletes
+    table: str | None = None  # debezium: the schema.table the feed holds
+    tx_metadata: str | None = None  # debezium: a folder of transaction metadata records
+    conf: tuple[tuple[str, str], ...] = ()  # Spark settings (--conf), over everything else
+
+
+def create_feed(
+    cfg: EmitterConfig,
+    feedlog: FeedLog,
+    *,
+    spark: Callable[[], Any],
+    files: Callable[[], list[str]],
+    delta_schema: Callable[[], dict[str, Any]],
+    log: logging.Logger,
+) -> FeedInfo:
+    """Write a new feed's settings (``feed.json``) from this run's flags; the record schema is
+    ``--schema``, a Delta table's own, or inferred from the first input files (``spark``,
+    ``files`` and ``delta_schema`` are only called when needed)."""
+    from .debezium import debezium_table
+    from .sources import infer_record_schema
+
+    schema = cfg.schema
+    table = cfg.table
+    if cfg.source_kind == "debezium" and table is None:
+        # a feed is one table: the first change event's, unless --table names it
+        table = debezium_table(files())
+    if schema is None and cfg.source_kind == "delta":
+        schema = delta_schema()
+    if schema is None:
+        schema = infer_record_schema(
+            spark(),
+            cfg.source_kind,
+            files() if cfg.source_kind == "debezium" else files()[:5],
+            exclude=tuple(c for c in (cfg.order, cfg.deleted) if c),
+            table=table,
+        )
+    names = {f["name"] for f in schema.get("fields", [])}
+    clash = [n for n in RESERVED if n in names]
+    if clash:
+        raise SourceError(
+            f"feed {cfg.feed!r}: record columns {clash} clash with the feed log's own "
+            "'time' and 'diff' columns; rename them"
+        )
+    missing = [k for k in cfg.key if k not in names]
+    if missing:
+        raise SourceError(
+            f"feed {cfg.feed!r}: key column(s) {missing} are not in the record "
+            f"schema (columns: {sorted(names)})"
+        )
+    fingerprint(schema)  # validates
+    if table:
+        log.info("feed %s: holds source table %s", cfg.feed, table)
+    assert cfg.clock is not None
+    return feedlog.create(
+        schema=schema,
+        key=cfg.key,
+        clock=cfg.clock,
+        table=table,
+        source=cfg.source_kind,
+        granularity=cfg.granularity,
+        order=cfg.order,
+        deleted=cfg.deleted,
+    )
+
+
+def settle(cfg: EmitterConfig, info: FeedInfo) -> EmitterConfig:
+    """This run's settings against the feed's (``feed.json``), before anything is read:
+    a flag left out takes the feed's value, a flag that differs is refused. Settings a
+    feed from an older tidefeed did not keep come from the flags (or the defaults)."""
+    if cfg.schema is not None and fingerprint(cfg.schema) != info.fingerprint:
+        raise SourceError(
+            f"feed {cfg.feed!r}: --schema differs from the feed's record schema "
+            f"(fingerprint {info.fingerprint[:12]}…); a feed's schema is fixed when it "
+            "is created: leave --schema out, or emit into a new feed"
+        )
+    settled: dict[str, Any] = {}
+    for name, flag, stored in (
+        ("source_kind", "--source KIND", info.source),
+        ("key", "--key", ",".join(info.key)),
+        ("clock", "--clock", info.clock),
+        ("granularity", "--granularity", info.granularity),
+        ("table", "--table", info.table),
+        ("order", "--order", info.order),
+        ("deleted", "--deleted", info.deleted),
+    ):
+        given = getattr(cfg, name)
+        if name == "key":
+            given = ",".join(given) if given else None
+        if stored is None or given is None:
+            value = given if stored is None else stored
+        elif given != stored:
+            raise SourceError(
+                f"feed {cfg.feed!r} was created with {flag} {stored or '(none)'}; this "
+                f"run gives {given}. A feed's settings are fixed when it is created: "
+                "leave the flag out (the feed's value is used), or emit into a new feed"
+            )
+        else:
+            value = stored
+        if name == "key":
+            value = tuple(c for c in (value or "").split(",") if c) or info.key
+        settled[name] = value
+    settled["clock"] = settled["clock"] or DEFAULT_CLOCK
+    settled["granularity"] = settled["granularity"] or DEFAULT_GRANULARITY
+    return replace(cfg, **settled)
+
+
+def load_schema_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            schema = orjson.loads(f.read())
+    except OSError as e:
+        raise SourceError(f"cannot read schema file {path}: {e.strerror}") from e
+    except orjson.JSONDecodeError as e:
+        raise SourceError(f"schema file {path} is not JSON: {e}") from e
+    if not isinstance(schema, dict) or schema.get("type") != "record":
+        raise SourceError(f"schema file {path} must hold an Avro record schema")
+    return schema
