@@ -56,13 +56,17 @@ def _bad_sample(bad: Any, cached: Sequence[Any]) -> str:
 
 
 def _tally(grouped: Any, stale: Any) -> Any:
-    """Input rows, TOAST placeholders and stale (already committed) rows per group."""
+    """Input rows, TOAST placeholders, stale (already committed) rows, bad rows and deletes
+    per group."""
     from pyspark.sql import functions as F
 
+    ok = F.col("_error").isNull()
     return grouped.agg(
         F.count(F.lit(1)).alias("n"),
         F.count("_toast").alias("toast"),
-        F.count(F.when(stale & F.col("_error").isNull(), 1)).alias("stale"),
+        F.count(F.when(stale & ok, 1)).alias("stale"),
+        F.count("_error").alias("errors"),
+        F.count(F.when(ok & (F.col("op") == "d"), 1)).alias("deletes"),
     )
 
 
@@ -98,6 +102,10 @@ class ReadChanges:
     input_rows: int
     toast_rows: int
     skipped: dict[str, int]
+    #: whether a bad row may turn up: bad input rows, a new snapshot behind the committed
+    #: position, deletes (of a key that may not be there) or TOAST placeholders; when not,
+    #: no job counts the bad rows
+    suspect: bool
     cached: tuple[Any, ...] = ()  # DataFrames to release when the transaction ends
 
 
@@ -160,7 +168,7 @@ def read_input(
     order: Any = None  # the released source transactions in order (a DataFrame)
     position: Any = None  # the highest source position, when the source tells it
     txn_cached: tuple[Any, ...] = ()
-    held = redelivered = 0
+    held = redelivered = behind = 0
     replaces: tuple[int, str] | None = None  # a new Debezium snapshot: (LSN, txn)
     keyed = bool(ctx.info.key) and cfg.source_kind != "snapshot"
     image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
@@ -186,6 +194,7 @@ def read_input(
         order, position = assembled.order, assembled.position
         bad = bad.unionByName(assembled.bad)
         held, redelivered = assembled.held, assembled.redelivered
+        behind = assembled.bad_rows
         txn_cached = assembled.cached
         replaces = assembled.replaces
         if replaces is not None and not keyed:
@@ -226,12 +235,13 @@ def read_input(
         tally_rows = _tally(counted.groupBy("_skip"), stale).collect()
     else:  # by file: a file that is read again later is counted then
         tally_rows = [r for r in tally_rows if r["_file"] not in held_files]
-    input_rows, toast_rows = 0, 0
+    input_rows, toast_rows, suspect_rows = 0, 0, behind
     skipped: dict[str, int] = {}
     for r in tally_rows:
         input_rows += r["n"]
         toast_rows += r["toast"]
         redelivered += r["stale"]
+        suspect_rows += r["errors"] + r["deletes"] + r["toast"]
         if r["_skip"] is not None:
             skipped[r["_skip"]] = skipped.get(r["_skip"], 0) + r["n"]
     return ReadChanges(
@@ -248,6 +258,7 @@ def read_input(
         input_rows=input_rows,
         toast_rows=toast_rows,
         skipped=skipped,
+        suspect=suspect_rows > 0 or replaces is not None or cfg.source_kind == "snapshot",
         cached=txn_cached,
     )
 
@@ -333,8 +344,10 @@ def compute_updates(ctx: TxnContext, r: ReadChanges) -> Computed:
         diffs = unkeyed_diffs(good)
     t_next = cp.next
     updates = consolidate_diffs(diffs, t_next)
-    bad = bad.persist(spillable())
-    bad_rows = bad.count()
+    bad_rows = 0
+    if r.suspect:
+        bad = bad.persist(spillable())
+        bad_rows = bad.count()
     if bad_rows and not fixed(cp) and bad_rows + sum(skipped.values()) >= input_rows:
         # a new feed whose first input is all bad (the wrong source kind or file, say)
         # fixes nothing: no commit, no consumed files, no settings

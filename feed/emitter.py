@@ -31,10 +31,11 @@ finds everything committed: the files are below ``source.file`` and are never re
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -71,6 +72,21 @@ from .settings import (
 __all__ = ["Emitter", "EmitterConfig", "TxnReport", "load_schema_file"]
 
 log = logging.getLogger("tidefeed.emit")
+
+
+#: a transaction reading less than this runs its shuffles as one partition
+SMALL_INPUT_BYTES = 16 << 20
+
+
+def _input_bytes(files: Sequence[str]) -> int:
+    """The size of the local input files (a remote one counts as large)."""
+    total = 0
+    for f in files:
+        try:
+            total += os.path.getsize(f)
+        except OSError:
+            return SMALL_INPUT_BYTES + 1
+    return total
 
 
 class State(Enum):
@@ -332,8 +348,7 @@ class Emitter:
         more: bool = False,
         source_update: dict[str, Any] | None = None,
     ) -> Any:
-        from pyspark.sql import functions as F
-
+        """Start one transaction: Spark, its context, the shuffle width its input needs."""
         assert self.cp is not None
         cfg, cp, fl = self.config, self.cp, self.feedlog
         assert cfg.granularity is not None  # settled by open()
@@ -358,6 +373,23 @@ class Emitter:
             spark_path=self._spark_path,
         )
         tx_files = self._pending_tx_files()
+        with self._shuffle_fit(files):
+            return self._run_txn(ctx, files, tx_files, secs, t0, more, source_update)
+
+    def _run_txn(
+        self,
+        ctx: TxnContext,
+        files: list[str],
+        tx_files: list[str],
+        secs: dict[str, float],
+        t0: float,
+        more: bool,
+        source_update: dict[str, Any] | None,
+    ) -> Any:
+        """Read, compute, write and commit one transaction (see the module's docstring)."""
+        from pyspark.sql import functions as F
+
+        cfg, cp, fl, seq = ctx.config, ctx.cp, ctx.feedlog, ctx.cp.seq + 1
         read = read_input(ctx, files, tx_files, more=more)
         if read is NEED_MORE:
             return NEED_MORE
@@ -455,6 +487,23 @@ class Emitter:
         assert self.cp is not None
         self.cp = self.commits.commit(self.cp, build, segments)
         return self.cp
+
+    @contextlib.contextmanager
+    def _shuffle_fit(self, files: Sequence[str]) -> Iterator[None]:
+        """Run a transaction of small input with one shuffle partition: its shuffles then
+        take one task each instead of a wave per partition (a second or so of a small
+        transaction's time). ``--conf spark.sql.shuffle.partitions`` is always obeyed."""
+        key = "spark.sql.shuffle.partitions"
+        if key in dict(self.config.conf) or _input_bytes(files) > SMALL_INPUT_BYTES:
+            yield
+            return
+        spark = self.spark
+        before = spark.conf.get(key)
+        spark.conf.set(key, "1")
+        try:
+            yield
+        finally:
+            spark.conf.set(key, before)
 
     def _stage(self, name: str, **facts: Any) -> None:
         if self.progress is not None:

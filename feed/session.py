@@ -77,6 +77,10 @@ def get_spark(
         "spark.sql.files.maxPartitionBytes": str(1 << 30),
         "spark.sql.session.timeZone": "UTC",
         "spark.pyspark.python": os.environ["PYSPARK_PYTHON"],
+        # PySpark otherwise records the Python call site of every column expression it
+        # builds (a few JVM round trips each): ~5 000 calls, about a second, per emitter
+        # transaction. Spark's error messages then name no Python line; tidefeed's own do.
+        "spark.python.sql.dataFrameDebugging.enabled": "false",
     }
     builder = SparkSession.builder
     for k, v in defaults.items():

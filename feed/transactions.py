@@ -68,6 +68,7 @@ class Assembled:
     held: int  # source transactions held back
     redelivered: int  # events dropped as already done or repeated
     bad: DataFrame  # snapshot reads of a new snapshot behind the committed position
+    bad_rows: int  # how many (at most: some may be in files read again later)
     position: Position | None = None  # the highest position among ``changes``
     #: the released transactions (``txn``) and their source order (``o``), for
     #: :func:`feed.diffs.assign_units`
@@ -194,6 +195,7 @@ def assemble(
             F.min(F.when(kept_only, order_column())).alias("order"),
             F.collect_set("_file").alias("files"),
             F.max(F.struct("ord_file", "ord_row")).alias("latest"),
+            F.count(F.when(behind, 1)).alias("behind"),
         )
         # a transaction redelivered whole after it was turned into updates: its events
         # are filtered out and its END is done with
@@ -218,6 +220,7 @@ def assemble(
             F.count(F.when(events > 0, 1)).alias("ready"),
             F.max(F.when(events > 0, F.col("last"))).alias("last"),
             F.max("latest").alias("latest"),
+            F.sum("behind").alias("behind"),
         ).withColumn("_kind", F.lit("summary")),
         per_txn.where(incomplete | too_many)
         .select("txn", events.alias("events"), "expected", "first", incomplete.alias("open"))
@@ -386,6 +389,7 @@ def assemble(
         order=order,
         redelivered=(summary["total"] or 0) - (summary["kept"] or 0),
         bad=bad,
+        bad_rows=summary["behind"] or 0,
         cached=(ends, persisted, per_txn),
         buckets=buckets,
         also=tuple(r for r in collected if r["_kind"] == "also"),
