@@ -1,15 +1,17 @@
-"""Avro codec: an object container file with Materialize's CDCv2 message schema (fastavro)."""
+"""Avro codec: an object container file with Materialize's CDCv2 message schema."""
 
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Iterator
 from typing import IO, Any
 
 import fastavro
-import fastavro.write
+import orjson
 import pyarrow as pa
 
+from ._avro_columns import avro_long, encode_update_array
 from .codecs import MAX_UPDATES_PER_MESSAGE, Codec, Decoder, Encoder
 from .errors import CodecError
 from .messages import Message, Progress, Updates, rows_to_table
@@ -18,39 +20,79 @@ from .schema import CDC_NAMESPACE, avro_to_arrow, cdcv2_schema, record_schema_of
 __all__ = ["AvroCodec"]
 
 
+#: an open block is written out once it holds this many bytes
+BLOCK_BYTES = 64 * 1024
+
+
 class AvroEncoder(Encoder):
-    _writer: fastavro.write.Writer
+    """An Avro object container of CDCv2 datums. The container (header, blocks of datums,
+    sync markers) is written here; an update batch held as Arrow is encoded column-wise
+    (:mod:`protocol._avro_columns`), anything else by fastavro's schemaless writer."""
+
+    _parsed: Any
+    _block: io.BytesIO
+    _count: int
+    _sync: bytes
 
     @property
     def needs_schema(self) -> bool:
         return True
 
     def _start(self) -> None:
+        schema = cdcv2_schema(self._schema)
         try:
-            parsed = fastavro.parse_schema(cdcv2_schema(self._schema))
+            self._parsed = fastavro.parse_schema(schema)
         except (fastavro.schema.SchemaParseException, KeyError, TypeError, ValueError) as e:
             raise CodecError(f"invalid record schema: {e}", fmt="avro") from e
-        self._writer = fastavro.write.Writer(self._out, parsed)
+        self._record = record_schema_of(self._schema)
+        self._sync = os.urandom(16)
+        meta = {"avro.schema": orjson.dumps(schema), "avro.codec": b"null"}
+        head = bytearray(b"Obj\x01")
+        head += avro_long(len(meta))
+        for k, v in meta.items():
+            head += avro_long(len(k)) + k.encode() + avro_long(len(v)) + v
+        head += avro_long(0)
+        self._out.write(bytes(head) + self._sync)
+        self._block, self._count = io.BytesIO(), 0
 
     def _datum(self, datum: Any) -> None:
         try:
-            self._writer.write(datum)
+            fastavro.schemaless_writer(self._block, self._parsed, datum)
         except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
             raise CodecError(
                 f"message {self.written} does not fit the record schema: {e}", fmt="avro"
             ) from e
+        self._added()
+
+    def _added(self) -> None:
+        self._count += 1
+        if self._block.tell() >= BLOCK_BYTES:
+            self._flush()
 
     def _write_updates(self, updates: Updates) -> None:
+        if updates.has_table():
+            encoded = encode_update_array(updates.table(), self._record)
+            if encoded is not None:
+                self._block.write(encoded)
+                self._added()
+                return
         self._datum(updates.rows())
 
     def _write_progress(self, p: Progress) -> None:
         self._datum(p.to_wire())
 
     def _flush(self) -> None:
-        self._writer.flush()
+        if not self._count:
+            return
+        data = self._block.getbuffer()
+        self._out.write(avro_long(self._count) + avro_long(len(data)))
+        self._out.write(data)
+        self._out.write(self._sync)
+        del data
+        self._block, self._count = io.BytesIO(), 0
 
     def _finish(self) -> None:
-        self._writer.flush()
+        self._flush()
 
 
 def _check_cdcv2(schema: Any) -> None:
