@@ -79,14 +79,25 @@ def _ipc(table: pa.Table) -> bytes:
     return data
 
 
-def _record_keys(data: pa.ChunkedArray) -> list[bytes]:
-    """:func:`record_key` of every record of a ``data`` column: built column-wise where
-    :mod:`.jsontext` takes the record type (the same bytes), else one record at a time."""
+def _record_keys(data: pa.ChunkedArray) -> pa.Array:
+    """:func:`record_key` of every record of a ``data`` column (a binary array): built
+    column-wise where :mod:`.jsontext` takes the record type (the same bytes), else one
+    record at a time."""
     text = json_objects(data, sort_keys=True)
     if text is not None:
-        keys: list[bytes] = text.cast(pa.binary()).to_pylist()
-        return keys
-    return record_keys(data.to_pylist(maps_as_pydicts="strict"))
+        return text.cast(pa.binary())
+    return pa.array(record_keys(data.to_pylist(maps_as_pydicts="strict")), pa.binary())
+
+
+def _net_counts(tables: list[pa.Table]) -> tuple[list[bytes], list[int]]:
+    """The record keys of ``tables`` (update tables) with their summed diffs, in key order:
+    a record updated many times is one upsert, and upserts in key order touch the
+    collection's B-tree pages one after another instead of at random."""
+    keys = pa.concat_arrays([_record_keys(t.column("data")) for t in tables])
+    diffs = pa.concat_arrays([t.column("diff").combine_chunks() for t in tables])
+    net = pa.table({"k": keys, "d": diffs}).group_by("k").aggregate([("d", "sum")])
+    net = net.sort_by("k")
+    return net.column("k").to_pylist(), net.column("d_sum").to_pylist()
 
 
 @contextlib.contextmanager
@@ -234,18 +245,15 @@ class SqliteStore:
                 conn.execute("PRAGMA synchronous=NORMAL")
                 try:
                     with _immediate(conn):
-                        for _, blob in parts:
-                            table = pa.ipc.open_stream(pa.py_buffer(blob)).read_all()
-                            conn.executemany(
-                                "INSERT INTO collection (feed, rkey, count) VALUES (?, ?, ?) "
-                                "ON CONFLICT(feed, rkey) DO UPDATE "
-                                "SET count = count + excluded.count",
-                                zip(
-                                    itertools.repeat(self.feed),
-                                    _record_keys(table.column("data")),
-                                    table.column("diff").to_pylist(),
-                                ),
-                            )
+                        keys, counts = _net_counts(
+                            [pa.ipc.open_stream(pa.py_buffer(b)).read_all() for _, b in parts]
+                        )
+                        conn.executemany(
+                            "INSERT INTO collection (feed, rkey, count) VALUES (?, ?, ?) "
+                            "ON CONFLICT(feed, rkey) DO UPDATE "
+                            "SET count = count + excluded.count",
+                            zip(itertools.repeat(self.feed), keys, counts),
+                        )
                         conn.execute(  # the planner would rather scan the whole collection
                             "DELETE FROM collection INDEXED BY collection_zero "
                             "WHERE feed = ? AND count = 0",
