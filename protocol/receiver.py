@@ -162,9 +162,9 @@ async def post_push(request: web.Request) -> web.Response:
 
 def _fold_soon(app: web.Application, feed: str) -> None:
     """Fold ``feed``'s new parts into its kept collection in the background, once pushes
-    to it pause for :data:`FOLD_IDLE_SECONDS`, a round at a time (a round holds the
-    database, which a commit then waits for): a collection read then finds little or
-    nothing left to fold, and a stream of pushes is not slowed down."""
+    to the receiver (to any feed) pause for :data:`FOLD_IDLE_SECONDS`, a round at a time
+    (a round holds the database, which a commit then waits for): a stream of pushes is
+    not slowed down, and a collection read then has little or nothing to merge."""
     app[LAST_COMMIT][feed] = time.monotonic()
     folding: dict[str, asyncio.Task[None]] = app[FOLDING]
     if feed in folding:
@@ -174,7 +174,7 @@ def _fold_soon(app: web.Application, feed: str) -> None:
     async def fold() -> None:
         try:
             while True:
-                idle = time.monotonic() - app[LAST_COMMIT][feed]
+                idle = time.monotonic() - max(app[LAST_COMMIT].values())
                 if idle < FOLD_IDLE_SECONDS:
                     await asyncio.sleep(FOLD_IDLE_SECONDS - idle)
                 elif not await asyncio.to_thread(store.fold, max_rounds=1):
@@ -245,16 +245,20 @@ async def get_collection(request: web.Request) -> web.StreamResponse:
             for d, n in rows
         )
         return web.Response(body=body, content_type="application/x-ndjson")
-    # the frontier: the kept collection, brought up to date, streamed from SQLite
-    await asyncio.to_thread(store.fold)
+    # the frontier: the kept collection streamed from SQLite, merged with what is not
+    # folded into it yet
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
     kept = store.current()
-    while True:
-        chunk = await asyncio.to_thread(_next_lines, kept)
-        if not chunk:
-            break
-        await resp.write(chunk)
+    try:
+        while True:
+            chunk = await asyncio.to_thread(_next_lines, kept)
+            if not chunk:
+                break
+            await resp.write(chunk)
+    finally:
+        # (a client gone mid-stream: folds wait for the reader to be closed)
+        await asyncio.to_thread(kept.close)
     await resp.write_eof()
     return resp
 

@@ -20,13 +20,13 @@ from SQLite in key order, in bounded memory, however large the collection.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .errors import CheckpointError, TidefeedError
 from .jsontext import json_objects
@@ -64,6 +64,9 @@ CACHE_KIB = 64 << 10
 FOLD_ROWS = 200_000
 #: rows of a collection read per SQLite fetch
 FETCH_ROWS = 10_000
+#: a read of the collection merges up to this many updates not folded yet in memory; with
+#: more, it folds them first
+MERGE_ROWS = 2_000_000
 
 
 #: LZ4 makes a blob ~3.5x smaller for ~1 ms per 10,000 updates, and the commit's fsync
@@ -89,15 +92,54 @@ def _record_keys(data: pa.ChunkedArray) -> pa.Array:
     return pa.array(record_keys(data.to_pylist(maps_as_pydicts="strict")), pa.binary())
 
 
-def _net_counts(tables: list[pa.Table]) -> tuple[list[bytes], list[int]]:
-    """The record keys of ``tables`` (update tables) with their summed diffs, in key order:
-    a record updated many times is one upsert, and upserts in key order touch the
-    collection's B-tree pages one after another instead of at random."""
-    keys = pa.concat_arrays([_record_keys(t.column("data")) for t in tables])
-    diffs = pa.concat_arrays([t.column("diff").combine_chunks() for t in tables])
-    net = pa.table({"k": keys, "d": diffs}).group_by("k").aggregate([("d", "sum")])
-    net = net.sort_by("k")
-    return net.column("k").to_pylist(), net.column("d_sum").to_pylist()
+def _merged(
+    kept: Iterator[tuple[bytes, int]], pending: Iterator[tuple[bytes, int]]
+) -> Iterator[tuple[bytes, int]]:
+    """Two collections in key order as their sum, in key order, without the records whose
+    count comes to 0."""
+    nxt = next(pending, None)
+    for rkey, count in kept:
+        while nxt is not None and nxt[0] < rkey:
+            if nxt[1]:
+                yield nxt
+            nxt = next(pending, None)
+        if nxt is not None and nxt[0] == rkey:
+            count += nxt[1]
+            nxt = next(pending, None)
+        if count:
+            yield rkey, count
+    while nxt is not None:
+        if nxt[1]:
+            yield nxt
+        nxt = next(pending, None)
+
+
+def _pairs(counts: pa.Table) -> Iterator[tuple[bytes, int]]:
+    """``(key, count)`` of a :func:`_sorted_counts` table, a record's updates summed (they
+    are next to each other), made Python a chunk at a time."""
+    last: bytes | None = None
+    total = 0
+    for batch in counts.to_batches(max_chunksize=FETCH_ROWS):
+        for key, n in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True):
+            if key == last:
+                total += n
+                continue
+            if last is not None:
+                yield last, total
+            last, total = key, n
+    if last is not None:
+        yield last, total
+
+
+def _sorted_counts(tables: list[pa.Table]) -> pa.Table:
+    """The record keys of ``tables`` (update tables) with their diffs, sorted by key
+    (columns ``k``, ``n``): a sort, not a hash aggregation, which would hold a table of
+    every key besides. In key order the upserts of a fold touch the collection's B-tree
+    pages one after another instead of at random."""
+    keys = pa.chunked_array([_record_keys(t.column("data")) for t in tables], pa.binary())
+    diffs = pa.chunked_array([t.column("diff").combine_chunks() for t in tables], pa.int64())
+    counts = pa.table({"k": keys, "n": diffs})
+    return counts.take(pc.sort_indices(counts, sort_keys=[("k", "ascending")]))
 
 
 @contextlib.contextmanager
@@ -149,6 +191,13 @@ class SqliteDatabase:
         if "folded" not in columns:  # a database from before the kept collection
             self._conn.execute("ALTER TABLE feeds ADD COLUMN folded INTEGER NOT NULL DEFAULT 0")
         self.lock = threading.Lock()
+        # per feed: held by a fold round, and by a read of the collection from its start to
+        # its end (a fold in between would count the parts it merges twice)
+        self._fold_locks: dict[str, threading.Lock] = {}
+
+    def fold_lock(self, feed: str) -> threading.Lock:
+        with self.lock:
+            return self._fold_locks.setdefault(feed, threading.Lock())
 
     @property
     def conn(self) -> sqlite3.Connection:
@@ -220,18 +269,9 @@ class SqliteStore:
         folded again; commits stay ``FULL``."""
         folded = rounds = 0
         while max_rounds is None or rounds < max_rounds:
-            with self.db.lock, _storage_errors(self.db.path):
+            with self.db.fold_lock(self.feed), self.db.lock, _storage_errors(self.db.path):
                 conn = self.db.conn
-                mark = conn.execute(
-                    "SELECT folded FROM feeds WHERE feed = ?", (self.feed,)
-                ).fetchone()
-                # by rowid from the mark on (the planner would rather scan all the feed's
-                # parts), as many as make a round: the first one whatever its size
-                cur = conn.execute(
-                    "SELECT rowid, rows, ipc FROM parts NOT INDEXED WHERE rowid > ? "
-                    "AND feed = ? ORDER BY rowid",
-                    (mark[0] if mark else 0, self.feed),
-                )
+                cur = self._unfolded()  # as many as make a round: the first whatever its size
                 parts: list[tuple[int, bytes]] = []
                 rows = 0
                 for rowid, n, blob in cur:
@@ -245,14 +285,14 @@ class SqliteStore:
                 conn.execute("PRAGMA synchronous=NORMAL")
                 try:
                     with _immediate(conn):
-                        keys, counts = _net_counts(
+                        counts = _sorted_counts(
                             [pa.ipc.open_stream(pa.py_buffer(b)).read_all() for _, b in parts]
                         )
                         conn.executemany(
                             "INSERT INTO collection (feed, rkey, count) VALUES (?, ?, ?) "
                             "ON CONFLICT(feed, rkey) DO UPDATE "
                             "SET count = count + excluded.count",
-                            zip(itertools.repeat(self.feed), keys, counts),
+                            ((self.feed, k, n) for k, n in _pairs(counts)),
                         )
                         conn.execute(  # the planner would rather scan the whole collection
                             "DELETE FROM collection INDEXED BY collection_zero "
@@ -268,9 +308,53 @@ class SqliteStore:
                 rounds += 1
         return folded
 
-    def current(self) -> Iterator[tuple[bytes, int]]:
+    def current(self) -> Generator[tuple[bytes, int], None, None]:
         """The collection at the frontier as ``(canonical record JSON, count)`` in key
-        order, read from SQLite :data:`FETCH_ROWS` at a time (call :meth:`fold` first)."""
+        order: the kept collection, read from SQLite :data:`FETCH_ROWS` at a time, merged
+        with the net counts of the parts not folded into it yet (held in memory; beyond
+        :data:`MERGE_ROWS` of them they are folded first). No fold runs until the reader
+        is done or closed (close it: ``contextlib.closing``)."""
+        lock = self.db.fold_lock(self.feed)
+        if self._unfolded_rows() > MERGE_ROWS:
+            self.fold()
+        lock.acquire()
+        try:
+            with self.db.lock, _storage_errors(self.db.path):
+                blobs = [b for _, _, b in self._unfolded()]
+            tables = [pa.ipc.open_stream(pa.py_buffer(b)).read_all() for b in blobs]
+            del blobs
+            pending = _pairs(_sorted_counts(tables)) if tables else iter(())
+            del tables
+            yield from _merged(self._kept(), pending)
+        finally:
+            lock.release()
+
+    def _unfolded(self) -> sqlite3.Cursor:
+        """``(rowid, rows, ipc)`` of the parts not folded yet, in commit order (call under
+        the database lock)."""
+        mark = self.db.conn.execute(
+            "SELECT folded FROM feeds WHERE feed = ?", (self.feed,)
+        ).fetchone()
+        # by rowid from the mark on (the planner would rather scan all the feed's parts)
+        return self.db.conn.execute(
+            "SELECT rowid, rows, ipc FROM parts NOT INDEXED WHERE rowid > ? AND feed = ? "
+            "ORDER BY rowid",
+            (mark[0] if mark else 0, self.feed),
+        )
+
+    def _unfolded_rows(self) -> int:
+        with self.db.lock, _storage_errors(self.db.path):
+            mark = self.db.conn.execute(
+                "SELECT folded FROM feeds WHERE feed = ?", (self.feed,)
+            ).fetchone()
+            row = self.db.conn.execute(
+                "SELECT sum(rows) FROM parts NOT INDEXED WHERE rowid > ? AND feed = ?",
+                (mark[0] if mark else 0, self.feed),
+            ).fetchone()
+        return int(row[0] or 0)
+
+    def _kept(self) -> Iterator[tuple[bytes, int]]:
+        """The kept (folded) collection in key order, :data:`FETCH_ROWS` at a time."""
         last: bytes | None = None
         while True:
             sql = "SELECT rkey, count FROM collection WHERE feed = ?"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import orjson
 import pyarrow as pa
@@ -68,3 +69,40 @@ def test_the_kept_collection_follows_every_commit_and_survives_a_reopen(
     db.close()
     again = SqliteDatabase(path).store("f")
     assert kept(again) == truth
+
+
+def test_a_read_merges_the_parts_not_folded_yet_and_a_fold_waits_for_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(sqlite_store, "FETCH_ROWS", 5)
+    monkeypatch.setattr(sqlite_store, "FOLD_ROWS", 8)
+    rnd = random.Random(11)
+    db = SqliteDatabase(str(tmp_path / "r.db"))
+    store = db.store("f")
+    live: dict[int, dict] = {}
+    for t in range(1, 30):
+        updates = []
+        for _ in range(rnd.randint(1, 9)):
+            i = rnd.randint(0, 25)
+            if i in live:
+                updates.append((live.pop(i), -1))
+            else:
+                live[i] = {"id": i, "name": f"n{i}", "v": rnd.randint(0, 3)}
+                updates.append((live[i], 1))
+        store.commit(updates=[part(t, updates, COLUMNAR)], frontier=t + 1, epoch=1)
+        if rnd.random() < 0.4:
+            store.fold(max_rounds=1)  # some parts folded, the later ones not
+        read = {record_key(orjson.loads(k)): n for k, n in store.current()}  # no fold first
+        assert read == {record_key(r): 1 for r in live.values()}, t
+    # a fold started while a read is under way waits for the read to end
+    reader = store.current()
+    first = next(reader)
+    folding = threading.Thread(target=store.fold)
+    folding.start()
+    folding.join(timeout=0.5)
+    assert folding.is_alive()  # waiting, and the read goes on unaffected
+    rest = [first, *reader]
+    folding.join(timeout=10)
+    assert not folding.is_alive()
+    assert {record_key(orjson.loads(k)): n for k, n in rest} == {
+        record_key(r): 1 for r in live.values()
+    }
+    assert store.fold() == 0
