@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .errors import CodecError
 from .schema import avro_to_arrow
 
 __all__ = ["avro_long", "encode_update_array"]
@@ -70,6 +71,9 @@ def encode_update_array(table: pa.Table, record_schema: dict[str, Any]) -> bytes
     try:
         if table.schema.field("data").type != avro_to_arrow(record_schema):
             return None
+    except CodecError:  # a schema no Arrow type holds exactly (a union of nulls, say)
+        return None
+    try:
         data = _combined(table.column("data"))
         if data.null_count:
             return None
