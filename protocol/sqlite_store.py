@@ -92,6 +92,11 @@ def _record_keys(data: pa.ChunkedArray) -> pa.Array:
     return pa.array(record_keys(data.to_pylist(maps_as_pydicts="strict")), pa.binary())
 
 
+def _from_ipc(blob: bytes) -> pa.Table:
+    """The table :func:`_ipc` wrote."""
+    return pa.ipc.open_stream(pa.py_buffer(blob)).read_all()
+
+
 def _merged(
     kept: Iterator[tuple[bytes, int]], pending: Iterator[tuple[bytes, int]]
 ) -> Iterator[tuple[bytes, int]]:
@@ -257,7 +262,7 @@ class SqliteStore:
         with self.db.lock:
             blobs = [r[0] for r in self.db.conn.execute(sql, args)]
         for blob in blobs:
-            yield pa.ipc.open_stream(pa.py_buffer(blob)).read_all()
+            yield _from_ipc(blob)
 
     def fold(self, max_rounds: int | None = None) -> int:
         """Fold the parts committed since the last fold into ``collection``, in rounds of
@@ -285,9 +290,7 @@ class SqliteStore:
                 conn.execute("PRAGMA synchronous=NORMAL")
                 try:
                     with _immediate(conn):
-                        counts = _sorted_counts(
-                            [pa.ipc.open_stream(pa.py_buffer(b)).read_all() for _, b in parts]
-                        )
+                        counts = _sorted_counts([_from_ipc(b) for _, b in parts])
                         conn.executemany(
                             "INSERT INTO collection (feed, rkey, count) VALUES (?, ?, ?) "
                             "ON CONFLICT(feed, rkey) DO UPDATE "
@@ -321,7 +324,7 @@ class SqliteStore:
         try:
             with self.db.lock, _storage_errors(self.db.path):
                 blobs = [b for _, _, b in self._unfolded()]
-            tables = [pa.ipc.open_stream(pa.py_buffer(b)).read_all() for b in blobs]
+            tables = [_from_ipc(b) for b in blobs]
             del blobs
             pending = _pairs(_sorted_counts(tables)) if tables else iter(())
             del tables
@@ -329,27 +332,28 @@ class SqliteStore:
         finally:
             lock.release()
 
-    def _unfolded(self) -> sqlite3.Cursor:
-        """``(rowid, rows, ipc)`` of the parts not folded yet, in commit order (call under
-        the database lock)."""
+    def _folded_mark(self) -> int:
+        """The rowid of the last part folded into the collection (call under the lock)."""
         mark = self.db.conn.execute(
             "SELECT folded FROM feeds WHERE feed = ?", (self.feed,)
         ).fetchone()
+        return int(mark[0]) if mark else 0
+
+    def _unfolded(self) -> sqlite3.Cursor:
+        """``(rowid, rows, ipc)`` of the parts not folded yet, in commit order (call under
+        the database lock)."""
         # by rowid from the mark on (the planner would rather scan all the feed's parts)
         return self.db.conn.execute(
             "SELECT rowid, rows, ipc FROM parts NOT INDEXED WHERE rowid > ? AND feed = ? "
             "ORDER BY rowid",
-            (mark[0] if mark else 0, self.feed),
+            (self._folded_mark(), self.feed),
         )
 
     def _unfolded_rows(self) -> int:
         with self.db.lock, _storage_errors(self.db.path):
-            mark = self.db.conn.execute(
-                "SELECT folded FROM feeds WHERE feed = ?", (self.feed,)
-            ).fetchone()
             row = self.db.conn.execute(
                 "SELECT sum(rows) FROM parts NOT INDEXED WHERE rowid > ? AND feed = ?",
-                (mark[0] if mark else 0, self.feed),
+                (self._folded_mark(), self.feed),
             ).fetchone()
         return int(row[0] or 0)
 
