@@ -348,18 +348,33 @@ class Emitter:
         more: bool = False,
         source_update: dict[str, Any] | None = None,
     ) -> Any:
-        """Start one transaction: Spark, its context, the shuffle width its input needs."""
+        """One transaction, with Spark started and the shuffle width its input needs."""
         assert self.cp is not None
-        cfg, cp, fl = self.config, self.cp, self.feedlog
-        assert cfg.granularity is not None  # settled by open()
-        seq = cp.seq + 1
+        assert self.config.granularity is not None  # settled by open()
         secs: dict[str, float] = {}
         if self.progress is not None:
-            self.progress.start(seq, len(files))
+            self.progress.start(self.cp.seq + 1, len(files))
         if self._spark is None:  # the first transaction of a process starts Spark
             t0 = time.perf_counter()
             _ = self.spark
             secs["spark_start"] = time.perf_counter() - t0
+        with self._shuffle_fit(files):
+            return self._run_txn(files, secs, more=more, source_update=source_update)
+
+    def _run_txn(
+        self,
+        files: list[str],
+        secs: dict[str, float],
+        *,
+        more: bool,
+        source_update: dict[str, Any] | None,
+    ) -> Any:
+        """Read, compute, write and commit one transaction (see the module's docstring)."""
+        from pyspark.sql import functions as F
+
+        assert self.cp is not None
+        cfg, cp, fl = self.config, self.cp, self.feedlog
+        seq = cp.seq + 1
         t0 = time.perf_counter()
         ctx = TxnContext(
             spark=self.spark,
@@ -373,23 +388,6 @@ class Emitter:
             spark_path=self._spark_path,
         )
         tx_files = self._pending_tx_files()
-        with self._shuffle_fit(files):
-            return self._run_txn(ctx, files, tx_files, secs, t0, more, source_update)
-
-    def _run_txn(
-        self,
-        ctx: TxnContext,
-        files: list[str],
-        tx_files: list[str],
-        secs: dict[str, float],
-        t0: float,
-        more: bool,
-        source_update: dict[str, Any] | None,
-    ) -> Any:
-        """Read, compute, write and commit one transaction (see the module's docstring)."""
-        from pyspark.sql import functions as F
-
-        cfg, cp, fl, seq = ctx.config, ctx.cp, ctx.feedlog, ctx.cp.seq + 1
         read = read_input(ctx, files, tx_files, more=more)
         if read is NEED_MORE:
             return NEED_MORE
