@@ -113,29 +113,32 @@ class Publisher:
         in_body = sum(len(m) for m in body if isinstance(m, Updates))
         frontier = self.reader.frontier  # the times listed and the closing progress agree
         for t in self.reader.times(after=lower, until=frontier):
-            batch = await asyncio.to_thread(self.reader.updates, t)
-            n = len(batch)
-            if n and not self._bytes_per_update and batch.has_table():
-                # before any body is measured: a guess from the in-memory size
-                self._bytes_per_update = 1.5 * batch.table().nbytes / n
-            limit = self.body_limit()
-            if in_body and in_body + n > limit:
-                await self._send(body, report)
-                body, in_body = [], 0
-            start = 0
-            while n - start > limit - in_body:
-                # more than a body holds: fill this one, send it, go on in the next
-                take = limit - in_body
-                body.append(batch.slice(start, take))
-                await self._send(body, report, updates=in_body + take)
-                start += take
-                body, in_body = [], 0
-                limit = self.body_limit()
-            if n - start:
-                body.append(batch.slice(start, n - start) if start else batch)
+            n = 0
+            batches = self.reader.batches(t, self.max_body_updates)
+            while (batch := await asyncio.to_thread(next, batches, None)) is not None:
+                size = len(batch)
+                if size and not self._bytes_per_update and batch.has_table():
+                    # before any body is measured: a guess from the in-memory size
+                    self._bytes_per_update = 1.5 * batch.table().nbytes / size
+                if not n and in_body and in_body + size > self.body_limit():
+                    # a time that fits a body of its own is not split across two
+                    await self._send(body, report)
+                    body, in_body = [], 0
+                start = 0
+                while size - start > self.body_limit() - in_body:
+                    # more than this body holds: fill it, send it, go on in the next
+                    take = self.body_limit() - in_body
+                    if take > 0:
+                        body.append(batch.slice(start, take))
+                        start += take
+                    await self._send(body, report, updates=in_body + max(take, 0))
+                    body, in_body = [], 0
+                if size - start:
+                    body.append(batch.slice(start, size - start) if start else batch)
+                    in_body += size - start
+                n += size
             body.append(Progress(lower, t + 1, ((t, n),) if n else ()))
             lower = t + 1
-            in_body += n - start
             report.updates += n
         if lower < frontier:
             body.append(Progress(lower, frontier, ()))

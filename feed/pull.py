@@ -162,15 +162,23 @@ async def changes(request: web.Request) -> web.StreamResponse:
             raise overtaken(lower, reader.since)
         for t in await asyncio.to_thread(reader.times, lower, frontier):
             try:
-                batch = await asyncio.to_thread(reader.updates, t)
+                # the time's files are opened and counted before its first batch is sent
+                batches = reader.batches(t, STREAM_CHUNK_UPDATES)
+                batch = await asyncio.to_thread(next, batches, None)
             except CheckpointError:
                 # its files are gone: folded by a compaction since this stream listed it?
                 since = (await asyncio.to_thread(FeedReader, st.config.log, feed)).since
                 if since <= t:
                     raise
                 raise overtaken(t, since) from None
-            n = len(batch)
-            await send(([batch] if n else []) + [Progress(lower, t + 1, ((t, n),) if n else ())])
+            n, held = 0, []  # the last batch goes out with the time's progress
+            while batch is not None:
+                n += len(batch)
+                if held:
+                    await send(held)
+                held = [batch]
+                batch = await asyncio.to_thread(next, batches, None)
+            await send([*held, Progress(lower, t + 1, ((t, n),) if n else ())])
             lower = t + 1
         if lower < frontier:
             await send([Progress(lower, frontier, ())])

@@ -10,6 +10,7 @@ error naming the time and the file.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import cached_property
 
 import numpy as np
 import pyarrow as pa
@@ -29,7 +30,10 @@ from .checkpoint import Checkpoint, CheckpointStore
 from .log import FeedInfo, FeedLog
 from .manifest import ManifestStore
 
-__all__ = ["FeedReader", "flat_updates"]
+__all__ = ["STREAM_ROWS", "FeedReader", "flat_updates"]
+
+#: the most updates of one time :meth:`FeedReader.batches` holds at once
+STREAM_ROWS = 50_000
 
 
 class FeedReader:
@@ -82,33 +86,76 @@ class FeedReader:
 
     def table(self, time: int) -> pa.Table:
         """The updates at a committed ``time``: record columns and ``diff``."""
+        files = self._files(time)
+        if not files:
+            return pa.table({"diff": pa.array([], pa.int64())})
+        try:
+            return pa.concat_tables([f.read() for f in files], promote_options="default")
+        finally:
+            for f in files:
+                f.close()
+
+    def batches(self, time: int, rows: int = STREAM_ROWS) -> Iterator[Updates]:
+        """The updates at a committed ``time`` in batches of at most ``rows``, each read
+        from the log when it is asked for: a time of any size in bounded memory. The
+        files' row counts are checked against the manifest before the first batch."""
+        files = self._files(time)
+        try:
+            for f in files:
+                for b in f.iter_batches(batch_size=rows):
+                    yield _as_updates(pa.Table.from_batches([b]), time, self.record_type)
+        finally:
+            for f in files:
+                f.close()
+
+    def _files(self, time: int) -> list[pq.ParquetFile]:
+        """The open segment files of a committed ``time`` (none for a time without
+        updates), their row counts checked against the manifest's count."""
         segs = self._manifests.segments(self.manifest, time, time + 1)
         if not segs or time >= self.frontier:
-            return pa.table({"diff": pa.array([], pa.int64())})
+            return []
         seg = segs[0]
-        tables = [self._read(f, f"time {time}") for f in seg.files]
-        out = pa.concat_tables(tables, promote_options="default")
-        if out.num_rows != seg.count:
+        files: list[pq.ParquetFile] = []
+        try:
+            for rel in seg.files:
+                files.append(self._open(rel, f"time {time}"))
+            found = sum(f.metadata.num_rows for f in files)
+        except BaseException:
+            for f in files:
+                f.close()
+            raise
+        if found != seg.count:
+            for f in files:
+                f.close()
             raise CheckpointError(
-                f"feed {self.name!r}: time {time} holds {out.num_rows} update(s) in "
+                f"feed {self.name!r}: time {time} holds {found} update(s) in "
                 f"{', '.join(seg.files)}, but its manifest counts {seg.count}"
             )
-        return out
+        return files
 
-    def _read(self, rel: str, what: str) -> pa.Table:
+    def _open(self, rel: str, what: str) -> pq.ParquetFile:
+        # ParquetFile, not pq.read_table: that one goes through pyarrow.dataset, whose
+        # import (pandas with it) would cost the first read a server makes ~0.2 s
         try:
-            return pq.read_table(self.log.path(rel), filesystem=self.log.fs)
+            return pq.ParquetFile(self.log.path(rel), filesystem=self.log.fs)
         except FileNotFoundError as e:
             raise CheckpointError(
                 f"feed {self.name!r}: {what} is committed but its file {rel} is missing "
                 "from the feed log"
             ) from e
 
+    def _read(self, rel: str, what: str) -> pa.Table:
+        f = self._open(rel, what)
+        try:
+            return f.read()
+        finally:
+            f.close()
+
     def updates(self, time: int) -> Updates:
         """The updates at a committed ``time`` as a message (columns data, time, diff)."""
         return _as_updates(self.table(time), time, self.record_type)
 
-    @property
+    @cached_property
     def record_type(self) -> pa.DataType:
         from protocol import avro_to_arrow
 

@@ -21,7 +21,7 @@ import contextlib
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from protocol._http import error_middleware, json_response, token_middleware
+from protocol._http import error_middleware, json_response, settle, token_middleware
 
 from . import pull, push_supervisor
 from .retention import retention_loop
@@ -86,8 +86,10 @@ def make_server_app(config: ServerConfig) -> web.Application:
 
 
 def run_server(config: ServerConfig) -> None:
+    app = make_server_app(config)
+    app.on_startup.append(settle)
     web.run_app(
-        make_server_app(config),
+        app,
         host=config.host,
         port=config.port,
         print=lambda s: print(s, flush=True),

@@ -6,11 +6,14 @@ error class (DESIGN §7). The table below is the only place that maps errors to 
 
 from __future__ import annotations
 
+import gc
 import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
 import orjson
+import pyarrow as pa
 from aiohttp import web
 
 from .errors import (
@@ -120,3 +123,15 @@ def token_middleware(token: str | None) -> Callable[..., Any]:
         return await handler(request)
 
     return check
+
+
+async def settle(_app: web.Application) -> None:
+    """An ``on_startup`` hook of the feed server and the receiver. pyarrow imports pandas
+    the first time it converts a numpy array (~0.2 s here): do it now, not inside the
+    first request. Then the heap: decoding a body allocates Python objects by the hundred
+    thousand (fastavro makes a dict per record), and each full collection would walk every
+    object the imports left behind. Those live for the whole process: move them out of
+    the collector's sight."""
+    pa.array(np.zeros(1, dtype=np.int64))
+    gc.collect()
+    gc.freeze()

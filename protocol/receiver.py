@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import itertools
 import logging
 import re
@@ -32,7 +31,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ._http import HttpError, error_middleware, json_response, token_middleware
+from ._http import HttpError, error_middleware, json_response, settle, token_middleware
 from .codecs import codec_for_content_type
 from .errors import CodecError, ProtocolError, TidefeedError
 from .messages import Updates, _json_default
@@ -67,7 +66,7 @@ DB = web.AppKey("db", SqliteDatabase)
 CONSUMERS = web.AppKey("consumers", dict)
 LOCKS = web.AppKey("locks", dict)
 FOLDING = web.AppKey("folding", dict)
-LAST_COMMIT = web.AppKey("last_commit", dict)
+LAST_PUSH = web.AppKey("last_push", dict)
 #: a feed's background fold waits for this long a pause in its pushes
 FOLD_IDLE_SECONDS = 0.5
 CONFIG = web.AppKey("config", ReceiverConfig)
@@ -131,6 +130,7 @@ async def post_push(request: web.Request) -> web.Response:
             "missing_epoch",
             f"header {EPOCH_HEADER} must be an integer in [0, 2**63), got {raw_epoch!r}",
         )
+    request.app[LAST_PUSH][feed] = time.monotonic()  # background folds wait for a pause
     body = await request.read()
     async with _lock(request.app, feed):
         consumer = await asyncio.to_thread(_consumer, request.app, feed)
@@ -144,6 +144,8 @@ async def post_push(request: web.Request) -> web.Response:
                 "feed %s: rejected a %d-byte body (epoch %d): %s", feed, len(body), epoch, e
             )
             raise
+        finally:
+            request.app[LAST_PUSH][feed] = time.monotonic()
     if result.committed:
         _fold_soon(request.app, feed)
     if result.frontier != before:
@@ -165,7 +167,6 @@ def _fold_soon(app: web.Application, feed: str) -> None:
     to the receiver (to any feed) pause for :data:`FOLD_IDLE_SECONDS`, a round at a time
     (a round holds the database, which a commit then waits for): a stream of pushes is
     not slowed down, and a collection read then has little or nothing to merge."""
-    app[LAST_COMMIT][feed] = time.monotonic()
     folding: dict[str, asyncio.Task[None]] = app[FOLDING]
     if feed in folding:
         return
@@ -174,7 +175,7 @@ def _fold_soon(app: web.Application, feed: str) -> None:
     async def fold() -> None:
         try:
             while True:
-                idle = time.monotonic() - max(app[LAST_COMMIT].values())
+                idle = time.monotonic() - max(app[LAST_PUSH].values())
                 if idle < FOLD_IDLE_SECONDS:
                     await asyncio.sleep(FOLD_IDLE_SECONDS - idle)
                 elif not await asyncio.to_thread(store.fold, max_rounds=1):
@@ -284,7 +285,7 @@ def make_receiver_app(config: ReceiverConfig) -> web.Application:
     app[CONSUMERS] = {}
     app[LOCKS] = {}
     app[FOLDING] = {}
-    app[LAST_COMMIT] = {}
+    app[LAST_PUSH] = {}
 
     async def database(app: web.Application):  # type: ignore[no-untyped-def]
         app[DB] = await asyncio.to_thread(
@@ -305,17 +306,9 @@ def make_receiver_app(config: ReceiverConfig) -> web.Application:
     return app
 
 
-async def _freeze_heap(_app: web.Application) -> None:
-    # Decoding a body allocates Python objects by the hundred thousand (fastavro makes a
-    # dict per record), and each full collection would walk every object the imports left
-    # behind. Those live for the whole process: move them out of the collector's sight.
-    gc.collect()
-    gc.freeze()
-
-
 def run_receiver(config: ReceiverConfig) -> None:
     app = make_receiver_app(config)
-    app.on_startup.append(_freeze_heap)
+    app.on_startup.append(settle)
     web.run_app(
         app,
         host=config.host,

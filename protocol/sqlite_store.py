@@ -61,7 +61,7 @@ CREATE INDEX IF NOT EXISTS collection_zero ON collection (feed) WHERE count = 0;
 CACHE_KIB = 64 << 10
 #: updates folded into the collection per SQLite transaction (whole parts; one part more
 #: if it alone is larger): each transaction rewrites the B-tree pages its records land on
-FOLD_ROWS = 200_000
+FOLD_ROWS = 50_000
 #: rows of a collection read per SQLite fetch
 FETCH_ROWS = 10_000
 #: a read of the collection merges up to this many updates not folded yet in memory; with
@@ -237,8 +237,12 @@ class SqliteStore:
     def commit(self, *, updates: list[pa.Table], frontier: int | None, epoch: int) -> None:
         parts = []
         for table in updates:
-            times = table.column("time")
-            parts.append((self.feed, times[0].as_py(), table.num_rows, _ipc(table)))
+            time = table.column("time")[0].as_py() if table.num_rows else 0
+            # a large time in parts of a fold round each: no fold holds the database
+            # for longer than a round takes
+            for start in range(0, table.num_rows, FOLD_ROWS):
+                part = table.slice(start, FOLD_ROWS)
+                parts.append((self.feed, time, part.num_rows, _ipc(part)))
         with self.db.lock, _storage_errors(self.db.path), _immediate(self.db.conn) as conn:
             if parts:
                 conn.executemany(

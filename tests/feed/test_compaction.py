@@ -253,15 +253,15 @@ async def test_a_stream_overtaken_by_compaction_ends_with_a_clear_last_line(log_
     import threading
 
     entered, gate = threading.Event(), threading.Event()
-    read = FeedReader.updates
+    read = FeedReader.batches
 
-    def held_once(self, t):
+    def held_once(self, t, rows):
         if not entered.is_set():  # the stream's first read waits for the compaction
             entered.set()
             gate.wait(60)
-        return read(self, t)
+        yield from read(self, t, rows)
 
-    monkeypatch.setattr(FeedReader, "updates", held_once)
+    monkeypatch.setattr(FeedReader, "batches", held_once)
     times = FeedReader(str(log_copy), "bank").times()
     cut = times[len(times) // 2]
     base, runner = await serve(make_server_app(ServerConfig(log=str(log_copy))))

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import orjson
+import pyarrow.parquet as pq
 import pytest
 
 from feed.checkpoint import CheckpointStore
@@ -135,6 +136,26 @@ def test_a_missing_segment_is_an_error_naming_the_time_and_file(copy):
         list(FeedReader(str(copy / "log"), "bank").messages())
     # the counts still come from the manifest, not from what happens to be on disk
     assert FeedReader(str(copy / "log"), "bank").counts()[t] == segs[0].count
+
+
+def test_a_segment_with_other_rows_than_counted_is_refused_before_any_batch(copy):
+    reader = FeedReader(str(copy / "log"), "bank")
+    t = max(reader.times(), key=lambda t: reader.counts()[t])
+    whole = reader.table(t)
+    # streamed in small batches, a time is the same updates as read at once
+    streamed = list(reader.batches(t, rows=2))
+    assert max(len(b) for b in streamed) <= 2
+    assert sum(len(b) for b in streamed) == whole.num_rows == reader.counts()[t]
+    assert [r for b in streamed for r in b.rows()] == reader.updates(t).rows()
+    # one row less in the segment than the manifest counts: an error, and no batch at all
+    seg = copy / "log" / "bank" / reader._manifests.segments(reader.manifest, t, t + 1)[0].files[0]
+    pq.write_table(pq.read_table(seg).slice(1), seg)
+    reread = FeedReader(str(copy / "log"), "bank")
+    batches = reread.batches(t)
+    with pytest.raises(CheckpointError, match=rf"time {t} holds \d+ update\(s\) in .*counts"):
+        next(batches)
+    with pytest.raises(CheckpointError, match=rf"time {t} holds"):
+        reread.table(t)
 
 
 @pytest.mark.parametrize("damage", [b"", b'{"format": 1, "feed": "ba'])

@@ -106,3 +106,21 @@ def test_a_read_merges_the_parts_not_folded_yet_and_a_fold_waits_for_it(tmp_path
         record_key(r): 1 for r in live.values()
     }
     assert store.fold() == 0
+
+
+def test_a_large_time_is_kept_in_parts_of_a_fold_round_each(tmp_path, monkeypatch):
+    """A time of more updates than a fold round takes is stored in parts of at most a
+    round: a background fold never holds the database for more than a round."""
+    monkeypatch.setattr(sqlite_store, "FOLD_ROWS", 4)
+    db = SqliteDatabase(str(tmp_path / "r.db"))
+    store = db.store("f")
+    records = [{"id": i, "name": f"n{i}", "v": i % 3} for i in range(11)]
+    store.commit(updates=[part(1, [(r, 1) for r in records], COLUMNAR)], frontier=2, epoch=1)
+    parts = db.conn.execute("SELECT rows FROM parts WHERE feed = 'f' ORDER BY rowid")
+    sizes = [n for (n,) in parts]
+    assert sizes == [4, 4, 3]
+    assert store.fold(max_rounds=1) == 1  # one round: one part of the time
+    truth = {record_key(r): 1 for r in records}
+    assert {record_key(orjson.loads(k)): n for k, n in store.current()} == truth
+    assert accumulated(store) == truth == {record_key(r): n for r, n in store.collection(at=1)}
+    assert store.fold() == 2
