@@ -6,7 +6,9 @@ receive`` through a push subscription, and streams it to a pull client. Two feed
 goes on (p99 and worst), and then ``GET /v1/collections`` on the receiver: its time and
 the receiver's peak-RSS growth. Last, a run under load: 50 ``follow=true`` pull streams,
 a push subscription and a pull of the 1M time at once (``/healthz`` p99, the server's
-peak RSS, every client checked). ``benchmarks/bench_receiver.py`` measures the receiver
+peak RSS, every client checked). Before all that, each format pushes a feed of 10
+updates once: a server's first push pays one-time costs, shown apart.
+``benchmarks/bench_receiver.py`` measures the receiver
 alone, with a hand-built client.
 
     .venv/bin/python benchmarks/bench_push.py [--updates 1000000] [--formats ndjson,avro,arrow]
@@ -254,7 +256,7 @@ def main() -> None:
     work.mkdir(parents=True)
     every = {"one": (1, args.updates), "many": (100, 10_000)}
     shapes = {k: every[k] for k in args.shapes.split(",")}
-    for feed, (times, per) in shapes.items():
+    for feed, (times, per) in {**shapes, "warm": (1, 10)}.items():
         log, took = make_feed(work, feed, times, per)
         print(f"tidefeed emit: feed {feed!r}, {times} time(s) of {per:,} inserts, {took:.1f}s")
     sp, rp, raw = free_port(), free_port(), free_port()
@@ -275,6 +277,11 @@ def main() -> None:
     try:
         for p in (sp, rp, raw):
             wait_up(p)
+        # a server's first push pays one-time costs (thread pools, first reads, caches):
+        # a feed of 10 updates in each format first, its time shown apart
+        warm = get(f"http://127.0.0.1:{sp}/v1/feeds/warm")["frontier"]
+        for fmt in dict.fromkeys(args.formats.split(",")):
+            print(f"warm-up push of 10 updates ({fmt}): {push(sp, rp, 'warm', fmt, warm)[0]:.2f}s")
         print(
             f"{'feed':14} {'format':7} {'push (target)':>22} {'/healthz p99/worst':>19} "
             f"{'pull':>10} {'raw aiohttp':>12} {'GET collection':>15} {'rss growth':>11}"

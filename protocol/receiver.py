@@ -66,7 +66,9 @@ DB = web.AppKey("db", SqliteDatabase)
 CONSUMERS = web.AppKey("consumers", dict)
 LOCKS = web.AppKey("locks", dict)
 FOLDING = web.AppKey("folding", dict)
+#: when each feed last had a push session's request (its handshake or a body)
 LAST_PUSH = web.AppKey("last_push", dict)
+FOLD_TURN = web.AppKey("fold_turn", asyncio.Lock)
 #: a feed's background fold waits for this long a pause in its pushes
 FOLD_IDLE_SECONDS = 0.5
 CONFIG = web.AppKey("config", ReceiverConfig)
@@ -103,6 +105,7 @@ def _lock(app: web.Application, feed: str) -> asyncio.Lock:
 
 async def get_push(request: web.Request) -> web.Response:
     feed = _feed(request)
+    request.app[LAST_PUSH][feed] = time.monotonic()  # a session's handshake: folds wait
     c = await asyncio.to_thread(_consumer, request.app, feed)
     return json_response({"frontier": c.frontier, "epoch": c.epoch, "pending": c.pending})
 
@@ -165,21 +168,28 @@ async def post_push(request: web.Request) -> web.Response:
 def _fold_soon(app: web.Application, feed: str) -> None:
     """Fold ``feed``'s new parts into its kept collection in the background, once pushes
     to the receiver (to any feed) pause for :data:`FOLD_IDLE_SECONDS`, a round at a time
-    (a round holds the database, which a commit then waits for): a stream of pushes is
-    not slowed down, and a collection read then has little or nothing to merge."""
+    (a round holds the database, which a commit then waits for), one round at a time
+    over all feeds: a stream of pushes is not slowed down, and a collection read then
+    has little or nothing to merge."""
     folding: dict[str, asyncio.Task[None]] = app[FOLDING]
     if feed in folding:
         return
     store = app[DB].store(feed)
 
+    def idle() -> float:
+        return time.monotonic() - max(app[LAST_PUSH].values())
+
     async def fold() -> None:
         try:
             while True:
-                idle = time.monotonic() - max(app[LAST_PUSH].values())
-                if idle < FOLD_IDLE_SECONDS:
-                    await asyncio.sleep(FOLD_IDLE_SECONDS - idle)
-                elif not await asyncio.to_thread(store.fold, max_rounds=1):
-                    return
+                if idle() < FOLD_IDLE_SECONDS:
+                    await asyncio.sleep(FOLD_IDLE_SECONDS - idle())
+                    continue
+                async with app[FOLD_TURN]:  # one round at a time over all feeds
+                    if idle() >= FOLD_IDLE_SECONDS and not await asyncio.to_thread(
+                        store.fold, max_rounds=1
+                    ):
+                        return
         except TidefeedError as e:  # a locked or closed database: the next read folds
             log.debug("feed %s: background fold stopped: %s", feed, e)
         finally:
@@ -286,6 +296,7 @@ def make_receiver_app(config: ReceiverConfig) -> web.Application:
     app[LOCKS] = {}
     app[FOLDING] = {}
     app[LAST_PUSH] = {}
+    app[FOLD_TURN] = asyncio.Lock()
 
     async def database(app: web.Application):  # type: ignore[no-untyped-def]
         app[DB] = await asyncio.to_thread(
