@@ -31,12 +31,11 @@ finds everything committed: the files are below ``source.file`` and are never re
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from enum import Enum
 from typing import Any
 
@@ -55,11 +54,12 @@ from .dataflow import (
     read_input,
 )
 from .eager import EagerPusher
-from .inputs import FilePosition, consumed_position, edge_txn, list_files, without_legacy
+from .inputs import FilePosition, edge_txn, list_files, next_source
 from .log import FeedLog
 from .manifest import Segment
-from .progress import TxnProgress
+from .progress import TxnProgress, TxnReport
 from .segments import write_transaction
+from .session import small_shuffles
 from .settings import (
     DEFAULT_CLOCK,
     DEFAULT_GRANULARITY,
@@ -74,54 +74,10 @@ __all__ = ["Emitter", "EmitterConfig", "TxnReport", "load_schema_file"]
 log = logging.getLogger("tidefeed.emit")
 
 
-#: a transaction reading less than this runs its shuffles as one partition
-SMALL_INPUT_BYTES = 16 << 20
-
-
-def _input_bytes(files: Sequence[str]) -> int:
-    """The size of the local input files (a remote one counts as large)."""
-    total = 0
-    for f in files:
-        try:
-            total += os.path.getsize(f)
-        except OSError:
-            return SMALL_INPUT_BYTES + 1
-    return total
-
-
 class State(Enum):
     UNOPENED = "unopened"
     OPENED = "opened"
     CLOSED = "closed"
-
-
-@dataclass(slots=True)
-class TxnReport:
-    """What one transaction did (also the content of its log line)."""
-
-    seq: int
-    progress: Progress
-    files: int
-    input_rows: int
-    updates: int
-    bad_rows: int
-    seconds: dict[str, float] = field(default_factory=dict)
-    skipped: dict[str, int] = field(default_factory=dict)  # lines with no change, by reason
-    held: int = 0  # source transactions held back (incomplete)
-    redelivered: int = 0  # events dropped as already turned into updates, or repeated
-
-    def line(self) -> str:
-        secs = " ".join(f"{k}={v:.2f}s" for k, v in self.seconds.items())
-        times = f"[{self.progress.lower}, {self.progress.upper})"
-        skipped = "".join(
-            f" skipped[{k.replace(' ', '_')}]={v}" for k, v in sorted(self.skipped.items())
-        )
-        extra = f" redelivered={self.redelivered}" if self.redelivered else ""
-        extra += f" held_back_txns={self.held}" if self.held else ""
-        return (
-            f"txn {self.seq}: times {times} files={self.files} input_rows={self.input_rows} "
-            f"updates={self.updates} bad_rows={self.bad_rows}{skipped}{extra} {secs}"
-        )
 
 
 def now_ms() -> int:
@@ -358,7 +314,7 @@ class Emitter:
             t0 = time.perf_counter()
             _ = self.spark
             secs["spark_start"] = time.perf_counter() - t0
-        with self._shuffle_fit(files):
+        with small_shuffles(self.spark, self.config.conf, files):
             return self._run_txn(files, secs, more=more, source_update=source_update)
 
     def _run_txn(
@@ -427,29 +383,20 @@ class Emitter:
         next_time = progress.upper
         if self.info.clock == "wallclock":
             next_time = max(self._clock(), progress.upper)
-        held_names = {base_name(f) for f in read.held_files}
-        position, replaces = done.position, read.replaces
-        source = {
-            **without_legacy(cp.source),
-            "pos": list(position) if position is not None else cp.source.get("pos", [0, 0, 0]),
-        }
-        if source_update is None:
-            source.update(consumed_position(cp.source, "file", self._listed, files, held_names))
-        if cfg.source_kind == "cdf" and position is not None:
-            source["cdf_version"] = position[0]
-        if replaces is not None:
-            source["snapshot_lsn"] = replaces[0]  # the feed's own snapshot from now on
-        elif cfg.source_kind == "debezium" and "snapshot_lsn" not in source:
+        source = next_source(
+            cp.source,
+            position=done.position,
+            cdf=cfg.source_kind == "cdf",
+            replaces=read.replaces,
+            files=None if source_update is not None else (self._listed, files),
+            tx_files=(self._tx_listed, tx_files) if tx_files else None,
+            held={base_name(f) for f in read.held_files},
+            update=source_update,
+        )
+        if cfg.source_kind == "debezium" and "snapshot_lsn" not in source:
             # the first snapshot read committed: later reads at another LSN are a new one
             reads = done.good.where(F.col("op") == "r").agg(F.min("pos_lo").alias("m"))
             source["snapshot_lsn"] = reads.collect()[0]["m"]  # None: the feed had none
-        if source_update is not None:
-            # not a folder of files: the source's own position (a Delta version)
-            source.update(source_update)
-        if tx_files:
-            source.update(
-                consumed_position(cp.source, "tx_file", self._tx_listed, tx_files, held_names)
-            )
         new_cp = self._commit(  # the commit point
             lambda base: base.successor(
                 progress=progress, next=next_time, source=source, state=state_ref
@@ -485,23 +432,6 @@ class Emitter:
         assert self.cp is not None
         self.cp = self.commits.commit(self.cp, build, segments)
         return self.cp
-
-    @contextlib.contextmanager
-    def _shuffle_fit(self, files: Sequence[str]) -> Iterator[None]:
-        """Run a transaction of small input with one shuffle partition: its shuffles then
-        take one task each instead of a wave per partition (a second or so of a small
-        transaction's time). ``--conf spark.sql.shuffle.partitions`` is always obeyed."""
-        key = "spark.sql.shuffle.partitions"
-        if key in dict(self.config.conf) or _input_bytes(files) > SMALL_INPUT_BYTES:
-            yield
-            return
-        spark = self.spark
-        before = spark.conf.get(key)
-        spark.conf.set(key, "1")
-        try:
-            yield
-        finally:
-            spark.conf.set(key, before)
 
     def _stage(self, name: str, **facts: Any) -> None:
         if self.progress is not None:

@@ -17,7 +17,7 @@ input files in the order they are written.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ import orjson
 
 from protocol import SourceError
 
-__all__ = ["FilePosition", "edge_txn", "list_files"]
+__all__ = ["FilePosition", "edge_txn", "list_files", "next_source"]
 
 
 def list_files(path: str, *, what: str = "source path") -> list[str]:
@@ -97,6 +97,39 @@ def consumed_position(
 def without_legacy(source: Mapping[str, Any]) -> dict[str, Any]:
     """``source`` without the whole-list keys of checkpoints from before high-waters."""
     return {k: v for k, v in source.items() if k not in ("files", "tx_files")}
+
+
+def next_source(
+    source: Mapping[str, Any],
+    *,
+    position: Sequence[int] | None,
+    cdf: bool,
+    replaces: tuple[int, str] | None,
+    files: tuple[Sequence[str], Sequence[str]] | None,
+    tx_files: tuple[Sequence[str], Sequence[str]] | None,
+    held: set[str],
+    update: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The checkpoint's ``source`` once a transaction commits: the committed ``position``
+    in the source's own order, the input files consumed (``files``/``tx_files``: the
+    names the poll listed and the paths read; ``held`` names stay pending), a new
+    snapshot the feed's own from now on (``replaces``), and a source's own ``update``
+    (a Delta version) where its input is not a folder of files."""
+    out = {
+        **without_legacy(source),
+        "pos": list(position) if position is not None else source.get("pos", [0, 0, 0]),
+    }
+    if files is not None:
+        out.update(consumed_position(source, "file", files[0], files[1], held))
+    if cdf and position is not None:
+        out["cdf_version"] = position[0]
+    if replaces is not None:
+        out["snapshot_lsn"] = replaces[0]
+    if update is not None:
+        out.update(update)
+    if tx_files is not None:
+        out.update(consumed_position(source, "tx_file", tx_files[0], tx_files[1], held))
+    return out
 
 
 def edge_txn(kind: str, path: str, *, last: bool) -> str | None:

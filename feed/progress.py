@@ -12,9 +12,12 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import IO, Any
 
-__all__ = ["STAGES", "TxnProgress"]
+from protocol import Progress
+
+__all__ = ["STAGES", "TxnProgress", "TxnReport"]
 
 #: the stages of one transaction, in order
 STAGES = ("reading", "computing diffs", "writing", "committing")
@@ -83,3 +86,32 @@ class _Line:
 
     def __rich__(self) -> str:
         return f"[bold]{self.progress.feed}[/bold] {self.progress.line()}"
+
+
+@dataclass(slots=True)
+class TxnReport:
+    """What one transaction did (also the content of its log line)."""
+
+    seq: int
+    progress: Progress
+    files: int
+    input_rows: int
+    updates: int
+    bad_rows: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)  # lines with no change, by reason
+    held: int = 0  # source transactions held back (incomplete)
+    redelivered: int = 0  # events dropped as already turned into updates, or repeated
+
+    def line(self) -> str:
+        secs = " ".join(f"{k}={v:.2f}s" for k, v in self.seconds.items())
+        times = f"[{self.progress.lower}, {self.progress.upper})"
+        skipped = "".join(
+            f" skipped[{k.replace(' ', '_')}]={v}" for k, v in sorted(self.skipped.items())
+        )
+        extra = f" redelivered={self.redelivered}" if self.redelivered else ""
+        extra += f" held_back_txns={self.held}" if self.held else ""
+        return (
+            f"txn {self.seq}: times {times} files={self.files} input_rows={self.input_rows} "
+            f"updates={self.updates} bad_rows={self.bad_rows}{skipped}{extra} {secs}"
+        )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["DEFAULT_MASTER", "get_spark", "parse_conf"]
+__all__ = ["DEFAULT_MASTER", "get_spark", "parse_conf", "small_shuffles"]
 
 log = logging.getLogger("tidefeed.spark")
 #: settings the start-up log line shows
@@ -128,3 +130,35 @@ def parse_conf(pairs: list[str] | None, *, command: str = "emit") -> dict[str, s
             raise SystemExit(f"tidefeed {command}: --conf takes KEY=VALUE, got {kv!r}")
         out[k.strip()] = v
     return out
+
+
+#: a transaction reading less than this runs its shuffles as one partition
+SMALL_INPUT_BYTES = 16 << 20
+
+
+def _input_bytes(files: Sequence[str]) -> int:
+    """The size of the local input files (a remote one counts as large)."""
+    total = 0
+    for f in files:
+        try:
+            total += os.path.getsize(f)
+        except OSError:
+            return SMALL_INPUT_BYTES + 1
+    return total
+
+
+@contextlib.contextmanager
+def small_shuffles(spark: Any, conf: Mapping[str, str], files: Sequence[str]) -> Iterator[None]:
+    """Run a transaction of small input with one shuffle partition: its shuffles then
+    take one task each instead of a wave per partition (a second or so of a small
+    transaction's time). ``--conf spark.sql.shuffle.partitions`` is always obeyed."""
+    key = "spark.sql.shuffle.partitions"
+    if key in dict(conf) or _input_bytes(files) > SMALL_INPUT_BYTES:
+        yield
+        return
+    before = spark.conf.get(key)
+    spark.conf.set(key, "1")
+    try:
+        yield
+    finally:
+        spark.conf.set(key, before)

@@ -18,7 +18,8 @@ from .errors import (
 )
 from .messages import Message, Progress, Update, Updates, announcement, progress, record_key
 from .schema import arrow_to_avro, avro_to_arrow, cdcv2_schema, fingerprint
-from .state import ApplyResult, Consumer, MemoryStore, Store, StoreState
+from .state import ApplyResult, Consumer
+from .stores import MemoryStore, Store, StoreState
 
 __all__ = [
     "CODECS",

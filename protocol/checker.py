@@ -32,7 +32,8 @@ from typing import Any
 
 from .errors import Conflict, CountMismatch, Gap, ProtocolError
 from .messages import Message, Progress, Updates, WireRow, record_key
-from .state import ApplyResult, Consumer, MemoryStore, table_rows
+from .state import ApplyResult, Consumer
+from .stores import MemoryStore, table_rows
 
 __all__ = ["FeedChecker", "Violation", "check_messages"]
 

@@ -1,6 +1,6 @@
 """The reference receiver's durable store: SQLite in WAL mode, one database for many feeds.
 
-Contract (the :class:`~protocol.state.Store` interface): :meth:`SqliteStore.commit` writes the
+Contract (the :class:`~protocol.stores.Store` interface): :meth:`SqliteStore.commit` writes the
 updates of the completed times, the new frontier and the epoch in **one** SQLite transaction
 with ``synchronous=FULL``, so once it returns they survive a crash (SIGKILL or power loss) and
 the ACK "everything below F is kept" is true.
@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 from .errors import CheckpointError, TidefeedError
 from .jsontext import json_objects
 from .messages import record_key, record_keys
-from .state import StoreState
+from .stores import StoreState
 
 __all__ = ["SqliteDatabase", "SqliteStore"]
 

@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -39,66 +38,12 @@ import pyarrow.compute as pc
 from .errors import Conflict, CountMismatch, Gap, ProtocolError, StaleEpoch
 from .messages import UPDATE_COLUMNS, Message, Progress, Updates, WireRow, record_key
 from .rowhash import row_hashes
+from .stores import Store
 
-__all__ = ["ApplyResult", "Consumer", "MemoryStore", "Store", "StoreState"]
+__all__ = ["ApplyResult", "Consumer"]
 
 #: How many example rows an :class:`ApplyResult` keeps of ignored updates.
 EXAMPLES_KEPT = 3
-
-
-@dataclass(frozen=True, slots=True)
-class StoreState:
-    frontier: int | None
-    epoch: int
-
-
-class Store(Protocol):
-    """Durable state of a consumer. ``commit`` must be atomic: all of it or nothing."""
-
-    def load(self) -> StoreState:
-        """The last committed frontier and epoch (``None``, 0 for a new consumer)."""
-        ...
-
-    def commit(self, *, updates: list[pa.Table], frontier: int | None, epoch: int) -> None:
-        """Durably add ``updates`` (tables of ``data``, ``time``, ``diff``, all at completed
-        times), set the frontier and the epoch."""
-        ...
-
-
-def table_rows(tables: Iterable[pa.Table]) -> list[WireRow]:
-    """The wire rows of update tables, in order."""
-    return [row for t in tables for row in t.to_pylist(maps_as_pydicts="strict")]
-
-
-class MemoryStore:
-    """A :class:`Store` in memory, accumulating the collection (for checks and tests)."""
-
-    def __init__(self) -> None:
-        self._state = StoreState(frontier=None, epoch=0)
-        self._counts: dict[bytes, list[Any]] = {}
-        self.committed: list[WireRow] = []
-
-    def load(self) -> StoreState:
-        return self._state
-
-    def commit(self, *, updates: list[pa.Table], frontier: int | None, epoch: int) -> None:
-        rows = table_rows(updates)
-        for row in rows:
-            key = record_key(row["data"])
-            slot = self._counts.setdefault(key, [row["data"], 0])
-            slot[1] += row["diff"]
-            if slot[1] == 0:
-                del self._counts[key]
-        self.committed.extend(rows)
-        self._state = StoreState(frontier=frontier, epoch=epoch)
-
-    def collection(self) -> list[tuple[Mapping[str, Any], int]]:
-        """Every record with a non-zero accumulated multiplicity, and that multiplicity."""
-        return [(rec, n) for rec, n in self._counts.values()]
-
-    def multiplicity(self, record: Mapping[str, Any]) -> int:
-        slot = self._counts.get(record_key(record))
-        return 0 if slot is None else int(slot[1])
 
 
 @dataclass(slots=True)
