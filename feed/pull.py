@@ -171,7 +171,7 @@ async def changes(request: web.Request) -> web.StreamResponse:
                 if since <= t:
                     raise
                 raise overtaken(t, since) from None
-            n, held = 0, []  # the last batch goes out with the time's progress
+            n, held = 0, list[Updates]()  # the last batch goes out with the progress
             while batch is not None:
                 n += len(batch)
                 if held:

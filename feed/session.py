@@ -6,7 +6,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = ["DEFAULT_MASTER", "get_spark", "parse_conf", "small_shuffles"]
@@ -148,7 +148,9 @@ def _input_bytes(files: Sequence[str]) -> int:
 
 
 @contextlib.contextmanager
-def small_shuffles(spark: Any, conf: Mapping[str, str], files: Sequence[str]) -> Iterator[None]:
+def small_shuffles(
+    spark: Any, conf: Iterable[tuple[str, str]] | Mapping[str, str], files: Sequence[str]
+) -> Iterator[None]:
     """Run a transaction of small input with one shuffle partition: its shuffles then
     take one task each instead of a wave per partition (a second or so of a small
     transaction's time). ``--conf spark.sql.shuffle.partitions`` is always obeyed."""

@@ -177,7 +177,8 @@ def _fold_soon(app: web.Application, feed: str) -> None:
     store = app[DB].store(feed)
 
     def idle() -> float:
-        return time.monotonic() - max(app[LAST_PUSH].values())
+        last: float = max(app[LAST_PUSH].values())
+        return time.monotonic() - last
 
     async def fold() -> None:
         try:

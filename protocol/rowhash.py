@@ -86,16 +86,22 @@ def _bytes_hash(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
         j = int(np.searchsorted(offsets, offsets[i] + _CHUNK, side="right")) - 1
         j = min(max(j, i + 1), n)
         lo, hi = int(offsets[i]), int(offsets[j])
-        seg = data[lo:hi].astype(np.uint64) + np.uint64(1)
-        sums = np.zeros(hi - lo + 1, dtype=np.uint64)
-        np.cumsum(seg * _POW.upto(hi - lo), out=sums[1:])
+        # the prefix sums built in place in one buffer (its first slot the empty sum)
+        sums = np.empty(hi - lo + 1, dtype=np.uint64)
+        sums[0] = 0
+        terms = sums[1:]
+        np.add(data[lo:hi], np.uint64(1), out=terms, dtype=np.uint64, casting="unsafe")
+        np.multiply(terms, _POW.upto(hi - lo), out=terms)
+        np.cumsum(terms, out=terms)
         start = offsets[i:j] - lo
-        end = offsets[i + 1 : j + 1] - lo
-        out[i:j] = (sums[end] - sums[start]) * _INV.upto(hi - lo + 1)[start]
+        h = sums[offsets[i + 1 : j + 1] - lo]
+        h -= sums[start]
+        h *= _INV.upto(hi - lo + 1)[start]
+        out[i:j] = h
         i = j
     lengths = (offsets[1:] - offsets[:-1]).astype(np.uint64)
-    hashed: np.ndarray = out ^ (lengths * np.uint64(_LEN))
-    return hashed
+    out ^= lengths * np.uint64(_LEN)
+    return out
 
 
 #: a string column is hashed through its dictionary when a sample of this many values

@@ -67,6 +67,8 @@ class _Piece:
 
     table: pa.Table
     hashes: np.ndarray
+    #: ``hashes`` sorted
+    ordered: np.ndarray
 
     def __len__(self) -> int:
         return int(self.table.num_rows)
@@ -141,15 +143,15 @@ def _examples(table: pa.Table) -> list[WireRow]:
     return rows
 
 
-def _in_sorted(sorted_hashes: np.ndarray, hashes: np.ndarray) -> np.ndarray:
-    """Which of ``hashes`` are in ``sorted_hashes`` (a binary search each)."""
+def _in_sorted(sorted_hashes: np.ndarray, order: np.ndarray, needles: np.ndarray) -> np.ndarray:
+    """Which hashes are in ``sorted_hashes`` (a binary search each), given as ``needles``
+    (the hashes sorted: they walk the haystack in order, cache-friendly) and ``order``
+    (where each needle stands among the hashes)."""
     if not len(sorted_hashes):
-        return np.zeros(len(hashes), dtype=bool)
-    order = np.argsort(hashes)  # sorted needles walk the haystack in order: cache-friendly
-    needles = hashes[order]
+        return np.zeros(len(needles), dtype=bool)
     at = np.searchsorted(sorted_hashes, needles)
     at[at == len(sorted_hashes)] = 0
-    found = np.empty(len(hashes), dtype=bool)
+    found = np.empty(len(needles), dtype=bool)
     found[order] = sorted_hashes[at] == needles
     return found
 
@@ -254,20 +256,26 @@ class _Txn:
 
     def _add(self, t: int, table: pa.Table) -> None:
         hashes = row_hashes(table.column("data"))
-        hv = pa.array(hashes)
+        # sorted once: for the lookups, for the repeats within the batch (neighbours) and
+        # for the consumer's sorted hashes of the time (merged in by finish())
+        order = np.argsort(hashes)
+        ordered = hashes[order]
         pieces = self._pieces(t)
         found = np.zeros(len(hashes), dtype=bool)
         if self._base(t):
-            found |= _in_sorted(self.c._sorted[t], hashes)
+            found |= _in_sorted(self.c._sorted[t], order, ordered)
         staged = self.added.get(t, [])
         if staged:  # this body's earlier batches at t: few, looked up directly
             found |= np.isin(hashes, np.concatenate([p.hashes for p in staged]))
-        repeated = len(pc.unique(hv)) != len(hashes)
+        repeated = bool(np.any(ordered[1:] == ordered[:-1]))
         if repeated or found.any():
-            table, hashes = self._exact(t, table, hashes, hv, pieces, hashes[found], repeated)
-            if not len(hashes):
+            hv = pa.array(hashes)
+            table, kept = self._exact(t, table, hashes, hv, pieces, hashes[found], repeated)
+            if not len(kept):
                 return
-        self.added.setdefault(t, []).append(_Piece(table, hashes))
+            if len(kept) != len(hashes):
+                hashes, ordered = kept, np.sort(kept)
+        self.added.setdefault(t, []).append(_Piece(table, hashes, ordered))
 
     def _exact(
         self,
@@ -387,11 +395,13 @@ class _Txn:
             c._sorted.pop(t, None)
         for t, pieces in self.added.items():
             c._pending[t] = c._pending.get(t, []) + pieces
-            new = np.concatenate([p.hashes for p in pieces])
+            runs = [p.ordered for p in pieces]
             old = c._sorted.get(t)
-            # two sorted runs: the stable sort (timsort) merges them in linear time
-            both = new if old is None else np.concatenate([old, np.sort(new)])
-            c._sorted[t] = np.sort(both, kind="stable")
+            if old is not None:
+                runs.insert(0, old)
+            # sorted runs: the stable sort (timsort) merges them in linear time
+            merged = np.sort(np.concatenate(runs), kind="stable") if len(runs) > 1 else runs[0]
+            c._sorted[t] = merged
         c._frontier, c._epoch = self.frontier, self.epoch
         self.result.frontier = self.frontier
         self.result.pending = c.pending
