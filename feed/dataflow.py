@@ -292,7 +292,7 @@ def compute_updates(ctx: TxnContext, r: ReadChanges) -> Computed:
         from .state import GONE_COLUMN
 
         # only the state buckets this transaction's keys fall in
-        loaded = ctx.state.load(cp.state, good, image, touched=touched)
+        loaded = ctx.state.load(cp.state, good, image, touched=touched, input_rows=input_rows)
         if loaded.rows is not None:  # a deleted key's tombstone is not a row
             live = loaded.rows.where(~F.col(GONE_COLUMN))
         if replaces is not None:

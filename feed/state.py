@@ -5,11 +5,20 @@ transaction would read and rewrite the whole table. Here the rows are split into
 :data:`BUCKETS` buckets by ``pmod(xxhash64(key columns), BUCKETS)``; a transaction reads
 only the buckets its changes touch and writes new versions of those buckets alone.
 
+The bucket count follows the table: a new feed's state gets about one bucket per
+:data:`ROWS_PER_BUCKET` rows of its first transaction's input (a power of two, at least
+:data:`MIN_BUCKETS`), and once the buckets hold :data:`GROW_AT` times that on average
+(the manifest counts each bucket's rows) the next transaction reads the whole state and
+writes it into the count that fits: O(table) once per fourfold growth, so each row is
+rewritten a bounded number of times on average and a small transaction stays small at
+any size.
+
 Layout and the commit point::
 
     state/<seq>-<r>/_bucket=<b>/*.parquet   bucket b as transaction <seq> left it
     state/<seq>-<r>.json                    the state manifest of commit <seq>:
-        {"format": 1, "buckets": B, "files": {"<b>": "state/<s>-<r>/_bucket=<b>"}}
+        {"format": 1, "buckets": B, "files": {"<b>": "state/<s>-<r>/_bucket=<b>"},
+         "rows": {"<b>": n}}
 
 ``<r>`` is random: a transaction redone at the same seq (after a crash, while the killed
 process's Spark may still be finishing a write) never meets the files of the first attempt.
@@ -43,13 +52,25 @@ from protocol import CheckpointError
 
 from .log import FeedLog
 
-__all__ = ["BUCKETS", "BucketedState", "LoadedState", "bucket_of"]
+__all__ = ["BUCKETS", "BucketedState", "LoadedState", "bucket_of", "fitting_buckets"]
 
-#: buckets of a new feed's state: a 10-row transaction on a 3M-row table reads and writes
-#: about 10 * 3M / 1024, some 30k rows
+#: buckets of a whole-state folder from before buckets, migrated (its size is unknown)
 BUCKETS = 1024
+#: rows a bucket is sized for: a 10-row transaction reads and writes ~10 buckets of this
+ROWS_PER_BUCKET = 4096
+#: the state is rebucketed once its buckets hold this many times ROWS_PER_BUCKET on average
+GROW_AT = 4
+MIN_BUCKETS = 8
+MAX_BUCKETS = 1 << 16
 _FORMAT = 1
 _BUCKET_DIR = "_bucket="
+
+
+def fitting_buckets(rows: int) -> int:
+    """The bucket count for a state of ``rows`` rows: a power of two near
+    ``rows / ROWS_PER_BUCKET``, within ``[MIN_BUCKETS, MAX_BUCKETS]``."""
+    want = max(1, -(-rows // ROWS_PER_BUCKET))
+    return min(MAX_BUCKETS, max(MIN_BUCKETS, 1 << (want - 1).bit_length()))
 
 
 def bucket_of(row: Column, key: Sequence[str], buckets: int) -> Column:
@@ -75,8 +96,16 @@ class LoadedState:
 
     rows: DataFrame | None  # record struct column ``data``: the rows of the touched buckets
     touched: frozenset[int]  # buckets this transaction's changes fall in (all: migration)
-    buckets: int
+    buckets: int  # the count the new state is written with
     files: dict[int, str]  # the committed manifest: bucket -> folder (relative to the feed)
+    counts: dict[int, int]  # the committed manifest: bucket -> rows
+
+
+@dataclass(frozen=True, slots=True)
+class _Manifest:
+    buckets: int
+    files: dict[int, str]
+    counts: dict[int, int] | None  # None: written before row counts
 
 
 class BucketedState:
@@ -95,13 +124,13 @@ class BucketedState:
         self.record_type = record_type
         self.key = tuple(key)
         self._spark_path = spark_path
-        self._last: tuple[str, tuple[int, dict[int, str]]] | None = None  # see _manifest
+        self._last: tuple[str, _Manifest] | None = None  # see _manifest
 
     # ---- reading ------------------------------------------------------------------------
-    def _manifest(self, ref: str) -> tuple[int, dict[int, str]]:
-        """The bucket count and bucket folders of state manifest ``ref``. Manifests are
-        immutable, so the last one read is kept: a transaction asks for its count
-        (:meth:`buckets`) and then its folders (:meth:`load`)."""
+    def _manifest(self, ref: str) -> _Manifest:
+        """The bucket count, bucket folders and row counts of state manifest ``ref``.
+        Manifests are immutable, so the last one read is kept: a transaction asks for its
+        count (:meth:`buckets`) and then its folders (:meth:`load`)."""
         if self._last is not None and self._last[0] == ref:
             return self._last[1]
         path = self.log.path(ref)
@@ -111,9 +140,16 @@ class BucketedState:
             raise CheckpointError(
                 f"feed {self.log.feed!r}: cannot read the state manifest {path}: {e}"
             ) from e
-        found = int(d["buckets"]), {int(b): f for b, f in d["files"].items()}
+        files = {int(b): f for b, f in d["files"].items()}
+        counts = {int(b): int(n) for b, n in d["rows"].items()} if "rows" in d else None
+        found = _Manifest(int(d["buckets"]), files, counts)
         self._last = (ref, found)
         return found
+
+    def _rows_in(self, folder: str) -> int:
+        """The rows of one bucket folder (relative to the feed), from its files' footers."""
+        infos = self.log.list_dir(self.log.path(folder))
+        return self.log.row_count([i.path for i in infos if i.base_name.endswith(".parquet")])
 
     def read(self, folders: Iterable[str], *, with_pos: bool = False) -> DataFrame | None:
         """The rows of these state folders (relative to the feed) as column ``data``, and
@@ -143,7 +179,7 @@ class BucketedState:
         buckets, which the next transaction reads whole)."""
         if ref is not None and not ref.endswith(".json"):
             return None
-        return self._manifest(ref)[0] if ref else BUCKETS
+        return self._manifest(ref).buckets if ref else BUCKETS
 
     def load(
         self,
@@ -152,17 +188,32 @@ class BucketedState:
         image: Column,
         *,
         touched: frozenset[int] | None = None,
+        input_rows: int = 0,
     ) -> LoadedState:
         """The state rows that ``changes`` (whose record is ``image``) can meet.
         ``touched``, when the caller has counted them already (a superset is fine: the
         rows of every loaded bucket are carried into the new state), are the buckets of
-        the changes' keys; otherwise a Spark job finds them."""
+        the changes' keys; otherwise a Spark job finds them. ``input_rows`` (the rows the
+        transaction read) sizes a new state's buckets."""
         if ref is not None and not ref.endswith(".json"):
             # a whole-state folder from before buckets: read it all, rewrite every bucket
             return LoadedState(
-                self.read([ref], with_pos=True), frozenset(range(BUCKETS)), BUCKETS, {}
+                self.read([ref], with_pos=True), frozenset(range(BUCKETS)), BUCKETS, {}, {}
             )
-        buckets, files = self._manifest(ref) if ref else (BUCKETS, {})
+        if not ref:  # a new state: at most a row per input row
+            return LoadedState(None, frozenset(), fitting_buckets(input_rows), {}, {})
+        m = self._manifest(ref)
+        buckets, files = m.buckets, m.files
+        # (a manifest from before row counts: its buckets' footers are read, once)
+        counts = (
+            m.counts if m.counts is not None else {b: self._rows_in(f) for b, f in files.items()}
+        )
+        total = sum(counts.values())
+        if total > GROW_AT * ROWS_PER_BUCKET * buckets and buckets < MAX_BUCKETS:
+            # outgrown: read it all, rewrite it into the count that fits
+            grown = fitting_buckets(total)
+            rows = self.read((files[b] for b in sorted(files)), with_pos=True)
+            return LoadedState(rows, frozenset(files), grown, {}, {})
         if touched is None:
             touched = frozenset(
                 r["b"]
@@ -171,7 +222,7 @@ class BucketedState:
                 .collect()
             )
         rows = self.read((files[b] for b in sorted(touched) if b in files), with_pos=True)
-        return LoadedState(rows, touched, buckets, files)
+        return LoadedState(rows, touched, buckets, files, counts)
 
     # ---- writing ------------------------------------------------------------------------
     def write(self, seq: int, new_rows: DataFrame, loaded: LoadedState) -> str:
@@ -192,13 +243,16 @@ class BucketedState:
             if i.base_name.startswith(_BUCKET_DIR)
         }
         files = {b: f for b, f in loaded.files.items() if b not in loaded.touched}
+        counts = {b: n for b, n in loaded.counts.items() if b in files}
         for b in written:
             files[b] = f"{folder}/{_BUCKET_DIR}{b}"
+            counts[b] = self._rows_in(files[b])
         ref = f"state/{attempt}.json"
         manifest = {
             "format": _FORMAT,
             "buckets": loaded.buckets,
             "files": {str(b): files[b] for b in sorted(files)},
+            "rows": {str(b): counts[b] for b in sorted(files)},
         }
         if not self.log.create_exclusive(self.log.path(ref), orjson.dumps(manifest)):
             raise CheckpointError(f"feed {self.log.feed!r}: state manifest {ref} exists already")
@@ -216,7 +270,7 @@ class BucketedState:
                 continue
             keep.add(ref)
             with contextlib.suppress(CheckpointError):
-                keep.update(self._manifest(ref)[1].values())
+                keep.update(self._manifest(ref).files.values())
         return keep
 
     def prune(self, refs: Iterable[str | None]) -> None:

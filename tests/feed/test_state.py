@@ -3,9 +3,11 @@ whose state is one whole folder (written before buckets) is migrated on its next
 
 from __future__ import annotations
 
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+import feed.state as state
 from feed.checkpoint import CheckpointStore
 from feed.log import FeedLog
 from feed.reader import FeedReader
@@ -45,6 +47,10 @@ def emit(spark, tmp_path):
     return e
 
 
+def manifest(tmp_path, ref):
+    return orjson.loads((tmp_path / "log" / "t" / ref).read_bytes())
+
+
 def bucket_dirs(tmp_path, ref):
     """The bucket folders of the state written with manifest ``ref`` (state/<seq>-<r>.json)."""
     d = tmp_path / "log" / "t" / ref.removesuffix(".json")
@@ -53,11 +59,15 @@ def bucket_dirs(tmp_path, ref):
     )
 
 
-def test_a_small_transaction_rewrites_only_its_buckets(spark, tmp_path):
+def test_a_small_transaction_rewrites_only_its_buckets(spark, tmp_path, monkeypatch):
+    monkeypatch.setattr(state, "ROWS_PER_BUCKET", 40)
     write(tmp_path / "in" / "a.parquet", [{"id": i, "v": 0, "seq": 1} for i in range(5000)])
     e = emit(spark, tmp_path)
     first = e.cp.state
-    assert len(bucket_dirs(tmp_path, first)) > 900  # 5000 keys spread over the buckets
+    # 5000 input rows: 128 buckets of ~40 rows, every one of them written
+    assert manifest(tmp_path, first)["buckets"] == 128
+    assert len(bucket_dirs(tmp_path, first)) == 128
+    assert sum(manifest(tmp_path, first)["rows"].values()) == 5000
     write(
         tmp_path / "in" / "b.parquet", [{"id": 7, "v": 1, "seq": 2}, {"id": 4000, "v": 1, "seq": 2}]
     )
@@ -103,3 +113,39 @@ def test_a_whole_folder_state_from_before_buckets_is_migrated(spark, tmp_path):
     ]
     reader = FeedReader(str(tmp_path / "log"), "t")
     assert collection_of(reader) == as_multiset({"id": i, "v": v} for i, v in truth.items())
+
+
+def test_the_bucket_count_grows_with_the_table(spark, tmp_path, monkeypatch):
+    """A state that outgrows its buckets is rewritten whole into more of them, once; the
+    transactions after it rewrite only their buckets again. A manifest from before row
+    counts has its rows counted from the files."""
+    monkeypatch.setattr(state, "ROWS_PER_BUCKET", 4)
+    truth: dict[int, int] = {}
+
+    def step(name, rows):
+        write(tmp_path / "in" / name, rows)
+        truth.update({r["id"]: r["v"] for r in rows})
+        e = emit(spark, tmp_path)
+        reader = FeedReader(str(tmp_path / "log"), "t")
+        assert collection_of(reader) == as_multiset(
+            {"id": i, "v": v} for i, v in truth.items()
+        )
+        m = manifest(tmp_path, e.cp.state)
+        assert sum(m["rows"].values()) == len(truth)
+        return e.cp.state, m
+
+    ref, m = step("a.parquet", [{"id": i, "v": 0, "seq": 1} for i in range(20)])
+    assert m["buckets"] == state.MIN_BUCKETS  # 20 rows: 5 buckets' worth, at least 8
+    # 200 more keys: 220 rows over 8 buckets, not rebucketed yet (the load saw 20)
+    ref, m = step("b.parquet", [{"id": i, "v": 1, "seq": 2} for i in range(20, 220)])
+    assert m["buckets"] == 8
+    # as an older tidefeed wrote it: no row counts in the manifest
+    path = tmp_path / "log" / "t" / ref
+    path.write_bytes(orjson.dumps({k: v for k, v in m.items() if k != "rows"}))
+    # 220 > 4 * 4 * 8: the next transaction rewrites everything into 64 buckets
+    ref, m = step("c.parquet", [{"id": 3, "v": 2, "seq": 3}])
+    assert m["buckets"] == 64
+    assert len(bucket_dirs(tmp_path, ref)) == len(m["files"]) > 50  # all in this attempt
+    # and then a small transaction is small again
+    ref, m = step("d.parquet", [{"id": 100, "v": 3, "seq": 4}])
+    assert m["buckets"] == 64 and len(bucket_dirs(tmp_path, ref)) == 1
