@@ -127,9 +127,7 @@ def test_the_bucket_count_grows_with_the_table(spark, tmp_path, monkeypatch):
         truth.update({r["id"]: r["v"] for r in rows})
         e = emit(spark, tmp_path)
         reader = FeedReader(str(tmp_path / "log"), "t")
-        assert collection_of(reader) == as_multiset(
-            {"id": i, "v": v} for i, v in truth.items()
-        )
+        assert collection_of(reader) == as_multiset({"id": i, "v": v} for i, v in truth.items())
         m = manifest(tmp_path, e.cp.state)
         assert sum(m["rows"].values()) == len(truth)
         return e.cp.state, m
