@@ -18,9 +18,12 @@ runs in a worker thread, never on the event loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
+import os
 import re
 import threading
 import time
@@ -69,6 +72,22 @@ FOLDING = web.AppKey("folding", dict)
 #: when each feed last had a push session's request (its handshake or a body)
 LAST_PUSH = web.AppKey("last_push", dict)
 FOLD_TURN = web.AppKey("fold_turn", asyncio.Lock)
+#: the thread background folds run in, at a lower CPU priority
+FOLDER = web.AppKey("folder", concurrent.futures.ThreadPoolExecutor)
+#: how much nicer than the receiver's other threads the fold thread runs (Linux)
+FOLD_NICENESS = 10
+
+
+def _fold_thread_niceness() -> None:
+    """Lower the calling thread's CPU priority: a background fold is work that can wait,
+    and on a small machine it otherwise takes CPU from pushes and from the processes
+    beside the receiver (a feed server, say). Linux applies niceness per thread; where
+    that fails the fold runs at normal priority."""
+    with contextlib.suppress(OSError, AttributeError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + FOLD_NICENESS)
+
+
 #: a feed's background fold waits for this long a pause in its pushes
 FOLD_IDLE_SECONDS = 0.5
 CONFIG = web.AppKey("config", ReceiverConfig)
@@ -180,6 +199,8 @@ def _fold_soon(app: web.Application, feed: str) -> None:
         last: float = max(app[LAST_PUSH].values())
         return time.monotonic() - last
 
+    loop = asyncio.get_running_loop()
+
     async def fold() -> None:
         try:
             while True:
@@ -187,8 +208,8 @@ def _fold_soon(app: web.Application, feed: str) -> None:
                     await asyncio.sleep(FOLD_IDLE_SECONDS - idle())
                     continue
                 async with app[FOLD_TURN]:  # one round at a time over all feeds
-                    if idle() >= FOLD_IDLE_SECONDS and not await asyncio.to_thread(
-                        store.fold, max_rounds=1
+                    if idle() >= FOLD_IDLE_SECONDS and not await loop.run_in_executor(
+                        app[FOLDER], functools.partial(store.fold, max_rounds=1)
                     ):
                         return
         except TidefeedError as e:  # a locked or closed database: the next read folds
@@ -298,6 +319,9 @@ def make_receiver_app(config: ReceiverConfig) -> web.Application:
     app[FOLDING] = {}
     app[LAST_PUSH] = {}
     app[FOLD_TURN] = asyncio.Lock()
+    app[FOLDER] = concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="fold", initializer=_fold_thread_niceness
+    )
 
     async def database(app: web.Application):  # type: ignore[no-untyped-def]
         app[DB] = await asyncio.to_thread(
@@ -308,6 +332,8 @@ def make_receiver_app(config: ReceiverConfig) -> web.Application:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        # a round under way finishes (its thread cannot be cancelled) before the close
+        await asyncio.to_thread(app[FOLDER].shutdown, wait=True)
         await asyncio.to_thread(app[DB].close)
 
     app.cleanup_ctx.append(database)

@@ -241,3 +241,42 @@ async def test_the_collection_of_an_unknown_feed_is_404(receiver):
     async with aiohttp.ClientSession() as s, s.get(f"{base}/v1/collections/nobody") as r:
         assert r.status == 404
         assert (await r.json())["error"] == "unknown_feed"
+
+
+async def test_background_folds_run_in_a_thread_of_lower_priority(tmp_path, monkeypatch):
+    import asyncio
+    import os
+    import threading
+
+    import protocol.receiver as receiver_module
+    from protocol.sqlite_store import SqliteDatabase
+
+    monkeypatch.setattr(receiver_module, "FOLD_IDLE_SECONDS", 0.05)
+    app = make_receiver_app(ReceiverConfig(db=str(tmp_path / "r.db")))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with PushClient(f"{base}/v1/push/f", fmt="arrow") as client:
+            await client.push(FEED, epoch=1)
+        store = app[receiver_module.DB].store("f")
+        for _ in range(200):  # the fold runs once pushes pause
+            if not store._unfolded_rows():
+                break
+            await asyncio.sleep(0.02)
+        assert not store._unfolded_rows()
+        _, coll = await state(base)
+        niceness = app[receiver_module.FOLDER].submit(
+            lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        )
+        main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    finally:
+        await runner.cleanup()
+    assert niceness.result() == main + receiver_module.FOLD_NICENESS
+    # what was folded is the collection: read back from the database alone
+    again = SqliteDatabase(str(tmp_path / "r.db")).store("f")
+    kept = {orjson.loads(k)["id"]: n for k, n in again.current()}
+    assert kept == {0: 1, 2: 2}
+    assert sorted(orjson.loads(line)["data"]["id"] for line in coll.splitlines()) == [0, 2]
