@@ -283,6 +283,10 @@ class FeedLog:
                 files.append((int(m.group(2)), i.path))
         return [p for _, p in sorted(files)]
 
+    def parquet_files(self, folder: str) -> list[str]:
+        """The Parquet files directly in ``folder`` (a full path), in name order."""
+        return sorted(i.path for i in self.list_dir(folder) if i.base_name.endswith(".parquet"))
+
     def row_count(self, files: list[str]) -> int:
         """Rows in these Parquet files, from their footers (the data is not read)."""
         return sum(pq.ParquetFile(self.fs.open_input_file(f)).metadata.num_rows for f in files)
@@ -324,11 +328,7 @@ class FeedLog:
 
     def read_compacted(self, since: int) -> pa.Table:
         """The collection at ``since``: the record columns and ``diff`` (the multiplicity)."""
-        files = sorted(
-            i.path
-            for i in self.list_dir(self.path("compacted", str(since)))
-            if i.base_name.endswith(".parquet")
-        )
+        files = self.parquet_files(self.path("compacted", str(since)))
         return pa.concat_tables([pq.read_table(f, filesystem=self.fs) for f in files])
 
     def numbered_dirs(self, name: str) -> list[int]:

@@ -332,11 +332,7 @@ def legacy_manifest(store: ManifestStore, cp: Any) -> Manifest:
     compacted: tuple[str, ...] = ()
     records = 0
     if since:
-        paths = sorted(
-            i.path
-            for i in log.list_dir(log.path("compacted", str(since)))
-            if i.base_name.endswith(".parquet")
-        )
+        paths = log.parquet_files(log.path("compacted", str(since)))
         compacted = tuple(p[len(log.root) + 1 :] for p in paths)
         records = log.row_count(paths)
     table = _segments_table(segments)

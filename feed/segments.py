@@ -53,7 +53,7 @@ def _install(ctx: TxnContext, staging: str, epoch: int) -> list[Segment]:
         if not d.base_name.startswith("time="):
             continue
         t = int(d.base_name.split("=", 1)[1])
-        files = [i.path for i in fl.list_dir(d.path) if i.base_name.endswith(".parquet")]
+        files = fl.parquet_files(d.path)
         n = fl.row_count(files)
         if n:
             installed = fl.install_time(t, epoch, files)

@@ -148,8 +148,7 @@ class BucketedState:
 
     def _rows_in(self, folder: str) -> int:
         """The rows of one bucket folder (relative to the feed), from its files' footers."""
-        infos = self.log.list_dir(self.log.path(folder))
-        return self.log.row_count([i.path for i in infos if i.base_name.endswith(".parquet")])
+        return self.log.row_count(self.log.parquet_files(self.log.path(folder)))
 
     def read(self, folders: Iterable[str], *, with_pos: bool = False) -> DataFrame | None:
         """The rows of these state folders (relative to the feed) as column ``data``, and
