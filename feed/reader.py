@@ -9,6 +9,7 @@ error naming the time and the file.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from functools import cached_property
 
@@ -86,52 +87,40 @@ class FeedReader:
 
     def table(self, time: int) -> pa.Table:
         """The updates at a committed ``time``: record columns and ``diff``."""
-        files = self._files(time)
-        if not files:
-            return pa.table({"diff": pa.array([], pa.int64())})
-        try:
+        with self._segment_files(time) as files:
+            if not files:
+                return pa.table({"diff": pa.array([], pa.int64())})
             return pa.concat_tables([f.read() for f in files], promote_options="default")
-        finally:
-            for f in files:
-                f.close()
 
     def batches(self, time: int, rows: int = STREAM_ROWS) -> Iterator[Updates]:
         """The updates at a committed ``time`` in batches of at most ``rows``, each read
         from the log when it is asked for: a time of any size in bounded memory. The
         files' row counts are checked against the manifest before the first batch."""
-        files = self._files(time)
-        try:
+        with self._segment_files(time) as files:
             for f in files:
                 for b in f.iter_batches(batch_size=rows):
                     yield _as_updates(pa.Table.from_batches([b]), time, self.record_type)
-        finally:
-            for f in files:
-                f.close()
 
-    def _files(self, time: int) -> list[pq.ParquetFile]:
+    @contextlib.contextmanager
+    def _segment_files(self, time: int) -> Iterator[list[pq.ParquetFile]]:
         """The open segment files of a committed ``time`` (none for a time without
-        updates), their row counts checked against the manifest's count."""
+        updates), their row counts checked against the manifest's count; closed on exit,
+        or as soon as opening or checking them fails."""
         segs = self._manifests.segments(self.manifest, time, time + 1)
-        if not segs or time >= self.frontier:
-            return []
-        seg = segs[0]
-        files: list[pq.ParquetFile] = []
-        try:
-            for rel in seg.files:
-                files.append(self._open(rel, f"time {time}"))
-            found = sum(f.metadata.num_rows for f in files)
-        except BaseException:
-            for f in files:
-                f.close()
-            raise
-        if found != seg.count:
-            for f in files:
-                f.close()
-            raise CheckpointError(
-                f"feed {self.name!r}: time {time} holds {found} update(s) in "
-                f"{', '.join(seg.files)}, but its manifest counts {seg.count}"
-            )
-        return files
+        with contextlib.ExitStack() as opened:
+            files: list[pq.ParquetFile] = []
+            if segs and time < self.frontier:
+                seg = segs[0]
+                for rel in seg.files:
+                    files.append(self._open(rel, f"time {time}"))
+                    opened.callback(files[-1].close)
+                found = sum(f.metadata.num_rows for f in files)
+                if found != seg.count:
+                    raise CheckpointError(
+                        f"feed {self.name!r}: time {time} holds {found} update(s) in "
+                        f"{', '.join(seg.files)}, but its manifest counts {seg.count}"
+                    )
+            yield files
 
     def _open(self, rel: str, what: str) -> pq.ParquetFile:
         # ParquetFile, not pq.read_table: that one goes through pyarrow.dataset, whose
