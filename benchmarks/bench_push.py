@@ -8,8 +8,7 @@ the receiver's peak-RSS growth. Last, a run under load: 50 ``follow=true`` pull 
 a push subscription and a pull of the 1M time at once (``/healthz`` p99, the server's
 peak RSS, every client checked). Before all that, each format pushes a feed of 10
 updates once: a server's first push pays one-time costs, shown apart.
-``benchmarks/bench_receiver.py`` measures the receiver
-alone, with a hand-built client.
+``benchmarks/bench_receiver.py`` measures the receiver alone, with a hand-built client.
 
     .venv/bin/python benchmarks/bench_push.py [--updates 1000000] [--formats ndjson,avro,arrow]
 """

@@ -237,7 +237,9 @@ class SqliteStore:
     def commit(self, *, updates: list[pa.Table], frontier: int | None, epoch: int) -> None:
         parts = []
         for table in updates:
-            time = table.column("time")[0].as_py() if table.num_rows else 0
+            if not table.num_rows:
+                continue
+            time = table.column("time")[0].as_py()
             # a large time in parts of a fold round each: no fold holds the database
             # for longer than a round takes
             for start in range(0, table.num_rows, FOLD_ROWS):
