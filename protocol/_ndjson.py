@@ -4,6 +4,13 @@ Streams decode line by line with orjson. A whole body in memory (what a receiver
 first goes through pyarrow's multi-threaded JSON reader, straight into Arrow; any body that
 reader does not take cleanly (a malformed line, an unexpected shape, a string it would read
 as a timestamp) is decoded again line by line, which names what is wrong and where.
+
+The reader infers the types of every body, which takes about half its time. A body is
+first read with the record type of the body before it, when that type is one inference
+cannot read differently (structs of integers, strings and booleans; no float, which
+inference makes an integer when a body has no fraction): the read fails at the first value
+of another type, and a field that is missing from every record of the body (inference
+would leave it out of the record type) sends it to inference too.
 """
 
 from __future__ import annotations
@@ -134,6 +141,51 @@ class NdjsonDecoder(Decoder):
 #: the smallest block pyarrow's JSON reader parses at once (blocks are parsed in parallel)
 _MIN_BLOCK = 256 << 10
 
+#: a progress line's value as the JSON reader types it
+_PROGRESS = pa.struct(
+    [
+        ("lower", pa.list_(pa.int64())),
+        ("upper", pa.list_(pa.int64())),
+        ("counts", pa.list_(pa.struct([("time", pa.int64()), ("count", pa.int64())]))),
+    ]
+)
+_KNOWN_LEAVES = (pa.int64(), pa.string(), pa.bool_())
+
+
+def _hintable(t: pa.DataType) -> bool:
+    """Whether reading with record type ``t`` gives what inference would: a struct of
+    int64, string, bool and such structs (values of any other JSON type fail the read)."""
+    return pa.types.is_struct(t) and all(
+        _hintable(f.type) if pa.types.is_struct(f.type) else f.type in _KNOWN_LEAVES for f in t
+    )
+
+
+def _unseen_field(data: pa.Array) -> bool:
+    """Whether some field of the records (at any depth) is null in every one of them."""
+    for child in data.flatten():
+        if len(child) and child.null_count == len(child):
+            return True
+        if pa.types.is_struct(child.type) and _unseen_field(child):
+            return True
+    return False
+
+
+def _read_hinted(body: bytes, options: pa_json.ReadOptions, record: pa.DataType) -> pa.Table | None:
+    """The body read with the record type ``record``, or ``None`` where inference is needed."""
+    update = pa.struct([("data", record), ("time", pa.int64()), ("diff", pa.int64())])
+    schema = pa.schema([("updates", pa.list_(update)), ("progress", _PROGRESS)])
+    parse = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error")
+    try:
+        table = pa_json.read_json(pa.BufferReader(body), read_options=options, parse_options=parse)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, ValueError):
+        return None
+    ups = table.column("updates")
+    for chunk in ups.chunks:
+        data = chunk.flatten().field("data")
+        if data.null_count or _unseen_field(data):
+            return None
+    return table
+
 
 def _has_timestamp(t: pa.DataType) -> bool:
     if pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_time(t):
@@ -201,16 +253,22 @@ def _update_batches(column: pa.ChunkedArray) -> list[pa.Table | None] | None:
     return out
 
 
-def _decode_columnar(body: bytes) -> list[Message] | None:
-    """Decode a whole body with pyarrow's JSON reader, or ``None`` to use the line decoder."""
+def _decode_columnar(
+    body: bytes, record: pa.DataType | None = None
+) -> tuple[list[Message], pa.DataType | None] | None:
+    """Decode a whole body with pyarrow's JSON reader (with the record type ``record`` if
+    it reads the body as inference would): its messages and its record type, or ``None``
+    to use the line decoder."""
     raw = np.frombuffer(body, dtype=np.uint8)
     ends = np.flatnonzero(raw == 10)
     if not len(ends) or ends[-1] != len(raw) - 1:
         ends = np.append(ends, len(raw))
     longest = int(np.max(np.diff(ends, prepend=-1)))
     options = pa_json.ReadOptions(block_size=max(longest + 1, _MIN_BLOCK), use_threads=True)
+    table = None if record is None else _read_hinted(body, options, record)
     try:
-        table = pa_json.read_json(pa.BufferReader(body), read_options=options)
+        if table is None:
+            table = pa_json.read_json(pa.BufferReader(body), read_options=options)
         check_field_names(table.schema)  # pyarrow takes keys that are not UTF-8
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, ValueError):
         return None  # the line decoder says exactly what is wrong
@@ -226,6 +284,9 @@ def _decode_columnar(body: bytes) -> list[Message] | None:
     progress = (
         table.column("progress").to_pylist() if "progress" in table.column_names else [None] * n
     )
+    seen = None
+    if "updates" in table.column_names:
+        seen = table.column("updates").type.value_type.field("data").type
     messages: list[Message] = []
     for ups, prog in zip(updates, progress, strict=True):
         if (ups is None) == (prog is None):
@@ -238,7 +299,7 @@ def _decode_columnar(body: bytes) -> list[Message] | None:
                 messages.append(Progress.from_wire(prog, fmt="ndjson"))
             except CodecError:
                 return None  # the line decoder names the line
-    return messages
+    return messages, seen
 
 
 class NdjsonCodec(Codec):
@@ -253,12 +314,20 @@ class NdjsonCodec(Codec):
     def decoder(self, stream: IO[bytes], *, schema: Any = None) -> Decoder:
         return NdjsonDecoder(stream, schema=schema)
 
+    def __init__(self) -> None:
+        #: the record type of the last body read, when it can be read with (no lock: a
+        #: stale one costs a failed read, never a wrong one)
+        self._record: pa.DataType | None = None
+
     def decode(self, body: bytes, *, schema: Any = None) -> list[Message]:
         if schema is None and body:
             try:
-                messages = _decode_columnar(body)
+                decoded = _decode_columnar(body, self._record)
             except Exception:  # e.g. invalid UTF-8 in a key: the line decoder says what
-                messages = None
-            if messages is not None:
+                decoded = None
+            if decoded is not None:
+                messages, record = decoded
+                if record is not None:
+                    self._record = record if _hintable(record) else None
                 return messages
         return list(NdjsonDecoder(io.BytesIO(body), schema=schema))

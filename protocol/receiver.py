@@ -38,7 +38,7 @@ from ._http import HttpError, error_middleware, json_response, settle, token_mid
 from .codecs import codec_for_content_type
 from .errors import CodecError, ProtocolError, TidefeedError
 from .messages import Updates, _json_default
-from .sqlite_store import SqliteDatabase
+from .sqlite_store import FoldGaveWay, SqliteDatabase
 from .state import Consumer
 
 __all__ = ["EPOCH_HEADER", "ReceiverConfig", "make_receiver_app", "run_receiver"]
@@ -200,6 +200,10 @@ def _fold_soon(app: web.Application, feed: str) -> None:
         return time.monotonic() - last
 
     loop = asyncio.get_running_loop()
+    # a round gives way to a push that arrives meanwhile
+    round_ = functools.partial(
+        store.fold, max_rounds=1, give_way=lambda: idle() < FOLD_IDLE_SECONDS
+    )
 
     async def fold() -> None:
         try:
@@ -208,10 +212,13 @@ def _fold_soon(app: web.Application, feed: str) -> None:
                     await asyncio.sleep(FOLD_IDLE_SECONDS - idle())
                     continue
                 async with app[FOLD_TURN]:  # one round at a time over all feeds
-                    if idle() >= FOLD_IDLE_SECONDS and not await loop.run_in_executor(
-                        app[FOLDER], functools.partial(store.fold, max_rounds=1)
-                    ):
-                        return
+                    if idle() < FOLD_IDLE_SECONDS:
+                        continue
+                    try:
+                        if not await loop.run_in_executor(app[FOLDER], round_):
+                            return
+                    except FoldGaveWay:
+                        continue  # a push came: done again at the next pause
         except TidefeedError as e:  # a locked or closed database: the next read folds
             log.debug("feed %s: background fold stopped: %s", feed, e)
         finally:

@@ -384,9 +384,24 @@ class _Txn:
 
     def finish(self) -> ApplyResult:
         c = self.c
-        changed = self.result.committed or self.frontier != c._frontier or self.epoch != c._epoch
+        changed = (
+            self.result.committed
+            or self.added
+            or self.cleared
+            or self.frontier != c._frontier
+            or self.epoch != c._epoch
+        )
         if changed:
-            c._store.commit(updates=self.result.committed, frontier=self.frontier, epoch=self.epoch)
+            # what stays pending: the store may write it ahead of the commit that names it
+            kept = [] if self.cleared else [t for t in c._pending if t not in self.done_times]
+            pending = [p.table for t in kept for p in c._pending[t]]
+            pending += [p.table for pieces in self.added.values() for p in pieces]
+            c._store.commit(
+                updates=self.result.committed,
+                frontier=self.frontier,
+                epoch=self.epoch,
+                pending=pending,
+            )
         # the store has it durably: now the in-memory view may follow
         if self.cleared:
             c._pending, c._sorted = {}, {}

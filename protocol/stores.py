@@ -6,7 +6,7 @@ receiver's store is :class:`~protocol.sqlite_store.SqliteStore`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,9 +30,23 @@ class Store(Protocol):
         """The last committed frontier and epoch (``None``, 0 for a new consumer)."""
         ...
 
-    def commit(self, *, updates: list[pa.Table], frontier: int | None, epoch: int) -> None:
+    def commit(
+        self,
+        *,
+        updates: list[pa.Table],
+        frontier: int | None,
+        epoch: int,
+        pending: Sequence[pa.Table] = (),
+    ) -> None:
         """Durably add ``updates`` (tables of ``data``, ``time``, ``diff``, all at completed
-        times), set the frontier and the epoch."""
+        times), set the frontier and the epoch.
+
+        ``pending`` names the tables still pending after this call (at times at or above
+        ``frontier``). They are not part of the committed state, but a store may write them
+        ahead, so that the commit that later names them in ``updates`` has less to write;
+        whatever it wrote ahead and a later call names in neither list was rolled back, and
+        is dropped. A consumer calls this after every body that changed its state or its
+        pending updates."""
         ...
 
 
@@ -52,7 +66,14 @@ class MemoryStore:
     def load(self) -> StoreState:
         return self._state
 
-    def commit(self, *, updates: list[pa.Table], frontier: int | None, epoch: int) -> None:
+    def commit(
+        self,
+        *,
+        updates: list[pa.Table],
+        frontier: int | None,
+        epoch: int,
+        pending: Sequence[pa.Table] = (),
+    ) -> None:
         rows = table_rows(updates)
         for row in rows:
             key = record_key(row["data"])

@@ -6,6 +6,7 @@ import contextlib
 import io
 
 import fastavro
+import orjson
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
@@ -292,3 +293,56 @@ def test_ndjson_with_invalid_utf8_in_a_record_field_name_is_a_codec_error():
     )
     with pytest.raises(CodecError):
         get_codec("ndjson").decode(body)
+
+
+def _lines(*objs) -> bytes:
+    return b"".join(orjson.dumps(o) + b"\n" for o in objs)
+
+
+def _ups(*records, time=1):
+    return {"updates": [{"data": r, "time": time, "diff": 1} for r in records]}
+
+
+PROGRESS_LINE = {"progress": {"lower": [1], "upper": [2], "counts": [{"time": 1, "count": 2}]}}
+#: bodies in a row, each decoded with the record type of the one before it where it can be
+HINTED_BODIES = [
+    _lines(_ups({"id": 1, "name": "a", "ok": True}, {"id": 2, "name": "b", "ok": False})),
+    _lines(_ups({"id": 3, "name": "c", "ok": True}, {"id": 4, "name": None, "ok": None})),
+    _lines(_ups({"id": 5, "name": "e", "ok": True}), PROGRESS_LINE),
+    _lines(_ups({"id": 6, "name": "f"}, {"id": 7, "name": "g"})),  # no "ok" in any record
+    _lines(_ups({"id": 8, "name": "h"}, {"id": 9.0, "name": "i"})),  # a float
+    _lines(_ups({"id": 10, "name": "j", "extra": 1})),  # a field more
+    _lines(PROGRESS_LINE),
+    _lines(_ups({"id": 11, "name": "2024-01-01T00:00:00"}, {"id": 12, "name": "k"})),
+    _lines(_ups({"id": 13, "at": {"city": "x", "zip": 1}}, {"id": 14, "at": {"city": "y"}})),
+    _lines(_ups({"id": 15, "at": {"city": "z"}})),  # no "zip" in any nested record
+    _lines(_ups({"id": 16, "at": {"city": "w", "zip": "a string"}})),
+]
+
+
+def _as_json(messages):
+    """Messages with each record as its JSON text: 1 and 1.0 differ."""
+    return [
+        (kind, [(orjson.dumps(r), t, d) for r, t, d in v] if kind == "u" else v)
+        for kind, v in _merge_updates(messages)
+    ]
+
+
+def test_ndjson_read_with_the_last_record_type_equals_reading_with_inference(monkeypatch):
+    import protocol._ndjson as ndjson
+
+    hinted = []
+    read_hinted = ndjson._read_hinted
+
+    def spy(body, options, record):
+        table = read_hinted(body, options, record)
+        hinted.append(table is not None)
+        return table
+
+    monkeypatch.setattr(ndjson, "_read_hinted", spy)
+    carried = ndjson.NdjsonCodec()
+    for i, body in enumerate(HINTED_BODIES):
+        assert _as_json(carried.decode(body)) == _as_json(ndjson.NdjsonCodec().decode(body)), i
+    # read with the record type before them: the 2nd, 3rd and 7th bodies; the others went
+    # to inference (after a float the record type is not used; the 6th is not tried)
+    assert hinted == [True, True, False, False, True, False, False, False, False]

@@ -1,4 +1,5 @@
-"""The receiver's kept collection: folded from committed parts, streamed in key order."""
+"""The receiver's kept collection: folded from committed parts, streamed in key order;
+pending updates written ahead of their commit."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pyarrow as pa
 import pytest
 
 import protocol.sqlite_store as sqlite_store
-from protocol.messages import record_key
+from protocol.messages import Progress, Updates, record_key
 from protocol.sqlite_store import SqliteDatabase
+from protocol.state import Consumer
 
 RECORD = pa.struct([("id", pa.int64()), ("name", pa.string()), ("v", pa.float64())])
 #: a record type protocol.jsontext takes (no float): its keys are built column-wise
@@ -124,3 +126,120 @@ def test_a_large_time_is_kept_in_parts_of_a_fold_round_each(tmp_path, monkeypatc
     assert {record_key(orjson.loads(k)): n for k, n in store.current()} == truth
     assert accumulated(store) == truth == {record_key(r): n for r, n in store.collection(at=1)}
     assert store.fold() == 2
+
+
+def _pending_rows(db: SqliteDatabase, feed: str = "f") -> int:
+    """Updates in parts at or above the feed's frontier: written ahead, not committed."""
+    row = db.conn.execute(
+        "SELECT coalesce(sum(rows), 0) FROM parts WHERE feed = ? AND NOT coalesce("
+        "time < (SELECT frontier FROM feeds WHERE feeds.feed = parts.feed), 0)",
+        (feed,),
+    ).fetchone()
+    return int(row[0])
+
+
+def _written_ahead(db: SqliteDatabase) -> None:
+    """Wait for the background write-ahead of what is pending."""
+    db.ahead.submit(lambda: None).result(timeout=30)
+
+
+def _updates(t: int, records: list[dict], diff: int = 1) -> Updates:
+    return Updates.from_arrow(part(t, [(r, diff) for r in records], COLUMNAR))
+
+
+def test_pending_updates_are_written_ahead_and_count_only_once_committed(tmp_path, monkeypatch):
+    """Pending pieces reach the database before their commit, are read by nothing until
+    it, and a rollback deletes them: a time resent after one counts once. A fold never
+    passes a pending part, so one committed after a later time still gets folded."""
+    monkeypatch.setattr(sqlite_store, "FOLD_ROWS", 3)
+    path = str(tmp_path / "r.db")
+    db = SqliteDatabase(path)
+    store = db.store("f")
+    c = Consumer(store, feed="f")
+    rec = [{"id": i, "name": f"n{i}", "v": i % 4} for i in range(20)]
+    c.apply([Progress(0, 0, ())], epoch=1)
+    c.apply([_updates(0, rec[:5])], epoch=1)
+    c.apply([_updates(1, rec[5:9])], epoch=1)  # time 1's piece written before time 0's next
+    c.apply([_updates(0, rec[9:12])], epoch=1)
+    _written_ahead(db)
+    assert _pending_rows(db) == 12  # on disk ahead of any commit
+    assert kept(store) == {} == accumulated(store)  # and counted nowhere
+    c.apply([Progress(0, 1, ((0, 8),))], epoch=1)  # time 0 commits, time 1 stays pending
+    assert _pending_rows(db) == 4
+    truth = {record_key(r): 1 for r in rec[:5] + rec[9:12]}
+    assert kept(store) == truth == accumulated(store)  # the fold stopped at time 1's part
+    c.apply([_updates(2, rec[12:14]), Progress(1, 2, ((1, 4),))], epoch=1)
+    truth |= {record_key(r): 1 for r in rec[5:9]}
+    _written_ahead(db)
+    assert _pending_rows(db) == 2
+    assert kept(store) == truth == accumulated(store)
+    # the session breaks; the next one's announcement rolls time 2 back, and it is resent
+    # with other records
+    c.apply([Progress(2, 2, ())], epoch=1)
+    assert _pending_rows(db) == 0
+    c.apply([_updates(2, rec[14:17])], epoch=1)
+    c.apply([_updates(2, rec[17:20]), Progress(2, 3, ((2, 6),))], epoch=1)
+    truth |= {record_key(r): 1 for r in rec[14:20]}
+    assert _pending_rows(db) == 0
+    assert kept(store) == truth == accumulated(store)
+    assert store.fold() == 0
+    db.close()
+    again = SqliteDatabase(path)
+    assert kept(again.store("f")) == truth
+
+
+def test_updates_written_ahead_by_a_receiver_that_stopped_are_dropped_on_load(tmp_path):
+    path = str(tmp_path / "r.db")
+    db = SqliteDatabase(path)
+    c = Consumer(db.store("f"), feed="f")
+    rec = [{"id": i, "name": f"n{i}", "v": 0} for i in range(10)]
+    c.apply([Progress(0, 0, ()), _updates(0, rec[:3]), Progress(0, 1, ((0, 3),))], epoch=1)
+    c.apply([_updates(1, rec[3:7])], epoch=1)
+    _written_ahead(db)
+    assert _pending_rows(db) == 4
+    db.close()  # stopped before time 1 committed
+    db = SqliteDatabase(path)
+    store = db.store("f")
+    c = Consumer(store, feed="f")
+    assert (c.frontier, c.pending, _pending_rows(db)) == (1, 0, 0)
+    c.apply([Progress(1, 1, ()), _updates(1, rec[7:10]), Progress(1, 2, ((1, 3),))], epoch=1)
+    truth = {record_key(r): 1 for r in rec[:3] + rec[7:10]}
+    assert kept(store) == truth == accumulated(store)
+
+
+def test_a_failed_write_ahead_leaves_the_commit_to_write_the_updates(tmp_path, monkeypatch):
+    db = SqliteDatabase(str(tmp_path / "r.db"))
+    store = db.store("f")
+    c = Consumer(store, feed="f")
+    rec = [{"id": i, "name": f"n{i}", "v": 0} for i in range(6)]
+
+    def full_disk(self, tables):
+        raise sqlite_store.CheckpointError("database or disk is full")
+
+    monkeypatch.setattr(sqlite_store.SqliteStore, "_write_ahead", full_disk)
+    c.apply([Progress(0, 0, ()), _updates(0, rec)], epoch=1)
+    _written_ahead(db)
+    assert _pending_rows(db) == 0
+    monkeypatch.undo()
+    c.apply([Progress(0, 1, ((0, 6),))], epoch=1)
+    assert kept(store) == {record_key(r): 1 for r in rec} == accumulated(store)
+
+
+def test_a_fold_round_that_gives_way_is_rolled_back_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(sqlite_store, "GIVE_WAY_ROWS", 2)
+    db = SqliteDatabase(str(tmp_path / "r.db"))
+    store = db.store("f")
+    records = [{"id": i, "name": f"n{i}", "v": i % 3} for i in range(9)]
+    store.commit(updates=[part(1, [(r, 1) for r in records], COLUMNAR)], frontier=2, epoch=1)
+    asked = []
+
+    def after_two_chunks() -> bool:
+        asked.append(1)
+        return len(asked) == 2
+
+    with pytest.raises(sqlite_store.FoldGaveWay):
+        store.fold(give_way=after_two_chunks)
+    assert db.conn.execute("SELECT count(*) FROM collection").fetchone()[0] == 0
+    assert db.conn.execute("SELECT folded FROM feeds").fetchone()[0] == 0
+    assert store.fold(give_way=lambda: False) == 1
+    assert kept(store) == {record_key(r): 1 for r in records} == accumulated(store)
