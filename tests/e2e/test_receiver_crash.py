@@ -26,9 +26,7 @@ def _post(port: int, *lines: dict) -> dict:
 
 def _updates(ids: range, time_: int) -> dict:
     return {
-        "updates": [
-            {"data": {"id": i, "name": f"n{i}"}, "time": time_, "diff": 1} for i in ids
-        ]
+        "updates": [{"data": {"id": i, "name": f"n{i}"}, "time": time_, "diff": 1} for i in ids]
     }
 
 
