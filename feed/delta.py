@@ -79,6 +79,19 @@ class DeltaSource:
         schema: dict[str, Any] = arrow_to_avro(pa.struct(fields), name="record")
         return schema
 
+    def stage_next(self, done: int, feedlog: Any) -> tuple[str, int] | None:
+        """Stage the change rows of the versions after ``done`` (at most
+        :data:`MAX_VERSIONS` of them) in the log's ``_staging`` folder: the staged file
+        and the last version in it, or ``None`` when there is no newer version."""
+        latest = self.latest()
+        if latest <= done:
+            return None
+        last = min(latest, done + MAX_VERSIONS)
+        staged = feedlog.path("_staging", f"delta-v{done + 1}-v{last}.parquet")
+        feedlog.fs.create_dir(feedlog.path("_staging"), recursive=True)
+        self.stage(done + 1, last, staged, feedlog.fs)
+        return staged, last
+
     def stage(self, first: int, last: int, path: str, fs: Any) -> int:
         """Write the change rows of versions ``first..last`` to ``path`` (Parquet on the
         log's filesystem ``fs``); return how many there are."""

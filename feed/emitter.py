@@ -21,7 +21,8 @@ One transaction (:meth:`Emitter.step`):
    point (:mod:`feed.commits`);
 5. hand the committed progress to the publisher, if any.
 
-The feed's settings are checked or created first (:mod:`feed.settings`).
+The feed's settings are checked or created first (:mod:`feed.settings`). Batch and follow
+runs loop over :meth:`Emitter.step` in :mod:`feed.loop`.
 With eager delivery (:mod:`feed.eager`) the executors push the updates between 3 and 4.
 
 A crash before 4 leaves the old checkpoint, so the next start rolls back and redoes the
@@ -32,7 +33,6 @@ finds everything committed: the files are below ``source.file`` and are never re
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -54,7 +54,7 @@ from .dataflow import (
     read_input,
 )
 from .eager import EagerPusher
-from .inputs import FilePosition, edge_txn, list_files, next_source
+from .inputs import InputWindow, next_source
 from .log import FeedLog
 from .manifest import Segment
 from .progress import TxnProgress, TxnReport
@@ -112,8 +112,7 @@ class Emitter:
         self._delta_source: Any = None
         self.info: Any = None
         self._record_type: Any = None
-        self._listed: list[str] = []  # file names the last poll saw (input, tx metadata)
-        self._tx_listed: list[str] = []
+        self.inputs = InputWindow(config.source_path, config.tx_metadata)
 
     # ---- lifecycle -------------------------------------------------------------------
     @property
@@ -152,7 +151,7 @@ class Emitter:
                 cfg,
                 self.feedlog,
                 spark=lambda: self.spark,
-                files=self._all_files,
+                files=self.inputs.all_files,
                 delta_schema=lambda: self._delta().record_schema(),
                 log=self.log,
             )
@@ -196,9 +195,6 @@ class Emitter:
         self.state = State.CLOSED
 
     # ---- input -----------------------------------------------------------------------
-    def _all_files(self, where: str | None = None) -> list[str]:
-        return list_files(where or self.config.source_path)
-
     def _delta(self) -> Any:
         from .delta import DeltaSource
 
@@ -211,19 +207,7 @@ class Emitter:
         assert self.cp is not None
         if self.config.source_kind == "delta":
             return []
-        listed = self._all_files()
-        self._listed = [os.path.basename(f) for f in listed]
-        return FilePosition.from_source(self.cp.source).pending(listed)
-
-    def _pending_tx_files(self) -> list[str]:
-        """Transaction metadata files (``--tx-metadata``) not yet consumed: all of them go
-        into every read, they are small and say which transactions are complete."""
-        assert self.cp is not None
-        if not self.config.tx_metadata:
-            return []
-        listed = list_files(self.config.tx_metadata, what="--tx-metadata path")
-        self._tx_listed = [os.path.basename(f) for f in listed]
-        return FilePosition.from_source(self.cp.source, "tx_file").pending(listed)
+        return self.inputs.pending(self.cp.source)
 
     # ---- one transaction -------------------------------------------------------------
     def step(self) -> TxnReport | None:
@@ -233,19 +217,12 @@ class Emitter:
         if self.config.source_kind == "delta":
             return self._delta_step()
         pending = self.pending_files()
-        files = pending[: self.config.max_files_per_txn]
+        # a source transaction (a Delta commit version: always) is never split
+        kind, limit = self.config.source_kind, self.config.max_files_per_txn
+        whole = self.config.granularity == "transaction" or kind == "cdf"
+        files = self.inputs.first(pending, limit, kind=kind, whole_txns=whole)
         if not files:
             return None
-        if self.config.granularity == "transaction" or self.config.source_kind == "cdf":
-            # never split a source transaction (a Delta commit version: always): take the
-            # next file too while it goes on with the transaction the last file ended in
-            while len(files) < len(pending):
-                last = edge_txn(self.config.source_kind, files[-1], last=True)
-                if last is None or last != edge_txn(
-                    self.config.source_kind, pending[len(files)], last=False
-                ):
-                    break
-                files.append(pending[len(files)])
         while True:
             try:
                 report = self._txn(files, more=len(files) < len(pending))
@@ -260,23 +237,15 @@ class Emitter:
 
     def _delta_step(self) -> TxnReport | None:
         """One transaction over the Delta versions after the committed one."""
-        from .delta import MAX_VERSIONS
-
         assert self.cp is not None
-        done = int(self.cp.source.get("version", -1))
-        source = self._delta()
-        latest = source.latest()
-        if latest <= done:
+        staged = self._delta().stage_next(int(self.cp.source.get("version", -1)), self.feedlog)
+        if staged is None:
             return None
-        last = min(latest, done + MAX_VERSIONS)
-        fl = self.feedlog
-        staged = fl.path("_staging", f"delta-v{done + 1}-v{last}.parquet")
-        fl.fs.create_dir(fl.path("_staging"), recursive=True)
-        source.stage(done + 1, last, staged, fl.fs)
+        path, last = staged
         try:
-            report = self._txn([self._spark_path(staged)], source_update={"version": last})
+            report = self._txn([self._spark_path(path)], source_update={"version": last})
         finally:
-            fl.delete_file(staged)
+            self.feedlog.delete_file(path)
         assert isinstance(report, TxnReport)
         return report
 
@@ -343,7 +312,7 @@ class Emitter:
             log=self.log,
             spark_path=self._spark_path,
         )
-        tx_files = self._pending_tx_files()
+        tx_files = self.inputs.pending_tx(cp.source)
         read = read_input(ctx, files, tx_files, more=more)
         if read is NEED_MORE:
             return NEED_MORE
@@ -388,8 +357,8 @@ class Emitter:
             position=done.position,
             cdf=cfg.source_kind == "cdf",
             replaces=read.replaces,
-            files=None if source_update is not None else (self._listed, files),
-            tx_files=(self._tx_listed, tx_files) if tx_files else None,
+            files=None if source_update is not None else (self.inputs.listed, files),
+            tx_files=(self.inputs.tx_listed, tx_files) if tx_files else None,
             held={base_name(f) for f in read.held_files},
             update=source_update,
         )
@@ -443,33 +412,9 @@ class Emitter:
 
     # ---- loops -------------------------------------------------------------------------
     def run(self, *, stop: Callable[[], bool] | None = None) -> list[TxnReport]:
-        """Batch: transactions until the input is consumed. Follow: forever (or until ``stop``)."""
+        """Batch: transactions until the input is consumed. Follow: forever (or until
+        ``stop``). See :func:`feed.loop.run`."""
+        from .loop import run
+
         self._require(State.OPENED)
-        reports: list[TxnReport] = []
-        total = len(self.pending_files())
-        while True:
-            if stop is not None and stop():
-                return reports
-            report = self.step()
-            if report is not None:
-                reports.append(report)
-                if stop is not None and stop():
-                    return reports
-                if not self.config.follow and total > self.config.max_files_per_txn:
-                    done = sum(r.files for r in reports)
-                    self.log.info(
-                        "feed %s: %d/%d input files (%.0f%%)",
-                        self.config.feed,
-                        done,
-                        total,
-                        100 * done / total,
-                    )
-                continue
-            if not self.config.follow or (stop is not None and stop()):
-                return reports
-            self.heartbeat()
-            deadline = time.monotonic() + self.config.trigger
-            while time.monotonic() < deadline:
-                if stop is not None and stop():
-                    return reports
-                time.sleep(min(0.1, self.config.trigger))
+        return run(self, stop=stop)

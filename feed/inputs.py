@@ -25,7 +25,7 @@ import orjson
 
 from protocol import SourceError
 
-__all__ = ["FilePosition", "edge_txn", "list_files", "next_source"]
+__all__ = ["FilePosition", "InputWindow", "edge_txn", "list_files", "next_source"]
 
 
 def list_files(path: str, *, what: str = "source path") -> list[str]:
@@ -164,3 +164,47 @@ def edge_txn(kind: str, path: str, *, last: bool) -> str | None:
             v = src.get("txId") if isinstance(src, dict) else None
         return None if v is None else str(v)
     return None
+
+
+class InputWindow:
+    """What the emitter's next transaction reads from a folder source: the pending input
+    files (and ``--tx-metadata`` files) in name order, up to the per-transaction limit,
+    never ending inside a source transaction where none may be split. It remembers the
+    names each poll listed, which the commit's position is computed from."""
+
+    def __init__(self, source_path: str, tx_metadata: str | None) -> None:
+        self.source_path = source_path
+        self.tx_metadata = tx_metadata
+        self.listed: list[str] = []  # file names the last poll saw (input, tx metadata)
+        self.tx_listed: list[str] = []
+
+    def all_files(self) -> list[str]:
+        return list_files(self.source_path)
+
+    def pending(self, source: Mapping[str, Any]) -> list[str]:
+        """Input files not consumed yet (``source``: the checkpoint's), in name order."""
+        listed = self.all_files()
+        self.listed = [os.path.basename(f) for f in listed]
+        return FilePosition.from_source(source).pending(listed)
+
+    def pending_tx(self, source: Mapping[str, Any]) -> list[str]:
+        """Transaction metadata files not consumed yet: all of them go into every read,
+        they are small and say which transactions are complete."""
+        if not self.tx_metadata:
+            return []
+        listed = list_files(self.tx_metadata, what="--tx-metadata path")
+        self.tx_listed = [os.path.basename(f) for f in listed]
+        return FilePosition.from_source(source, "tx_file").pending(listed)
+
+    @staticmethod
+    def first(pending: list[str], limit: int, *, kind: str, whole_txns: bool) -> list[str]:
+        """The files of a transaction: the first ``limit`` pending ones and, when source
+        transactions are not split (``whole_txns``), the next ones while they go on with
+        the transaction the last file ended in (``kind``: the source kind)."""
+        files = pending[:limit]
+        while whole_txns and files and len(files) < len(pending):
+            last = edge_txn(kind, files[-1], last=True)
+            if last is None or last != edge_txn(kind, pending[len(files)], last=False):
+                break
+            files.append(pending[len(files)])
+        return files
