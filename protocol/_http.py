@@ -16,6 +16,7 @@ import orjson
 import pyarrow as pa
 from aiohttp import web
 
+from . import rowhash
 from .errors import (
     CheckpointError,
     CodecError,
@@ -131,7 +132,9 @@ async def settle(_app: web.Application) -> None:
     first request. Then the heap: decoding a body allocates Python objects by the hundred
     thousand (fastavro makes a dict per record), and each full collection would walk every
     object the imports left behind. Those live for the whole process: move them out of
-    the collector's sight."""
+    the collector's sight. The record hash's tables are built here too
+    (:func:`protocol.rowhash.warm`), not in the first large body."""
     pa.array(np.zeros(1, dtype=np.int64))
+    rowhash.warm()
     gc.collect()
     gc.freeze()

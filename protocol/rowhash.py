@@ -30,8 +30,8 @@ _NULL = 0x5BD1E9955BD1E995
 _P = 0x100000001B3  # odd, so it has an inverse modulo 2**64
 _P_INV = pow(_P, -1, 1 << 64)
 _LEN = 0xC2B2AE3D27D4EB4F
-#: string bytes hashed per numpy pass (bounds the cached power tables)
-_CHUNK = 1 << 22
+#: string bytes hashed per numpy pass (bounds the cached power tables: 8 MiB each)
+_CHUNK = 1 << 20
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -70,6 +70,14 @@ class _Powers:
 
 _POW = _Powers(_P)
 _INV = _Powers(_P_INV)
+
+
+def warm() -> None:
+    """Build the power tables to their full size now. Built on demand, they grow inside
+    the first large batch hashed: ~0.1 s of a server's first large request (more on a
+    busy machine), where a later request pays nothing."""
+    _POW.upto(_CHUNK)
+    _INV.upto(_CHUNK + 1)
 
 
 def _bytes_hash(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:

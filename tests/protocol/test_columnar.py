@@ -122,3 +122,23 @@ def test_low_cardinality_strings_hash_the_same_through_their_dictionary():
     pieces = np.concatenate([row_hashes(big.slice(i, 1000)) for i in range(0, n, 1000)])
     assert np.array_equal(whole, pieces)
     assert len(np.unique(whole)) == n
+
+
+def test_string_hashes_do_not_depend_on_the_numpy_pass_size(monkeypatch):
+    """Strings are hashed in passes of at most ``_CHUNK`` bytes (one value longer than
+    that is a pass of its own); the power tables a server builds at start-up
+    (``rowhash.warm``) cover a whole pass."""
+    import protocol.rowhash as rowhash
+
+    rng = np.random.default_rng(5)
+    words = ["".join(chr(97 + c) for c in rng.integers(0, 26, n)) for n in rng.integers(0, 40, 300)]
+    column = pa.array([{"s": w} for w in words])
+    whole = row_hashes(column)
+    monkeypatch.setattr(rowhash, "_CHUNK", 16)  # many passes, some values longer than one
+    assert np.array_equal(row_hashes(column), whole)
+    one_by_one = [row_hashes(pa.array([{"s": w}]))[0] for w in words]
+    assert np.array_equal(np.array(one_by_one, dtype=np.uint64), whole)
+    monkeypatch.undo()
+    rowhash.warm()
+    assert len(rowhash._POW.table) >= rowhash._CHUNK
+    assert len(rowhash._INV.table) >= rowhash._CHUNK + 1
