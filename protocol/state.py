@@ -393,9 +393,7 @@ class _Txn:
         )
         if changed:
             # what stays pending: the store may write it ahead of the commit that names it
-            kept = [] if self.cleared else [t for t in c._pending if t not in self.done_times]
-            pending = [p.table for t in kept for p in c._pending[t]]
-            pending += [p.table for pieces in self.added.values() for p in pieces]
+            pending = [p.table for t in self._pending_times() for p in self._pieces(t)]
             c._store.commit(
                 updates=self.result.committed,
                 frontier=self.frontier,
