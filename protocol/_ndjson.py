@@ -179,10 +179,9 @@ def _read_hinted(body: bytes, options: pa_json.ReadOptions, record: pa.DataType)
         table = pa_json.read_json(pa.BufferReader(body), read_options=options, parse_options=parse)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, ValueError):
         return None
-    ups = table.column("updates")
-    for chunk in ups.chunks:
-        data = chunk.flatten().field("data")
-        if data.null_count or _unseen_field(data):
+    for chunk in table.column("updates").chunks:
+        # (a null record goes to the line decoder from _update_batches, read either way)
+        if _unseen_field(chunk.flatten().field("data")):
             return None
     return table
 
@@ -306,6 +305,11 @@ class NdjsonCodec(Codec):
     name = "ndjson"
     content_type = "application/x-ndjson"
 
+    def __init__(self) -> None:
+        #: the record type of the last body read, when it can be read with (no lock: a
+        #: stale one costs a failed read, never a wrong one)
+        self._record: pa.DataType | None = None
+
     def encoder(
         self, out: IO[bytes], *, schema: Any = None, max_updates: int = MAX_UPDATES_PER_LINE
     ) -> Encoder:
@@ -313,11 +317,6 @@ class NdjsonCodec(Codec):
 
     def decoder(self, stream: IO[bytes], *, schema: Any = None) -> Decoder:
         return NdjsonDecoder(stream, schema=schema)
-
-    def __init__(self) -> None:
-        #: the record type of the last body read, when it can be read with (no lock: a
-        #: stale one costs a failed read, never a wrong one)
-        self._record: pa.DataType | None = None
 
     def decode(self, body: bytes, *, schema: Any = None) -> list[Message]:
         if schema is None and body:
