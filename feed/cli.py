@@ -270,6 +270,8 @@ def _listening(command: str, host: str, port: int, run: Callable[[], None]) -> i
     """Run a server; a port in use (or any other failure to listen) is one line."""
     try:
         run()
+    except TidefeedError:
+        raise  # (a storage error is an OSError too, but not a failure to listen)
     except OSError as e:
         in_use = e.errno == errno.EADDRINUSE
         reason = "the address is already in use" if in_use else (e.strerror or str(e))

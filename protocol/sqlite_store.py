@@ -195,27 +195,29 @@ class SqliteDatabase:
 
     def __init__(self, path: str, *, busy_timeout: float = 5.0) -> None:
         self.path = path
-        self._conn = sqlite3.connect(
-            path, check_same_thread=False, isolation_level=None, timeout=busy_timeout
-        )
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        # a fold writes records all over the collection's B-tree: with SQLite's 2 MiB page
-        # cache it rereads pages from the file; 64 MiB halves a 1M-record fold
-        self._conn.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
-        old = self._conn.execute(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'updates'"
-        ).fetchone()
-        if old:
-            self._conn.close()
-            raise TidefeedError(
-                f"{path}: this receiver database was written by an older tidefeed (one row "
-                "per update); start the receiver on a new --db and let the publisher resend"
+        # a folder that does not exist, a file that is not a database: named, not a traceback
+        with _storage_errors(path):
+            self._conn = sqlite3.connect(
+                path, check_same_thread=False, isolation_level=None, timeout=busy_timeout
             )
-        self._conn.executescript(SCHEMA)
-        columns = {r[1] for r in self._conn.execute("PRAGMA table_info(feeds)")}
-        if "folded" not in columns:  # a database from before the kept collection
-            self._conn.execute("ALTER TABLE feeds ADD COLUMN folded INTEGER NOT NULL DEFAULT 0")
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=FULL")
+            # a fold writes records all over the collection's B-tree: with SQLite's 2 MiB page
+            # cache it rereads pages from the file; 64 MiB halves a 1M-record fold
+            self._conn.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
+            old = self._conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'updates'"
+            ).fetchone()
+            if old:
+                self._conn.close()
+                raise TidefeedError(
+                    f"{path}: this receiver database was written by an older tidefeed (one row "
+                    "per update); start the receiver on a new --db and let the publisher resend"
+                )
+            self._conn.executescript(SCHEMA)
+            columns = {r[1] for r in self._conn.execute("PRAGMA table_info(feeds)")}
+            if "folded" not in columns:  # a database from before the kept collection
+                self._conn.execute("ALTER TABLE feeds ADD COLUMN folded INTEGER NOT NULL DEFAULT 0")
         self.lock = threading.Lock()
         #: writes pending updates ahead of their commit (one thread: in the order asked)
         self.ahead = concurrent.futures.ThreadPoolExecutor(

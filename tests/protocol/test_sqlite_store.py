@@ -243,3 +243,13 @@ def test_a_fold_round_that_gives_way_is_rolled_back_whole(tmp_path, monkeypatch)
     assert db.conn.execute("SELECT folded FROM feeds").fetchone()[0] == 0
     assert store.fold(give_way=lambda: False) == 1
     assert kept(store) == {record_key(r): 1 for r in records} == accumulated(store)
+
+
+def test_a_database_that_cannot_be_opened_is_an_error_naming_it(tmp_path):
+    missing = str(tmp_path / "no such folder" / "r.db")
+    with pytest.raises(sqlite_store.CheckpointError, match=r"no such folder/r\.db"):
+        SqliteDatabase(missing)
+    not_sqlite = tmp_path / "notes.db"
+    not_sqlite.write_bytes(b"these are not the pages of a database " * 200)
+    with pytest.raises(sqlite_store.CheckpointError, match=r"notes\.db"):
+        SqliteDatabase(str(not_sqlite))
