@@ -3,15 +3,19 @@
 For each size (0.2 M and 2 M events by default) three real processes run over the same
 files, each timed from its start to its exit:
 
-- ``tidefeed emit`` (keyed on ``id``, one batch transaction, local Spark);
+- ``tidefeed emit``, one batch transaction, local Spark, a time per source transaction:
+  unkeyed (trusting the images, the same consolidation as the peers) and keyed on ``id``
+  (the keyed state besides);
 - a straightforward PySpark job: parse the lines with the record schema, turn each event into
   ``-before`` / ``+after``, ``groupBy`` the whole record and the source transaction, drop the
   zero sums, write Parquet;
 - DuckDB doing the same consolidation in SQL and writing Parquet.
 
-The marginal rate, (N2 - N1) / (T2 - T1), cancels each process's start-up (the JVM, Spark's
-session), so it compares the work itself. The transaction's own stages (from ``emit``'s log
-line) say where tidefeed's time goes.
+The input is flat (unwrapped) Debezium events, as a connector with the JSON converter's
+``schemas.enable=false`` writes them. The marginal rate, (N2 - N1) / (T2 - T1), cancels each
+process's start-up (the JVM, Spark's session), so it compares the work itself. The
+transaction's own stages (from ``emit``'s log line) say where tidefeed's time goes, and the
+number of updates each process wrote is compared: they must agree.
 
     .venv/bin/python benchmarks/bench_emit.py [--sizes 200000,2000000] [--files 8]
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +32,7 @@ import time
 from pathlib import Path
 
 import orjson
+import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -85,13 +91,13 @@ print("job", time.perf_counter() - t)
 
 
 def make_input(folder: Path, events: int, files: int) -> int:
-    marker = folder / f".complete-{events}-{files}"
+    marker = folder / f".complete-flat-{events}-{files}"
     if marker.exists():
         return events
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     # about 1.6 events per transaction in the generator
-    bank = generate_bank(transactions=int(events / 1.6) + 10, seed=99)
+    bank = generate_bank(transactions=int(events / 1.6) + 10, seed=99, wrapped_every=0)
     lines = bank.events[:events]
     size = -(-len(lines) // files)
     for i in range(files):
@@ -138,7 +144,12 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     schema.write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
     py = sys.executable
-    walls: dict[str, list[float]] = {"tidefeed emit": [], "pyspark groupBy": [], "duckdb": []}
+    walls: dict[str, list[float]] = {
+        "tidefeed emit": [],
+        "tidefeed --key id": [],
+        "pyspark groupBy": [],
+        "duckdb": [],
+    }
     for n in sizes:
         src = work / f"in-{n}"
         t0 = time.perf_counter()
@@ -151,39 +162,36 @@ def main() -> None:
         out = work / f"out-{n}"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
-        emit = [
-            py,
-            "-m",
-            "feed.cli",
-            "emit",
-            "--source",
-            f"debezium:{src}",
-            "--feed",
-            "bank",
-            "--log",
-            str(out / "log"),
-            "--key",
-            "id",
-            "--schema",
-            str(schema),
-            "--master",
-            args.master,
-        ]
-        wall, text = timed(emit, "tidefeed emit")
-        walls["tidefeed emit"].append(wall)
-        secs = stages(text)
-        print(
-            f"  tidefeed emit     {wall:6.1f}s  stages: "
-            + " ".join(f"{k}={v:.1f}s" for k, v in secs.items())
-        )
+        written: dict[str, int] = {}
+        for what, extra in (("tidefeed emit", []), ("tidefeed --key id", ["--key", "id"])):
+            log = out / ("log-keyed" if extra else "log")
+            emit = [
+                *(py, "-m", "feed.cli", "emit", "--source", f"debezium:{src}"),
+                *("--feed", "bank", "--log", str(log), "--schema", str(schema)),
+                *("--master", args.master, "--granularity", "transaction", *extra),
+            ]
+            wall, text = timed(emit, what)
+            walls[what].append(wall)
+            written[what] = sum(int(v) for v in re.findall(r" updates=(\d+)", text))
+            secs = stages(text)
+            print(
+                f"  {what:18s}{wall:6.1f}s  stages: "
+                + " ".join(f"{k}={v:.1f}s" for k, v in secs.items())
+            )
         wall, _ = timed(
             [py, "-c", SPARK_JOB, str(src), str(out / "spark"), args.master], "pyspark groupBy"
         )
         walls["pyspark groupBy"].append(wall)
+        written["pyspark groupBy"] = pq.ParquetDataset(out / "spark").read(columns=[]).num_rows
         print(f"  pyspark groupBy   {wall:6.1f}s")
         wall, _ = timed([py, "-c", DUCKDB_JOB, str(src), str(out / "duckdb.parquet")], "duckdb")
         walls["duckdb"].append(wall)
+        written["duckdb"] = pq.ParquetFile(out / "duckdb.parquet").metadata.num_rows
         print(f"  duckdb            {wall:6.1f}s")
+        print("  updates written: " + ", ".join(f"{k} {v:,}" for k, v in written.items()))
+        if len(set(written.values())) != 1:
+            print("  the processes disagree on the number of updates: the comparison is void")
+            raise SystemExit(1)
     if len(sizes) < 2:
         return
     dn = sizes[-1] - sizes[0]
@@ -191,11 +199,12 @@ def main() -> None:
     print(f"\nmarginal rate, {sizes[0]:,} -> {sizes[-1]:,} events (start-up cancels):")
     for k, r in rates.items():
         print(f"  {k:18s} {r:12,.0f} events/s")
-    ours = rates["tidefeed emit"]
-    print(
-        f"  tidefeed / pyspark groupBy: {ours / rates['pyspark groupBy']:.2f}x; "
-        f"duckdb / tidefeed: {rates['duckdb'] / ours:.2f}x"
-    )
+    for what in ("tidefeed emit", "tidefeed --key id"):
+        ours = rates[what]
+        print(
+            f"  {what}: {ours / rates['pyspark groupBy']:.2f}x the pyspark groupBy; "
+            f"duckdb is {rates['duckdb'] / ours:.2f}x faster"
+        )
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def wait_for_file(log: Path, name: str, timeout: float = 900) -> float:
     raise TimeoutError(f"no commit consumed {name}")
 
 
-def bench_tidefeed(work: Path, size: int, files: int) -> list[float]:
+def bench_tidefeed(work: Path, size: int, files: int, conf: list[str]) -> list[float]:
     src, log = work / f"in-{size}", work / f"log-{size}"
     for d in (src, log):
         shutil.rmtree(d, ignore_errors=True)
@@ -117,6 +117,7 @@ def bench_tidefeed(work: Path, size: int, files: int) -> list[float]:
             str(TRIGGER),
             "--max-files-per-txn",
             "100000",
+            *[x for c in conf for x in ("--conf", c)],
         ],
         stdout=subprocess.DEVNULL,
         stderr=open(work / f"emit-{size}.log", "wb"),  # noqa: SIM115
@@ -208,15 +209,19 @@ def main() -> None:
     ap.add_argument("--sizes", default="10000,1000000")
     ap.add_argument("--files", type=int, default=8)
     ap.add_argument("--work", default="/tmp/tidefeed-bench-follow")
+    ap.add_argument(
+        "--conf", action="append", default=[], help="a Spark setting for the emitter (k=v)"
+    )
+    ap.add_argument("--no-floor", action="store_true", help="skip the floor's measurement")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    floor = bench_floor(work, args.files)
+    floor = [0.0] if args.no_floor else bench_floor(work, args.files)
     print(f"floor: Structured Streaming, a 10-line file -> its micro-batch: {summary(floor)}")
     results = {}
     for size in (int(s) for s in args.sizes.split(",")):
         print(f"table of {size:,} rows:")
-        lat = bench_tidefeed(work, size, args.files)
+        lat = bench_tidefeed(work, size, args.files, args.conf)
         results[size] = lat
         print(f"  tidefeed emit --follow, a 10-update file -> its commit: {summary(lat)}")
         print(f"  p50 above the floor: {statistics.median(lat) - statistics.median(floor):+.2f}s")

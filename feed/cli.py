@@ -412,7 +412,13 @@ def _spark_reason(e: BaseException) -> str:
             if message:
                 reason = f"{java.getClass().getSimpleName()}: {message}"
             java = java.getCause()
-    return (reason or _one_line(e)).strip().splitlines()[0]
+    line = (reason or _one_line(e)).strip().splitlines()[0]
+    if "S3AFileSystem" in line:
+        line += (
+            " (Spark reads s3:// input and logs as s3a://, which needs the hadoop-aws jars: "
+            "see docs/operations.md)"
+        )
+    return line
 
 
 def _is_py4j(e: BaseException) -> bool:

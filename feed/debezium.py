@@ -20,6 +20,7 @@ from pyspark.sql import types as T
 from protocol import SourceError
 
 from .connect import TOAST_PLACEHOLDER, as_strings, connect_names, connect_to_avro, typed_record
+from .inputs import input_lines
 from .source_rows import (
     CORRUPT,
     PARSE_OPTIONS,
@@ -50,14 +51,13 @@ def _debezium_events(files: Sequence[str]) -> Iterator[tuple[dict[str, Any], dic
     transaction metadata and heartbeats left out), within the first lines."""
     seen = 0
     for path in files:
-        with open(path, "rb") as f:
-            for line in f:
-                seen += 1
-                if seen > _SAMPLE_LINES:
-                    return
-                found = debezium_event(line)
-                if found is not None:
-                    yield found
+        for line in input_lines(path):
+            seen += 1
+            if seen > _SAMPLE_LINES:
+                return
+            found = debezium_event(line)
+            if found is not None:
+                yield found
 
 
 def debezium_event(line: bytes) -> tuple[dict[str, Any], dict[str, Any]] | None:

@@ -12,33 +12,151 @@ into a high-water at the next commit.
 
 A file that appears later under a name at or below the high-water is never read: name
 input files in the order they are written.
+
+A source path is a local path or a URI that pyarrow opens (``s3://bucket/prefix``, with
+``?endpoint_override=…`` and the other options of ``pyarrow.fs.S3FileSystem.from_uri``):
+listing and the few lines the driver reads itself go through that filesystem, and Spark
+reads the same files under its own name for the store (``s3a://`` for ``s3://``).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import urllib.parse
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
+import pyarrow as pa
+import pyarrow.fs as pafs
 
 from protocol import SourceError
 
-__all__ = ["FilePosition", "InputWindow", "edge_txn", "list_files", "next_source"]
+__all__ = [
+    "FilePosition",
+    "InputWindow",
+    "edge_txn",
+    "input_bytes",
+    "input_lines",
+    "list_files",
+    "next_source",
+    "spark_file_path",
+    "spark_input",
+]
+
+#: the filesystem each listed store (``scheme://bucket``) was opened with, options and all:
+#: the files listed there are opened with it again
+_STORES: dict[str, pafs.FileSystem] = {}
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _local(path: str) -> str:
+    return os.path.abspath(path.removeprefix("file://"))
+
+
+def _store_of(uri: str) -> str:
+    scheme, rest = uri.split("://", 1)
+    return f"{scheme}://{rest.split('/', 1)[0].split('?', 1)[0]}"
+
+
+def _filesystem(path: str) -> tuple[pafs.FileSystem, str]:
+    """The filesystem of an input file and the file's path in it."""
+    if not _is_remote(path):
+        return pafs.LocalFileSystem(), _local(path)
+    fs = _STORES.get(_store_of(path))
+    if fs is not None:
+        return fs, path.split("://", 1)[1].split("?", 1)[0]
+    try:
+        fs, inner = pafs.FileSystem.from_uri(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise SourceError(f"cannot open input {path!r}: {e}") from e
+    return fs, inner
 
 
 def list_files(path: str, *, what: str = "source path") -> list[str]:
     """The input files of ``path`` (a file, or a folder's files not named ``.*``/``_*``),
-    as absolute paths in name order."""
-    full = os.path.abspath(path)
-    if os.path.isfile(full):
-        return [full]
-    if not os.path.isdir(full):
-        raise SourceError(f"{what} {path!r} does not exist")
-    with os.scandir(full) as it:
-        names = [e.name for e in it if not e.name.startswith((".", "_")) and e.is_file()]
-    return [os.path.join(full, n) for n in sorted(names)]
+    in name order: absolute paths, or ``scheme://bucket/key`` URIs for a store."""
+    if not _is_remote(path):
+        full = _local(path)
+        if os.path.isfile(full):
+            return [full]
+        if not os.path.isdir(full):
+            raise SourceError(f"{what} {path!r} does not exist")
+        with os.scandir(full) as it:
+            names = [e.name for e in it if not e.name.startswith((".", "_")) and e.is_file()]
+        return [os.path.join(full, n) for n in sorted(names)]
+    scheme = path.split("://", 1)[0]
+    try:
+        fs, root = pafs.FileSystem.from_uri(path)
+        root = root.rstrip("/")
+        info = fs.get_file_info(root)
+        if info.type == pafs.FileType.File:
+            found = [root]
+        elif info.type == pafs.FileType.Directory:
+            found = [
+                f.path
+                for f in fs.get_file_info(pafs.FileSelector(root))
+                if f.type == pafs.FileType.File and not f.base_name.startswith((".", "_"))
+            ]
+        else:
+            raise SourceError(f"{what} {path!r} does not exist")
+    except (pa.ArrowInvalid, OSError) as e:
+        raise SourceError(f"cannot list {what} {path!r}: {e}") from e
+    _STORES[_store_of(path)] = fs
+    return [f"{scheme}://{p}" for p in sorted(found, key=lambda p: p.rsplit("/", 1)[-1])]
+
+
+def input_lines(path: str) -> Generator[bytes, None, None]:
+    """The lines of an input file, read in blocks of 1 MiB (local or in a store)."""
+    fs, inner = _filesystem(path)
+    with fs.open_input_stream(inner, compression=None) as f:
+        rest = b""
+        while block := f.read(1 << 20):
+            lines = (rest + block).split(b"\n")
+            rest = lines.pop()
+            yield from lines
+        if rest:
+            yield rest
+
+
+def _tail(path: str, size: int) -> bytes:
+    """The last ``size`` bytes of an input file."""
+    fs, inner = _filesystem(path)
+    with fs.open_input_file(inner) as f:
+        f.seek(max(0, f.size() - size))
+        return bytes(f.read())
+
+
+def input_bytes(files: Sequence[str]) -> int:
+    """The total size of input files (their stores are asked for remote ones)."""
+    total = 0
+    for f in files:
+        fs, inner = _filesystem(f)
+        total += fs.get_file_info(inner).size or 0
+    return total
+
+
+def spark_input(path: str) -> str:
+    """An input file as Spark reads it: Hadoop's ``s3a://`` for ``s3://``."""
+    if not _is_remote(path):
+        return _local(path)
+    scheme, rest = path.split("://", 1)
+    return f"{'s3a' if scheme == 's3' else scheme}://{rest}"
+
+
+def spark_file_path(path: str) -> str:
+    """An input file as Spark's ``_metadata.file_path`` shows it (percent-encoded; a
+    local file without its ``file:`` scheme)."""
+    p = spark_input(path)
+    if "://" not in p:
+        return urllib.parse.quote(p, safe="/")
+    scheme, rest = p.split("://", 1)
+    return f"{scheme}://{urllib.parse.quote(rest, safe='/')}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,14 +256,13 @@ def edge_txn(kind: str, path: str, *, last: bool) -> str | None:
     if kind not in ("debezium", "cdf") or path.endswith(".parquet"):
         return None
     try:
-        with open(path, "rb") as f:
-            if last:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - (1 << 20)))
-                lines = [x for x in f.read().splitlines() if x.strip()][::-1]
-            else:
-                lines = [x for x in (f.readline() for _ in range(100)) if x.strip()]
-    except OSError:
+        if last:
+            lines = [x for x in _tail(path, 1 << 20).splitlines() if x.strip()][::-1]
+        else:
+            head = input_lines(path)
+            lines = [x for x in itertools.islice(head, 100) if x.strip()]
+            head.close()
+    except (OSError, SourceError):
         return None
     from .debezium import debezium_event
 

@@ -137,14 +137,15 @@ SMALL_INPUT_BYTES = 16 << 20
 
 
 def _input_bytes(files: Sequence[str]) -> int:
-    """The size of the local input files (a remote one counts as large)."""
-    total = 0
-    for f in files:
-        try:
-            total += os.path.getsize(f)
-        except OSError:
-            return SMALL_INPUT_BYTES + 1
-    return total
+    """The size of the input files (one that cannot be asked counts as large)."""
+    from protocol import SourceError
+
+    from .inputs import input_bytes
+
+    try:
+        return input_bytes(files)
+    except (OSError, SourceError):
+        return SMALL_INPUT_BYTES + 1
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from pyspark.sql.pandas.types import from_arrow_type
 from protocol import avro_to_arrow
 
 from .connect import as_strings, typed_record
+from .inputs import spark_file_path, spark_input
 
 __all__ = [
     "CHANGE_COLUMNS",
@@ -70,9 +71,9 @@ def read_text(spark: SparkSession, files: Sequence[str]) -> DataFrame:
     """Lines of ``files`` with their file, the file's index in ``files`` and a row id that
     grows with the line within each file (files are never split: see feed/session.py)."""
     index = F.create_map(
-        *[x for i, p in enumerate(files) for x in (F.lit(_local_path(p)), F.lit(i))]
+        *[x for i, p in enumerate(files) for x in (F.lit(spark_file_path(p)), F.lit(i))]
     )
-    df = spark.read.text(list(files)).select(
+    df = spark.read.text([spark_input(f) for f in files]).select(
         F.col("value").alias("_raw"), F.col("_metadata.file_path").alias("_file")
     )
     local = F.regexp_replace(F.col("_file"), r"^file:(//)?", "")
@@ -82,15 +83,6 @@ def read_text(spark: SparkSession, files: Sequence[str]) -> DataFrame:
         F.monotonically_increasing_id().alias("ord_row"),
     ).where(F.length(F.trim("_raw")) > 0)
     return df
-
-
-def _local_path(path: str) -> str:
-    """A local path as Spark's ``file_path`` shows it without its ``file:`` scheme."""
-    import urllib.parse
-
-    if "://" in path:
-        return path
-    return urllib.parse.quote(path, safe="/")
 
 
 def mismatch_error(mismatched: Column) -> tuple[Column, Column]:
@@ -122,9 +114,9 @@ def read_rows(spark: SparkSession, files: Sequence[str], columns: T.StructType) 
     parts = []
     if parquet_files:
         index = F.create_map(
-            *[x for i, p in enumerate(parquet_files) for x in (F.lit(_local_path(p)), F.lit(i))]
+            *[x for i, p in enumerate(parquet_files) for x in (F.lit(spark_file_path(p)), F.lit(i))]
         )
-        raw = spark.read.parquet(*parquet_files)
+        raw = spark.read.parquet(*map(spark_input, parquet_files))
         present = set(raw.columns)
         cols, checks = [], []
         for f in columns.fields:

@@ -52,6 +52,7 @@ from protocol import SourceError
 
 from .connect import as_strings, typed_record
 from .debezium import debezium_schema, read_debezium
+from .inputs import input_lines, spark_input
 from .source_rows import (
     CORRUPT,
     PARSE_OPTIONS,
@@ -102,13 +103,17 @@ def infer_record_schema(
     if kind == "debezium":
         return debezium_schema(spark, files, table)
     if kind == "weighted":
-        t = spark.read.json(list(files)).schema["record"].dataType
+        t = spark.read.json([spark_input(f) for f in files]).schema["record"].dataType
         if not isinstance(t, T.StructType):
             raise SourceError(f"no 'record' objects in weighted input {files[0]}")
         schema: dict[str, Any] = arrow_to_avro(to_arrow_type(t, timezone="UTC"), name="record")
         return schema
     parquet = [f for f in files if f.endswith(".parquet")]
-    df = spark.read.parquet(*parquet) if parquet else spark.read.json(list(files))
+    df = (
+        spark.read.parquet(*map(spark_input, parquet))
+        if parquet
+        else spark.read.json([spark_input(f) for f in files])
+    )
     drop = set(_META_COLUMNS) | set(exclude) | {"_corrupt_record"}
     fields = [f for f in df.schema.fields if f.name not in drop]
     if not parquet:
@@ -121,12 +126,11 @@ def infer_record_schema(
 
 def _in_first_row_order(fields: list[T.StructField], files: Sequence[str]) -> list[T.StructField]:
     """``fields`` (sorted by name, as Spark infers JSON) in the key order of the first row."""
-    with open(files[0], "rb") as f:
-        for line in f:
-            with contextlib.suppress(orjson.JSONDecodeError):
-                row = orjson.loads(line)
-                if isinstance(row, dict):
-                    return ordered_fields(fields, list(row))
+    for line in input_lines(files[0]):
+        with contextlib.suppress(orjson.JSONDecodeError):
+            row = orjson.loads(line)
+            if isinstance(row, dict):
+                return ordered_fields(fields, list(row))
     return fields
 
 

@@ -1,0 +1,151 @@
+"""Input in an S3 bucket: listed and sampled through pyarrow, named for Spark as s3a://.
+
+The bucket is served by moto's S3 server on 127.0.0.1 (a real S3 API over HTTP, as MinIO
+or AWS would answer pyarrow). Spark itself cannot read s3a:// here (the pyspark wheel has
+no hadoop-aws jars): that ends in a one-line error and nothing committed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pyarrow.fs as pafs
+import pytest
+from moto import server as moto_server
+
+from feed.debezium import debezium_table
+from feed.inputs import (
+    InputWindow,
+    edge_txn,
+    input_bytes,
+    input_lines,
+    list_files,
+    spark_file_path,
+    spark_input,
+)
+from protocol import SourceError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _event(i: int, txid: int) -> bytes:
+    after = {"id": i, "owner": f"o{i}", "balance": i}
+    source = {"lsn": 100 + i, "txId": txid, "schema": "public", "table": "accounts"}
+    return orjson.dumps({"before": None, "after": after, "op": "c", "source": source})
+
+
+@pytest.fixture(scope="module")
+def bucket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
+    """The URI of a folder in a bucket holding three Debezium files (and two that do not
+    count: a hidden one and one being written), and the environment that reaches it."""
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    mp = pytest.MonkeyPatch()
+    for k, v in env.items():
+        mp.setenv(k, v)
+    uri = f"s3://inbox/cdc?endpoint_override={host}:{port}&scheme=http&region=us-east-1"
+    fs, _ = pafs.FileSystem.from_uri(uri + "&allow_bucket_creation=true")
+    fs.create_dir("inbox")
+    files = {
+        "b-002.json": [_event(3, 11), _event(4, 12)],
+        "a-001.json": [b"null", _event(1, 10), _event(2, 10), b"null"],
+        "c-003.json": [_event(5, 12)],
+        ".c-004.json": [_event(6, 13)],
+        "_tmp-005.json": [_event(7, 13)],
+    }
+    for name, lines in files.items():
+        with fs.open_output_stream(f"inbox/cdc/{name}") as f:
+            f.write(b"\n".join(lines) + b"\n")
+    try:
+        yield uri, env
+    finally:
+        mp.undo()
+        server.stop()
+
+
+def test_a_prefix_is_listed_in_name_order_and_its_files_read_through_pyarrow(bucket):
+    uri, _ = bucket
+    files = list_files(uri)
+    assert files == [f"s3://inbox/cdc/{n}" for n in ("a-001.json", "b-002.json", "c-003.json")]
+    assert [orjson.loads(x) for x in input_lines(files[1]) if x] == [
+        orjson.loads(_event(3, 11)),
+        orjson.loads(_event(4, 12)),
+    ]
+    # the first and last source transaction of a file (tombstones passed over)
+    assert edge_txn("debezium", files[0], last=False) == "10"
+    assert edge_txn("debezium", files[0], last=True) == "10"
+    assert edge_txn("debezium", files[1], last=False) == "11"
+    assert edge_txn("debezium", files[1], last=True) == "12"
+    assert debezium_table(files) == "public.accounts"
+    assert input_bytes(files) == sum(len(b"\n".join(x)) + 1 for x in _lines_of(files))
+    # a window never ends inside a source transaction: b ends in 12, which c goes on with
+    assert InputWindow.first(files, 2, kind="debezium", whole_txns=True) == files
+    assert InputWindow(uri, None).pending({"file": "a-001.json"}) == files[1:]
+
+
+def _lines_of(files: list[str]) -> list[list[bytes]]:
+    return [[x for x in input_lines(f) if x] for f in files]
+
+
+def test_spark_reads_s3_as_s3a_under_the_name_its_file_path_shows():
+    assert spark_input("s3://inbox/cdc/a 1.json") == "s3a://inbox/cdc/a 1.json"
+    assert spark_file_path("s3://inbox/cdc/a 1.json") == "s3a://inbox/cdc/a%201.json"
+    assert spark_file_path("/data/in x/a.json") == "/data/in%20x/a.json"
+    assert spark_input("file:///data/a.json") == "/data/a.json"
+
+
+def test_a_missing_prefix_is_an_error_naming_it(bucket):
+    uri, _ = bucket
+    missing = uri.replace("inbox/cdc", "inbox/nothing-here")
+    with pytest.raises(SourceError, match="inbox/nothing-here"):
+        list_files(missing)
+
+
+def test_emit_from_s3_without_hadoop_aws_says_so_and_commits_nothing(bucket, tmp_path):
+    uri, env = bucket
+    schema = tmp_path / "schema.avsc"
+    schema.write_bytes(
+        orjson.dumps(
+            {
+                "type": "record",
+                "name": "record",
+                "fields": [
+                    {"name": "id", "type": "long"},
+                    {"name": "owner", "type": "string"},
+                    {"name": "balance", "type": "long"},
+                ],
+            }
+        )
+    )
+    log = tmp_path / "log"
+    run = subprocess.run(
+        [
+            *(sys.executable, "-m", "feed.cli", "emit", "--source", f"debezium:{uri}"),
+            *("--feed", "t", "--log", str(log), "--key", "id", "--schema", str(schema)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**_base_env(), **env},
+    )
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert "S3AFileSystem" in last and "hadoop-aws" in last, run.stderr[-2000:]
+    # the epoch's claim is all the log holds: no time, no consumed file
+    commits = sorted((log / "t" / "_commits").glob("*.json"))
+    assert len(commits) == 1
+    cp = orjson.loads(commits[0].read_bytes())
+    assert cp["progress"]["counts"] == [] and not cp.get("source", {}).get("file")
+
+
+def _base_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
