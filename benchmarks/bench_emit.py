@@ -3,12 +3,11 @@
 For each size (0.2 M and 2 M events by default) three real processes run over the same
 files, each timed from its start to its exit:
 
-- ``tidefeed emit``, one batch transaction, local Spark, a time per source transaction:
-  unkeyed (trusting the images, the same consolidation as the peers) and keyed on ``id``
-  (the keyed state besides);
+- ``tidefeed emit``, one batch transaction, local Spark, one time for the batch
+  (``--granularity batch``): unkeyed (trusting the images, the same consolidation as the
+  peers) and keyed on ``id`` (the keyed state besides);
 - a straightforward PySpark job: parse the lines with the record schema, turn each event into
-  ``-before`` / ``+after``, ``groupBy`` the whole record and the source transaction, drop the
-  zero sums, write Parquet;
+  ``-before`` / ``+after``, ``groupBy`` the whole record, drop the zero sums, write Parquet;
 - DuckDB doing the same consolidation in SQL and writing Parquet.
 
 The input is flat (unwrapped) Debezium events, as a connector with the JSON converter's
@@ -57,11 +56,11 @@ env = T.StructType([
 e = spark.read.text(src).select(F.from_json("value", env).alias("e")).select("e.*")
 e = e.where(F.col("op").isNotNull())
 updates = e.where(F.col("before").isNotNull()).select(
-    F.col("before").alias("r"), F.col("source.txId").alias("time"), F.lit(-1).alias("diff")
+    F.col("before").alias("r"), F.lit(-1).alias("diff")
 ).unionByName(e.where(F.col("after").isNotNull()).select(
-    F.col("after").alias("r"), F.col("source.txId").alias("time"), F.lit(1).alias("diff")))
-out_df = (updates.groupBy("r", "time").agg(F.sum("diff").alias("diff"))
-          .where(F.col("diff") != 0).select("r.*", "time", "diff"))
+    F.col("after").alias("r"), F.lit(1).alias("diff")))
+out_df = (updates.groupBy("r").agg(F.sum("diff").alias("diff"))
+          .where(F.col("diff") != 0).select("r.*", F.lit(1).alias("time"), "diff"))
 out_df.write.mode("overwrite").parquet(out)
 print("job", time.perf_counter() - t)
 """
@@ -80,11 +79,11 @@ COPY (
                'source': 'STRUCT(txId BIGINT)'}})
     WHERE op IS NOT NULL
   ), u AS (
-    SELECT before AS r, source.txId AS time, -1 AS diff FROM e WHERE before IS NOT NULL
+    SELECT before AS r, -1 AS diff FROM e WHERE before IS NOT NULL
     UNION ALL
-    SELECT after AS r, source.txId AS time, 1 AS diff FROM e WHERE after IS NOT NULL
+    SELECT after AS r, 1 AS diff FROM e WHERE after IS NOT NULL
   )
-  SELECT r.*, time, sum(diff)::BIGINT AS diff FROM u GROUP BY r, time HAVING sum(diff) <> 0
+  SELECT r.*, 1 AS time, sum(diff)::BIGINT AS diff FROM u GROUP BY r HAVING sum(diff) <> 0
 ) TO '{out}' (FORMAT parquet)''')
 print("job", time.perf_counter() - t)
 """
@@ -168,7 +167,7 @@ def main() -> None:
             emit = [
                 *(py, "-m", "feed.cli", "emit", "--source", f"debezium:{src}"),
                 *("--feed", "bank", "--log", str(log), "--schema", str(schema)),
-                *("--master", args.master, "--granularity", "transaction", *extra),
+                *("--master", args.master, "--granularity", "batch", *extra),
             ]
             wall, text = timed(emit, what)
             walls[what].append(wall)

@@ -270,7 +270,6 @@ def compute_updates(ctx: TxnContext, r: ReadChanges) -> Computed:
     from pyspark.sql import functions as F
 
     from .diffs import (
-        assign_units,
         consolidate_diffs,
         fill_unavailable,
         keyed_diffs,
@@ -278,6 +277,7 @@ def compute_updates(ctx: TxnContext, r: ReadChanges) -> Computed:
         snapshot_diffs,
         unkeyed_diffs,
     )
+    from .times import assign_units
 
     cfg, cp = ctx.config, ctx.cp
     changes, good, bad, order, position = r.changes, r.good, r.bad, r.order, r.position

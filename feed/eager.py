@@ -45,6 +45,14 @@ class EagerReport:
     pushed: int
     failed: int
 
+    def log(self, logger: logging.Logger, feed: str) -> None:
+        logger.info(
+            "feed %s: eager: pushed %d update(s) before the commit (%d failed)",
+            feed,
+            self.pushed,
+            self.failed,
+        )
+
 
 def _push_batches(
     url: str, fmt: str, token: str | None, schema: Any, epoch: int

@@ -335,14 +335,8 @@ class Emitter:
         if self.eager is not None and counts:
             t_eager = time.perf_counter()
             paths = [self._spark_path(fl.path(f)) for s in segments for f in s.files]
-            pushed = self.eager.push(self.spark, paths, cp.epoch)
+            self.eager.push(self.spark, paths, cp.epoch).log(self.log, cfg.feed)
             secs["eager"] = time.perf_counter() - t_eager
-            self.log.info(
-                "feed %s: eager: pushed %d update(s) before the commit (%d failed)",
-                cfg.feed,
-                pushed.pushed,
-                pushed.failed,
-            )
         maybe_die("after_write")
 
         t3 = time.perf_counter()

@@ -71,7 +71,7 @@ class Assembled:
     bad_rows: int  # how many (at most: some may be in files read again later)
     position: Position | None = None  # the highest position among ``changes``
     #: the released transactions (``txn``) and their source order (``o``), for
-    #: :func:`feed.diffs.assign_units`
+    #: :func:`feed.times.assign_units`
     order: DataFrame | None = None
     cached: tuple[DataFrame, ...] = ()  # persisted here: unpersist after the commit
     #: the distinct values of ``assemble(bucket=...)`` over every data event read (None

@@ -62,7 +62,7 @@ def test_cdf_per_version_equals_the_table_after_each_transaction(
     spark, tmp_path, key, listed, monkeypatch
 ):
     if not listed:  # the numbering of batches with too many transactions to list
-        monkeypatch.setattr("feed.diffs.LISTED_TXNS", 3)
+        monkeypatch.setattr("feed.times.LISTED_TXNS", 3)
     src = tmp_path / "in"
     src.mkdir()
     rows = list(cdf_rows())
