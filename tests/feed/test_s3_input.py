@@ -18,6 +18,7 @@ import pytest
 from moto import server as moto_server
 
 from feed.debezium import debezium_table
+from feed.demo_data import ACCOUNTS_SCHEMA
 from feed.inputs import (
     InputWindow,
     edge_txn,
@@ -110,19 +111,7 @@ def test_a_missing_prefix_is_an_error_naming_it(bucket):
 def test_emit_from_s3_without_hadoop_aws_says_so_and_commits_nothing(bucket, tmp_path):
     uri, env = bucket
     schema = tmp_path / "schema.avsc"
-    schema.write_bytes(
-        orjson.dumps(
-            {
-                "type": "record",
-                "name": "record",
-                "fields": [
-                    {"name": "id", "type": "long"},
-                    {"name": "owner", "type": "string"},
-                    {"name": "balance", "type": "long"},
-                ],
-            }
-        )
-    )
+    schema.write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
     log = tmp_path / "log"
     run = subprocess.run(
         [
