@@ -131,6 +131,11 @@ class FeedLog:
         self.root = f"{root}/{feed}"
         self.local_root = self.root if isinstance(fs, pafs.LocalFileSystem) else None
 
+    @property
+    def store(self) -> str | None:
+        """The log's URI where its filesystem is not local (for pyarrow in Spark's tasks)."""
+        return None if self.local_root is not None else self.uri
+
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 

@@ -50,6 +50,7 @@ from pyspark.sql import types as T
 
 from protocol import CheckpointError
 
+from .grouped import strays, write_groups
 from .log import FeedLog
 
 __all__ = ["BUCKETS", "BucketedState", "LoadedState", "bucket_of", "fitting_buckets"]
@@ -234,18 +235,20 @@ class BucketedState:
             "data.*", *pos, bucket_of(F.col("data"), self.key, loaded.buckets).alias("_bucket")
         )
         # all of a bucket's rows in one task: one file per bucket, not one per task and bucket
-        out = out.repartition("_bucket")
-        out.write.partitionBy("_bucket").parquet(self._spark_path(self.log.path(folder)))
-        written = {
-            int(i.base_name[len(_BUCKET_DIR) :])
-            for i in self.log.list_dir(self.log.path(folder))
-            if i.base_name.startswith(_BUCKET_DIR)
-        }
+        root = self.log.path(folder)
+        written = write_groups(
+            out.repartition("_bucket"), "_bucket", self.log.store, root, _BUCKET_DIR
+        )
+        for stray in strays(self.log.fs, root, written):  # a bucket's folder is read whole
+            self.log.delete_file(stray)
         files = {b: f for b, f in loaded.files.items() if b not in loaded.touched}
         counts = {b: n for b, n in loaded.counts.items() if b in files}
-        for b in written:
+        rewritten: dict[int, int] = {}
+        for b, _, n in written:
+            rewritten[b] = rewritten.get(b, 0) + n
+        for b, n in rewritten.items():
             files[b] = f"{folder}/{_BUCKET_DIR}{b}"
-            counts[b] = self._rows_in(files[b])
+            counts[b] = n
         ref = f"state/{attempt}.json"
         manifest = {
             "format": _FORMAT,
