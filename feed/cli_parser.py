@@ -91,8 +91,9 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.option(
         "--source",
         required=True,
-        help="KIND:PATH, a file or folder of change files (kinds: debezium, cdf, upsert, "
-        "snapshot, weighted), or delta:TABLE_URI for a Delta table's change data feed",
+        help="KIND:PATH, a file or folder of change files, local or s3://… (kinds: debezium, "
+        "cdf, upsert, snapshot, weighted), or delta:TABLE_URI for a Delta table's change "
+        "data feed",
     )
     p.option("--feed", required=True, help="feed name")
     p.option("--log", required=True, help="feed log: a local folder or s3://…")
