@@ -138,3 +138,29 @@ def _base_env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+
+
+def test_spark_tasks_write_grouped_files_into_the_store(bucket, spark):
+    """The segment and state writer's tasks reach an s3:// log through pyarrow, with the
+    options (and here the credentials) of the log's URI."""
+    import pyarrow.parquet as pq
+
+    from feed.grouped import strays, write_groups
+
+    uri, _ = bucket
+    query = uri.split("?", 1)[1]
+    store = f"s3://test:test@inbox/log?{query}"
+    rows = [(i % 3, i) for i in range(30)]
+    df = spark.createDataFrame(rows, "t long, id long").repartition(2)
+    written = write_groups(df, "t", store, "inbox/log/_staging/1", "time=")
+    fs, _ = pafs.FileSystem.from_uri(store)
+    got: dict[int, list[int]] = {}
+    for g, path, n in written:
+        assert path.startswith(f"inbox/log/_staging/1/time={g}/")
+        ids = pq.read_table(path, filesystem=fs).column("id").to_pylist()
+        assert len(ids) == n
+        got.setdefault(g, []).extend(ids)
+    assert {g: sorted(v) for g, v in got.items()} == {
+        g: [i for t, i in rows if t == g] for g in range(3)
+    }
+    assert strays(fs, "inbox/log/_staging/1", written) == []
