@@ -22,7 +22,7 @@ from typing import Any
 
 from pyspark.sql import DataFrame
 
-__all__ = ["strays", "write_groups"]
+__all__ = ["by_group", "strays", "write_groups"]
 
 #: what each writing task returns for a file it wrote
 _WRITTEN = "grp long, file string, rows long"
@@ -92,6 +92,16 @@ def _write_task(
             )
 
     return run
+
+
+def by_group(written: list[tuple[int, str, int]]) -> dict[int, tuple[list[str], int]]:
+    """The files and the total rows of each group of :func:`write_groups`' return."""
+    out: dict[int, tuple[list[str], int]] = {}
+    for g, f, n in written:
+        files, rows = out.setdefault(g, ([], 0))
+        files.append(f)
+        out[g] = (files, rows + n)
+    return out
 
 
 def strays(fs: Any, root: str, written: list[tuple[int, str, int]]) -> list[str]:

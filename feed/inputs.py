@@ -46,9 +46,10 @@ __all__ = [
     "spark_input",
 ]
 
-#: the filesystem each listed store (``scheme://bucket``) was opened with, options and all:
-#: the files listed there are opened with it again
-_STORES: dict[str, pafs.FileSystem] = {}
+#: the filesystem of each store (``scheme://bucket``) a URI named, with the URI's options
+#: (the part after ``?``): listing a source on every poll and opening the files it lists
+#: (URIs without options) use it again instead of opening the store anew
+_STORES: dict[str, tuple[str, pafs.FileSystem]] = {}
 
 
 def _is_remote(path: str) -> bool:
@@ -59,23 +60,23 @@ def _local(path: str) -> str:
     return os.path.abspath(path.removeprefix("file://"))
 
 
-def _store_of(uri: str) -> str:
-    scheme, rest = uri.split("://", 1)
-    return f"{scheme}://{rest.split('/', 1)[0].split('?', 1)[0]}"
-
-
-def _filesystem(path: str) -> tuple[pafs.FileSystem, str]:
-    """The filesystem of an input file and the file's path in it."""
+def _filesystem(path: str, what: str = "input") -> tuple[pafs.FileSystem, str]:
+    """The filesystem of a local path or a store URI, and the path in it. A store is
+    opened again only for a URI that gives other options."""
     if not _is_remote(path):
         return pafs.LocalFileSystem(), _local(path)
-    fs = _STORES.get(_store_of(path))
-    if fs is not None:
-        return fs, path.split("://", 1)[1].split("?", 1)[0]
+    scheme, rest = path.split("://", 1)
+    inner, _, options = rest.partition("?")
+    store = f"{scheme}://{inner.split('/', 1)[0]}"
+    cached = _STORES.get(store)
+    if cached is not None and (not options or options == cached[0]):
+        return cached[1], inner
     try:
-        fs, inner = pafs.FileSystem.from_uri(path)
+        fs, opened = pafs.FileSystem.from_uri(path)
     except (pa.ArrowInvalid, OSError) as e:
-        raise SourceError(f"cannot open input {path!r}: {e}") from e
-    return fs, inner
+        raise SourceError(f"cannot open {what} {path!r}: {e}") from e
+    _STORES[store] = (options, fs)
+    return fs, opened
 
 
 def list_files(path: str, *, what: str = "source path") -> list[str]:
@@ -91,9 +92,9 @@ def list_files(path: str, *, what: str = "source path") -> list[str]:
             names = [e.name for e in it if not e.name.startswith((".", "_")) and e.is_file()]
         return [os.path.join(full, n) for n in sorted(names)]
     scheme = path.split("://", 1)[0]
+    fs, root = _filesystem(path, what)
+    root = root.rstrip("/")
     try:
-        fs, root = pafs.FileSystem.from_uri(path)
-        root = root.rstrip("/")
         info = fs.get_file_info(root)
         if info.type == pafs.FileType.File:
             found = [root]
@@ -107,7 +108,6 @@ def list_files(path: str, *, what: str = "source path") -> list[str]:
             raise SourceError(f"{what} {path!r} does not exist")
     except (pa.ArrowInvalid, OSError) as e:
         raise SourceError(f"cannot list {what} {path!r}: {e}") from e
-    _STORES[_store_of(path)] = fs
     return [f"{scheme}://{p}" for p in sorted(found, key=lambda p: p.rsplit("/", 1)[-1])]
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import uuid
 
 from .dataflow import Computed, TxnContext
-from .grouped import write_groups
+from .grouped import by_group, write_groups
 from .manifest import Segment
 
 __all__ = ["write_transaction"]
@@ -51,12 +51,8 @@ def write_transaction(
 def _install(ctx: TxnContext, staged: list[tuple[int, str, int]], epoch: int) -> list[Segment]:
     """Move the staged files (time, file, rows) to ``times/<t>``; return each time's
     segment."""
-    by_time: dict[int, tuple[list[str], int]] = {}
-    for t, f, n in staged:
-        files, rows = by_time.get(t, ([], 0))
-        by_time[t] = ([*files, f], rows + n)
     segments = []
-    for t, (files, n) in sorted(by_time.items()):
+    for t, (files, n) in sorted(by_group(staged).items()):
         if n:
             installed = ctx.feedlog.install_time(t, epoch, files)
             segments.append(Segment(t, epoch, n, tuple(installed)))

@@ -50,7 +50,7 @@ from pyspark.sql import types as T
 
 from protocol import CheckpointError
 
-from .grouped import strays, write_groups
+from .grouped import by_group, strays, write_groups
 from .log import FeedLog
 
 __all__ = ["BUCKETS", "BucketedState", "LoadedState", "bucket_of", "fitting_buckets"]
@@ -243,10 +243,7 @@ class BucketedState:
             self.log.delete_file(stray)
         files = {b: f for b, f in loaded.files.items() if b not in loaded.touched}
         counts = {b: n for b, n in loaded.counts.items() if b in files}
-        rewritten: dict[int, int] = {}
-        for b, _, n in written:
-            rewritten[b] = rewritten.get(b, 0) + n
-        for b, n in rewritten.items():
+        for b, (_, n) in by_group(written).items():
             files[b] = f"{folder}/{_BUCKET_DIR}{b}"
             counts[b] = n
         ref = f"state/{attempt}.json"

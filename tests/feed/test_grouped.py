@@ -5,6 +5,7 @@ from __future__ import annotations
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from feed.grouped import by_group as group_totals
 from feed.grouped import strays, write_groups
 
 
@@ -23,6 +24,9 @@ def test_each_group_gets_files_holding_exactly_its_rows_with_their_counts(spark,
     for t, i, name in rows:
         expect.setdefault(t, []).append((i, name))
     assert {g: sorted(v) for g, v in by_group.items()} == expect
+    assert {g: n for g, (_, n) in group_totals(written).items()} == {
+        g: len(v) for g, v in expect.items()
+    }
     # nothing else was written, so nothing is a stray; a left-over file is one
     fs = pafs.LocalFileSystem()
     assert strays(fs, str(tmp_path / "out"), written) == []
