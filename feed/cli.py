@@ -84,6 +84,7 @@ def cmd_emit(args: argparse.Namespace) -> int:
         table=args.table or None,
         tx_metadata=args.tx_metadata or None,
         conf=tuple(parse_conf(args.conf).items()),
+        driver_txn_bytes=args.driver_txn_bytes,
     )
     stopping: list[int] = []
 

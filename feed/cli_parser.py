@@ -22,7 +22,13 @@ from .cliopts import (
     version,
 )
 from .session import DEFAULT_MASTER
-from .settings import DEFAULT_CLOCK, DEFAULT_GRANULARITY, DEFAULT_MAX_FILES, DEFAULT_TRIGGER
+from .settings import (
+    DEFAULT_CLOCK,
+    DEFAULT_DRIVER_TXN_BYTES,
+    DEFAULT_GRANULARITY,
+    DEFAULT_MAX_FILES,
+    DEFAULT_TRIGGER,
+)
 
 __all__ = ["build_parser"]
 
@@ -146,6 +152,14 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         type=positive_int,
         default=DEFAULT_MAX_FILES,
         help="input files read by one transaction at most",
+    )
+    p.option(
+        "--driver-txn-bytes",
+        type=non_negative_int,
+        default=DEFAULT_DRIVER_TXN_BYTES,
+        help="a keyed debezium transaction over at most this many input bytes is computed "
+        "on the driver, without Spark's per-job cost, when its input is plain (0: always "
+        "in Spark; docs/emitter.md)",
     )
     p.option("--order", help="upsert source: the column that orders the upserts")
     p.option("--deleted", help="upsert source: the boolean column that marks a delete")

@@ -21,7 +21,15 @@ from protocol import SourceError
 from .checkpoint import Checkpoint
 from .log import FeedLog
 
-__all__ = ["NEED_MORE", "Computed", "ReadChanges", "TxnContext", "compute_updates", "read_input"]
+__all__ = [
+    "NEED_MORE",
+    "Computed",
+    "ReadChanges",
+    "TxnContext",
+    "compute_updates",
+    "read_input",
+    "read_source",
+]
 
 #: what :func:`read_input` returns when nothing in its input is complete yet but more input
 #: files are pending
@@ -129,6 +137,25 @@ class Computed:
                 df.unpersist()
 
 
+def read_source(ctx: TxnContext, files: Sequence[str]) -> Any:
+    """The canonical changes of ``files`` (:func:`feed.sources.read_changes`), a DataFrame."""
+    from .sources import read_changes
+
+    cfg = ctx.config
+    options: dict[str, Any] = {
+        k: v for k, v in (("order", cfg.order), ("deleted", cfg.deleted)) if v
+    }
+    options.update(table=ctx.info.table, schema=ctx.info.schema)
+    return read_changes(
+        ctx.spark,
+        "cdf" if cfg.source_kind == "delta" else cfg.source_kind,
+        files,
+        ctx.record_type,
+        ctx.info.key,
+        options,
+    )
+
+
 def read_input(
     ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str], *, more: bool
 ) -> ReadChanges | object | None:
@@ -137,22 +164,10 @@ def read_input(
     :data:`NEED_MORE`: the same, with more input files pending."""
     from pyspark.sql import functions as F
 
-    from .sources import read_changes
     from .transactions import assemble
 
     cfg, cp = ctx.config, ctx.cp
-    options: dict[str, Any] = {
-        k: v for k, v in (("order", cfg.order), ("deleted", cfg.deleted)) if v
-    }
-    options.update(table=ctx.info.table, schema=ctx.info.schema)
-    changes = read_changes(
-        ctx.spark,
-        "cdf" if cfg.source_kind == "delta" else cfg.source_kind,
-        [*files, *tx_files],
-        ctx.record_type,
-        ctx.info.key,
-        options,
-    )
+    changes = read_source(ctx, [*files, *tx_files])
     # keep the raw text only where a bad row may need it (parse errors; deletes and
     # snapshot rows, which the keyed checks may still find bad): the cache stays small
     keep_raw = F.col("_error").isNotNull() | (F.col("op") == "d") | F.col("_toast").isNotNull()

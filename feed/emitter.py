@@ -21,6 +21,10 @@ One transaction (:meth:`Emitter.step`):
    point (:mod:`feed.commits`);
 5. hand the committed progress to the publisher, if any.
 
+Steps 1 to 3 run in Spark (:mod:`feed.dataflow`, :mod:`feed.segments`), or for a small
+keyed Debezium transaction of plain input on the driver (:mod:`feed.driver_txn`), which
+writes the same files; step 4 is the same for both.
+
 The feed's settings are checked or created first (:mod:`feed.settings`). Batch and follow
 runs loop over :meth:`Emitter.step` in :mod:`feed.loop`.
 With eager delivery (:mod:`feed.eager`) the executors push the updates between 3 and 4.
@@ -35,12 +39,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
 from protocol import CheckpointError, Progress
 
+from . import driver_txn
 from ._faults import maybe_die
 from .checkpoint import Checkpoint
 from .commits import Committer
@@ -72,6 +77,26 @@ from .settings import (
 __all__ = ["Emitter", "EmitterConfig", "TxnReport", "load_schema_file"]
 
 log = logging.getLogger("tidefeed.emit")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Written:
+    """What a transaction wrote before its commit, and what the commit records."""
+
+    segments: list[Segment]
+    state_ref: str | None
+    units: int  # how many times it takes from ``next``
+    position: tuple[Any, ...] | None  # the highest source position turned into updates
+    input_rows: int
+    skipped: dict[str, int]
+    redelivered: int
+    snapshot_lsn: int | None  # a Debezium feed's first snapshot (when not recorded yet)
+    bad_rows: int = 0
+    held: int = 0
+    held_files: frozenset[str] = frozenset()  # base names of files read again later
+    replaces: tuple[int, str] | None = None
+    tx_files: tuple[str, ...] = ()
+    source_update: dict[str, Any] | None = None
 
 
 class State(Enum):
@@ -294,25 +319,70 @@ class Emitter:
         more: bool,
         source_update: dict[str, Any] | None,
     ) -> Any:
-        """Read, compute, write and commit one transaction (see the module's docstring)."""
-        from pyspark.sql import functions as F
-
+        """Read, compute, write and commit one transaction (see the module's docstring):
+        on the driver where it is small and plain (:mod:`feed.driver_txn`), else in Spark."""
         assert self.cp is not None
-        cfg, cp, fl = self.config, self.cp, self.feedlog
-        seq = cp.seq + 1
-        t0 = time.perf_counter()
+        cp = self.cp
         ctx = TxnContext(
             spark=self.spark,
-            config=cfg,
+            config=self.config,
             cp=cp,
             info=self.info,
             record_type=self._record_type,
             state=self._state,
-            feedlog=fl,
+            feedlog=self.feedlog,
             log=self.log,
             spark_path=self._spark_path,
         )
         tx_files = self.inputs.pending_tx(cp.source)
+        t0 = time.perf_counter()
+        loaded = None
+        if source_update is None and self.eager is None:
+            loaded = driver_txn.committed_state(ctx, files, tx_files)
+        if loaded is not None:
+            small = driver_txn.run(ctx, cp.seq + 1, files, loaded, self._reached)
+            if small is not None:
+                secs["driver"] = time.perf_counter() - t0
+                return self._finish(
+                    files,
+                    secs,
+                    _Written(
+                        segments=small.segments,
+                        state_ref=small.state_ref,
+                        units=small.units,
+                        position=small.position,
+                        input_rows=small.input_rows,
+                        skipped=small.skipped,
+                        redelivered=small.redelivered,
+                        snapshot_lsn=None,
+                    ),
+                )
+        return self._spark_txn(ctx, files, tx_files, secs, more=more, source_update=source_update)
+
+    def _reached(self, step: str, **facts: Any) -> None:
+        """A transaction passed ``step`` (``after_read``, ``after_write``): fault injection
+        and the progress line."""
+        maybe_die(step)
+        if step == "after_read":
+            self._stage("computing diffs", **facts)
+        elif step == "before_write":
+            self._stage("writing", **facts)
+
+    def _spark_txn(
+        self,
+        ctx: TxnContext,
+        files: list[str],
+        tx_files: list[str],
+        secs: dict[str, float],
+        *,
+        more: bool,
+        source_update: dict[str, Any] | None,
+    ) -> Any:
+        """Read, compute and write one transaction in Spark (:mod:`feed.dataflow`)."""
+        from pyspark.sql import functions as F
+
+        cfg, cp = self.config, ctx.cp
+        t0 = time.perf_counter()
         read = read_input(ctx, files, tx_files, more=more)
         if read is NEED_MORE:
             return NEED_MORE
@@ -320,67 +390,97 @@ class Emitter:
             return None
         assert isinstance(read, ReadChanges)
         secs["read"] = time.perf_counter() - t0
-        maybe_die("after_read")
-        self._stage("computing diffs", rows_read=read.input_rows)
+        self._reached("after_read", rows_read=read.input_rows)
 
         t1 = time.perf_counter()
         done = compute_updates(ctx, read)
         secs["compute"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
-        self._stage("writing", bad_rows=done.bad_rows)
-        segments, state_ref = write_transaction(ctx, seq, done)
-        counts = {s.time: s.count for s in segments}
+        self._reached("before_write", bad_rows=done.bad_rows)
+        segments, state_ref = write_transaction(ctx, cp.seq + 1, done)
         secs["write"] = time.perf_counter() - t2
-        if self.eager is not None and counts:
+        if self.eager is not None and segments:
             t_eager = time.perf_counter()
+            fl = self.feedlog
             paths = [self._spark_path(fl.path(f)) for s in segments for f in s.files]
             self.eager.push(self.spark, paths, cp.epoch).log(self.log, cfg.feed)
             secs["eager"] = time.perf_counter() - t_eager
-        maybe_die("after_write")
+        snapshot_lsn = None
+        if cfg.source_kind == "debezium" and "snapshot_lsn" not in cp.source:
+            # the first snapshot read committed: later reads at another LSN are a new one
+            reads = done.good.where(F.col("op") == "r").agg(F.min("pos_lo").alias("m"))
+            snapshot_lsn = reads.collect()[0]["m"]  # None: the feed had none
+        try:
+            return self._finish(
+                files,
+                secs,
+                _Written(
+                    segments=segments,
+                    state_ref=state_ref,
+                    units=done.units,
+                    position=done.position,
+                    input_rows=read.input_rows,
+                    skipped=read.skipped,
+                    redelivered=read.redelivered,
+                    snapshot_lsn=snapshot_lsn,
+                    bad_rows=done.bad_rows,
+                    held=read.held,
+                    held_files=frozenset(base_name(f) for f in read.held_files),
+                    replaces=read.replaces,
+                    tx_files=tuple(tx_files),
+                    source_update=source_update,
+                ),
+            )
+        finally:
+            done.release()
 
+    def _finish(self, files: list[str], secs: dict[str, float], w: _Written) -> TxnReport:
+        """Commit what a transaction wrote, prune and report."""
+        assert self.cp is not None
+        self._reached("after_write")
+        cfg, cp = self.config, self.cp
+        seq = cp.seq + 1
         t3 = time.perf_counter()
+        counts = {s.time: s.count for s in w.segments}
         self._stage("committing", updates=sum(counts.values()))
-        upper = cp.next + done.units if done.units else cp.frontier
+        upper = cp.next + w.units if w.units else cp.frontier
         progress = Progress(cp.frontier, max(upper, cp.frontier), tuple(sorted(counts.items())))
         next_time = progress.upper
         if self.info.clock == "wallclock":
             next_time = max(self._clock(), progress.upper)
         source = next_source(
             cp.source,
-            position=done.position,
+            position=w.position,
             cdf=cfg.source_kind == "cdf",
-            replaces=read.replaces,
-            files=None if source_update is not None else (self.inputs.listed, files),
-            tx_files=(self.inputs.tx_listed, tx_files) if tx_files else None,
-            held={base_name(f) for f in read.held_files},
-            update=source_update,
+            replaces=w.replaces,
+            files=None if w.source_update is not None else (self.inputs.listed, files),
+            tx_files=(self.inputs.tx_listed, w.tx_files) if w.tx_files else None,
+            held=set(w.held_files),
+            update=w.source_update,
         )
         if cfg.source_kind == "debezium" and "snapshot_lsn" not in source:
-            # the first snapshot read committed: later reads at another LSN are a new one
-            reads = done.good.where(F.col("op") == "r").agg(F.min("pos_lo").alias("m"))
-            source["snapshot_lsn"] = reads.collect()[0]["m"]  # None: the feed had none
+            source["snapshot_lsn"] = w.snapshot_lsn
         new_cp = self._commit(  # the commit point
             lambda base: base.successor(
-                progress=progress, next=next_time, source=source, state=state_ref
+                progress=progress, next=next_time, source=source, state=w.state_ref
             ),
-            segments,
+            w.segments,
         )
         secs["commit"] = time.perf_counter() - t3
         maybe_die("after_commit")
         self.commits.prune(new_cp, self._state)
-        done.release()
         report = TxnReport(
             seq=seq,
             progress=progress,
             files=len(files),
-            input_rows=read.input_rows,
+            input_rows=w.input_rows,
             updates=sum(counts.values()),
-            bad_rows=done.bad_rows,
+            bad_rows=w.bad_rows,
             seconds=secs,
-            skipped=read.skipped,
-            held=read.held,
-            redelivered=read.redelivered,
+            skipped=w.skipped,
+            held=w.held,
+            redelivered=w.redelivered,
         )
         if self.progress is not None:
             self.progress.done()  # the live line goes before the summary is logged

@@ -17,7 +17,7 @@ from .dataflow import Computed, TxnContext
 from .grouped import by_group, write_groups
 from .manifest import Segment
 
-__all__ = ["write_transaction"]
+__all__ = ["install_segments", "write_transaction"]
 
 
 def write_transaction(
@@ -31,7 +31,7 @@ def write_transaction(
     staging = fl.path("_staging", f"{seq}-{uuid.uuid4().hex[:8]}")
     flat = done.updates.select("time", "data.*", "diff")
     staged = write_groups(flat, "time", fl.store, staging, "time=")
-    segments = _install(ctx, staged, cp.epoch)
+    segments = install_segments(ctx, staged, cp.epoch)
     state_ref = cp.state
     if done.new_state is not None and done.loaded is not None:
         state_ref = ctx.state.write(seq, done.new_state, done.loaded)
@@ -48,7 +48,9 @@ def write_transaction(
     return segments, state_ref
 
 
-def _install(ctx: TxnContext, staged: list[tuple[int, str, int]], epoch: int) -> list[Segment]:
+def install_segments(
+    ctx: TxnContext, staged: list[tuple[int, str, int]], epoch: int
+) -> list[Segment]:
     """Move the staged files (time, file, rows) to ``times/<t>``; return each time's
     segment."""
     segments = []

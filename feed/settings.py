@@ -33,6 +33,9 @@ __all__ = [
 
 DEFAULT_TRIGGER = 5.0
 DEFAULT_MAX_FILES = 1000
+#: keyed Debezium input of at most this many bytes is computed on the driver
+#: (feed/driver_txn.py; ``--driver-txn-bytes``)
+DEFAULT_DRIVER_TXN_BYTES = 1 << 20
 DEFAULT_CLOCK = "wallclock"  # a new feed's, when --clock is left out
 DEFAULT_GRANULARITY = "batch"  # a new feed's, when --granularity is left out
 RESERVED = ("time", "diff")
@@ -58,6 +61,8 @@ class EmitterConfig:
     table: str | None = None  # debezium: the schema.table the feed holds
     tx_metadata: str | None = None  # debezium: a folder of transaction metadata records
     conf: tuple[tuple[str, str], ...] = ()  # Spark settings (--conf), over everything else
+    #: keyed Debezium input of at most this many bytes is computed on the driver (0: never)
+    driver_txn_bytes: int = DEFAULT_DRIVER_TXN_BYTES
 
 
 def create_feed(

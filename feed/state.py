@@ -79,6 +79,11 @@ def bucket_of(row: Column, key: Sequence[str], buckets: int) -> Column:
     return F.pmod(F.xxhash64(*[row[k] for k in key]), F.lit(buckets)).cast("int")
 
 
+def _outgrown(rows: int, buckets: int) -> bool:
+    """Whether a state of ``rows`` rows in ``buckets`` buckets is rebucketed next."""
+    return rows > GROW_AT * ROWS_PER_BUCKET * buckets and buckets < MAX_BUCKETS
+
+
 _FOLDER = re.compile(r"^\d+(-[0-9a-f]+)?$")  # state/<seq>-<r>/, or state/<seq>/ from before
 
 
@@ -209,7 +214,7 @@ class BucketedState:
             m.counts if m.counts is not None else {b: self._rows_in(f) for b, f in files.items()}
         )
         total = sum(counts.values())
-        if total > GROW_AT * ROWS_PER_BUCKET * buckets and buckets < MAX_BUCKETS:
+        if _outgrown(total, buckets):
             # outgrown: read it all, rewrite it into the count that fits
             grown = fitting_buckets(total)
             rows = self.read((files[b] for b in sorted(files)), with_pos=True)
@@ -224,23 +229,50 @@ class BucketedState:
         rows = self.read((files[b] for b in sorted(touched) if b in files), with_pos=True)
         return LoadedState(rows, touched, buckets, files, counts)
 
+    def committed(self, ref: str | None) -> LoadedState | None:
+        """The committed bucketed state ``ref`` as it stands, no rows read (``touched`` is
+        for the caller to fill in); None when the next transaction must go through
+        :meth:`load`: no state yet, a folder from before buckets, a manifest from before
+        row counts, or a state that has outgrown its buckets."""
+        if not ref or not ref.endswith(".json"):
+            return None
+        m = self._manifest(ref)
+        if m.counts is None or _outgrown(sum(m.counts.values()), m.buckets):
+            return None
+        return LoadedState(None, frozenset(), m.buckets, m.files, m.counts)
+
     # ---- writing ------------------------------------------------------------------------
     def write(self, seq: int, new_rows: DataFrame, loaded: LoadedState) -> str:
         """Write the touched buckets' new rows (``new_rows``: column ``data``) and the
         manifest of commit ``seq``; return the manifest's path for the checkpoint."""
-        attempt = f"{seq}-{uuid.uuid4().hex[:8]}"
-        folder = f"state/{attempt}"
+        attempt = self.attempt(seq)
         pos = [c for c in (POS_COLUMN, GONE_COLUMN) if c in new_rows.columns]
         out = new_rows.select(
             "data.*", *pos, bucket_of(F.col("data"), self.key, loaded.buckets).alias("_bucket")
         )
         # all of a bucket's rows in one task: one file per bucket, not one per task and bucket
-        root = self.log.path(folder)
+        root = self.log.path("state", attempt)
         written = write_groups(
             out.repartition("_bucket"), "_bucket", self.log.store, root, _BUCKET_DIR
         )
         for stray in strays(self.log.fs, root, written):  # a bucket's folder is read whole
             self.log.delete_file(stray)
+        return self.publish(attempt, written, loaded)
+
+    def attempt(self, seq: int) -> str:
+        """A new attempt name for commit ``seq``'s state (see the module docstring)."""
+        return f"{seq}-{uuid.uuid4().hex[:8]}"
+
+    def bucket_folder(self, attempt: str, bucket: int) -> str:
+        """Where an attempt writes a bucket (a full path)."""
+        return self.log.path("state", attempt, f"{_BUCKET_DIR}{bucket}")
+
+    def publish(
+        self, attempt: str, written: list[tuple[int, str, int]], loaded: LoadedState
+    ) -> str:
+        """Write the state manifest of an attempt that wrote ``written`` (bucket, file,
+        rows) for the buckets ``loaded.touched``; return its path for the checkpoint."""
+        folder = f"state/{attempt}"
         files = {b: f for b, f in loaded.files.items() if b not in loaded.touched}
         counts = {b: n for b, n in loaded.counts.items() if b in files}
         for b, (_, n) in by_group(written).items():

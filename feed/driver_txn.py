@@ -1,0 +1,332 @@
+"""A small keyed Debezium transaction, computed on the driver.
+
+A follow-mode transaction of ten changes against a large keyed table costs the Spark path
+(:mod:`feed.dataflow`) about two seconds whatever the table's size: a dozen small jobs
+(transaction figures, state buckets, updates, the state write) and about a second of
+planning on the driver, all for a few rows. Here Spark runs one job: it parses the input
+exactly as the Spark path does (:func:`feed.dataflow.read_source`, so typing, errors and
+skipped lines are the same) and gives each event its state bucket (the same xxhash64);
+the result comes to the driver as Arrow. The rest is done there, following
+:mod:`feed.transactions`, :mod:`feed.times` and :mod:`feed.diffs` for the plain case:
+drop input at or below the committed position, number the source transactions, diff each
+key's changes against its row in the touched state buckets (read and rewritten with
+pyarrow), consolidate per time, and write each time's segment.
+
+The plain case is what a streaming Debezium connector delivers between snapshots: data
+events (c/u/d) and skipped lines only, no bad row, no unavailable-value placeholder, no
+transaction metadata, no snapshot reads or snapshot end markers, no event delivered twice
+in what was read, and no delete of a key the feed does not hold; a record of scalar
+columns other than floating point (whose grouping rules Spark normalises); a bucketed
+state that is not due to be rebucketed. On anything else :func:`run` returns None before
+writing a file, and the Spark path computes the transaction (its parse is one small job
+more). Input larger than ``--driver-txn-bytes`` goes to Spark directly.
+
+Both paths give the same feed: tests/feed/test_driver_txn.py runs random histories
+through each and compares the updates, the progress and the state.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from protocol import SourceError
+
+from .dataflow import TxnContext, read_source
+from .manifest import Segment
+from .segments import install_segments
+from .state import LoadedState
+
+__all__ = ["DriverTxn", "committed_state", "run"]
+
+_COLUMNS = (
+    "op",
+    "before",
+    "after",
+    "pos_hi",
+    "pos_lo",
+    "pos_n",
+    "txn",
+    "tx_meta",
+    "ord_file",
+    "ord_row",
+    "_error",
+    "_skip",
+    "_toast",
+    "_snap",
+)
+_DATA_OPS = ("c", "u", "d")
+_SNAPSHOT_ENDS = ("last", "last_in_data_collection")
+
+
+@dataclass(frozen=True, slots=True)
+class DriverTxn:
+    """What a transaction computed on the driver wrote, and its figures."""
+
+    input_rows: int
+    skipped: dict[str, int]
+    redelivered: int
+    units: int  # how many times it takes from ``next``
+    position: tuple[int, int, int] | None  # the highest source position turned into updates
+    segments: list[Segment]
+    state_ref: str | None
+
+
+def _scalar(t: pa.DataType) -> bool:
+    return bool(
+        pa.types.is_integer(t)
+        or pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or pa.types.is_decimal(t)
+        or pa.types.is_date(t)
+        or pa.types.is_timestamp(t)
+        or pa.types.is_time(t)
+        or pa.types.is_boolean(t)
+    )
+
+
+def committed_state(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> Any:
+    """The committed state this transaction would start from on the driver, or None when
+    it goes to Spark: not a keyed Debezium feed, input over the size limit, pending
+    ``--tx-metadata`` files, or a state :meth:`~feed.state.BucketedState.committed` does
+    not give."""
+    cfg = ctx.config
+    if cfg.source_kind != "debezium" or not ctx.info.key or tx_files or not files:
+        return None
+    from .inputs import input_bytes
+
+    try:
+        if input_bytes(files) > cfg.driver_txn_bytes:
+            return None
+    except (OSError, SourceError):
+        return None  # Spark's read says what is wrong
+    return ctx.state.committed(ctx.cp.state)
+
+
+def _not_plain(t: pa.Table) -> str | None:
+    """Why the parsed input is not the plain case (see the module docstring), or None."""
+    if t.column("_error").null_count < t.num_rows:
+        return "bad rows"
+    if t.column("_toast").null_count < t.num_rows:
+        return "unavailable-value placeholders"
+    if pc.any(t.column("tx_meta")).as_py():
+        return "transaction metadata"
+    ops = set(pc.unique(t.column("op")).to_pylist())
+    if ops - {*_DATA_OPS, "x"}:
+        return f"ops {sorted(o for o in ops - {*_DATA_OPS, 'x'} if o)}"
+    if set(pc.unique(t.column("_snap")).to_pylist()) & set(_SNAPSHOT_ENDS):
+        return "a snapshot's end"
+    record = t.schema.field("after").type
+    if not all(_scalar(f.type) for f in record):
+        return "a record with floating-point or nested columns"
+    return None
+
+
+def run(
+    ctx: TxnContext,
+    seq: int,
+    files: Sequence[str],
+    loaded: LoadedState,
+    reached: Callable[..., None],
+) -> DriverTxn | None:
+    """Compute and write transaction ``seq`` over ``files`` on the driver, from the
+    committed state ``loaded`` (:func:`committed_state`); None, with nothing written, when
+    the input is not the plain case. ``reached(step, **facts)`` is told ``after_read`` and
+    ``before_write`` once the transaction is sure to be computed here, before its first
+    file is written."""
+    from pyspark.sql import functions as F
+
+    from .state import bucket_of
+
+    cfg, cp, key = ctx.config, ctx.cp, tuple(ctx.info.key)
+    changes = read_source(ctx, files)
+    image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
+    bucket = bucket_of(image, key, loaded.buckets).alias("_bucket")
+    t = changes.select(*_COLUMNS, bucket).toArrow()
+    why = _not_plain(t)
+    if why is not None:
+        return _to_spark(ctx, seq, why)
+    record = pa.schema(list(t.schema.field("after").type))
+    names = record.names
+    skipped = Counter(s for s in t.column("_skip").to_pylist() if s is not None)
+    data = t.filter(pc.is_in(t.column("op"), pa.array(_DATA_OPS))).to_pylist()
+
+    pos = cp.source.get("pos", [0, 0])
+    committed = (int(pos[0]), int(pos[1]), int(pos[2]) if len(pos) > 2 else 1 << 62)
+    kept = [e for e in data if (e["pos_hi"], e["pos_lo"], e["pos_n"]) > committed]
+    if len({(e["txn"], e["pos_lo"], e["pos_n"], e["op"]) for e in kept}) < len(kept):
+        return _to_spark(ctx, seq, "an event read twice")
+    for e in kept:
+        e["o"] = (e["pos_hi"], e["pos_lo"], e["pos_n"], e["ord_file"], e["ord_row"])
+        img = e["before"] if e["op"] == "d" else e["after"]
+        e["k"] = tuple(img[c] for c in key)
+    units = _assign_units(kept, cfg.granularity)
+
+    touched = {e["_bucket"] for e in kept}
+    state = _read_buckets(ctx, loaded, touched, record)
+    if state is None:
+        return _to_spark(ctx, seq, "state with positions or tombstones")
+    keys = pa.Table.from_pylist(
+        [dict(zip(key, k, strict=True)) for k in {e["k"] for e in kept}],
+        schema=pa.schema([record.field(c) for c in key]),
+    )
+    old: dict[tuple[Any, ...], dict[str, Any]] = {}
+    carried: dict[int, pa.Table] = {}
+    for b, rows in state.items():
+        for row in rows.join(keys, list(key), join_type="left semi").to_pylist():
+            old[tuple(row[c] for c in key)] = row
+        carried[b] = rows.join(keys, list(key), join_type="left anti").select(names)
+    diffs = _keyed_diffs(kept, old)
+    if diffs is None:
+        return _to_spark(ctx, seq, "a delete of a key the feed does not hold")
+    updates, final = diffs
+
+    # (told only now: a transaction handed to Spark above reaches them there, once)
+    reached("after_read", rows_read=t.num_rows)
+    reached("before_write", bad_rows=0)
+    fl = ctx.feedlog
+    staging = fl.path("_staging", f"{seq}-{uuid.uuid4().hex[:8]}")
+    segment = pa.schema([*record, pa.field("diff", pa.int64())])
+    staged = []
+    for unit, rows in sorted(_consolidate(updates, names).items()):
+        time = cp.next + unit
+        path = f"{staging}/time={time}/part-{uuid.uuid4().hex}.parquet"
+        staged.append((time, path, _write(fl.fs, path, pa.Table.from_pylist(rows, segment))))
+    segments = install_segments(ctx, staged, cp.epoch)
+    fl.delete_dir(staging)
+
+    state_ref = cp.state
+    if kept:
+        attempt = ctx.state.attempt(seq)
+        written = []
+        new_rows: dict[int, list[dict[str, Any]]] = {}
+        for b, img in final.values():
+            if img is not None:
+                new_rows.setdefault(b, []).append(img)
+        for b in sorted(touched):
+            parts = [pa.Table.from_pylist(new_rows.get(b, []), record)]
+            if b in carried:
+                parts.insert(0, carried[b])
+            rows = pa.concat_tables(parts)
+            if rows.num_rows:
+                path = f"{ctx.state.bucket_folder(attempt, b)}/part-{uuid.uuid4().hex}.parquet"
+                written.append((b, path, _write(fl.fs, path, rows)))
+        state_ref = ctx.state.publish(attempt, written, replace(loaded, touched=frozenset(touched)))
+    return DriverTxn(
+        input_rows=t.num_rows,
+        skipped=dict(skipped),
+        redelivered=len(data) - len(kept),
+        units=units,
+        position=max((e["o"][:3] for e in kept), default=None),
+        segments=segments,
+        state_ref=state_ref,
+    )
+
+
+def _to_spark(ctx: TxnContext, seq: int, why: str) -> DriverTxn | None:
+    """None (the transaction goes to Spark), saying why in the debug log."""
+    ctx.log.debug("feed %s: transaction %d is computed in Spark: %s", ctx.config.feed, seq, why)
+    return None
+
+
+def _assign_units(events: list[dict[str, Any]], granularity: str | None) -> int:
+    """Each event's ``unit`` (:func:`feed.times.assign_units`); returns how many."""
+    if granularity == "batch":
+        for e in events:
+            e["unit"] = 0
+        return 1
+    first: dict[Any, tuple[int, ...]] = {}
+    for e in events:
+        if e["txn"] not in first or e["o"] < first[e["txn"]]:
+            first[e["txn"]] = e["o"]
+    rank = {txn: i for i, txn in enumerate(sorted(first, key=first.__getitem__))}
+    for e in events:
+        e["unit"] = rank[e["txn"]]
+    return len(rank)
+
+
+def _read_buckets(
+    ctx: TxnContext, loaded: LoadedState, buckets: set[int], record: pa.Schema
+) -> dict[int, pa.Table] | None:
+    """The rows of the committed state's ``buckets``; None when a bucket holds more than
+    records (tombstones or positions, which Debezium state never has)."""
+    fl = ctx.feedlog
+    out = {}
+    for b in sorted(buckets):
+        folder = loaded.files.get(b)
+        if folder is None:
+            continue
+        parts = [pq.read_table(f, filesystem=fl.fs) for f in fl.parquet_files(fl.path(folder))]
+        if not parts:
+            continue
+        if any(p.schema.names != record.names for p in parts):
+            return None
+        out[b] = pa.concat_tables([p.cast(record) for p in parts])
+    return out
+
+
+def _keyed_diffs(
+    events: list[dict[str, Any]], old: dict[tuple[Any, ...], dict[str, Any]]
+) -> tuple[list[tuple[dict[str, Any], int, int]], dict[tuple[Any, ...], tuple[int, Any]]] | None:
+    """Each key's diffs per unit, as :func:`feed.diffs.keyed_diffs`: retract what the key
+    held before the unit, emit its last image in the unit. Returns the diffs and, per key,
+    its bucket and final image (None: deleted); None when a delete meets an absent key."""
+    by_key: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for e in events:
+        by_key.setdefault(e["k"], []).append(e)
+    diffs: list[tuple[dict[str, Any], int, int]] = []
+    final: dict[tuple[Any, ...], tuple[int, Any]] = {}
+    for k, evs in by_key.items():
+        evs.sort(key=lambda e: (e["unit"], e["o"]))
+        prev = old.get(k)
+        i = 0
+        while i < len(evs):
+            unit = evs[i]["unit"]
+            j = i
+            while j < len(evs) and evs[j]["unit"] == unit:
+                j += 1
+            last = evs[j - 1]
+            img = None if last["op"] == "d" else last["after"]
+            if img is None and prev is None and all(e["op"] == "d" for e in evs[i:j]):
+                return None
+            if prev is not None:
+                diffs.append((prev, unit, -1))
+            if img is not None:
+                diffs.append((img, unit, 1))
+            prev = img
+            i = j
+        final[k] = (evs[0]["_bucket"], prev)
+    return diffs, final
+
+
+def _consolidate(
+    diffs: list[tuple[dict[str, Any], int, int]], names: Sequence[str]
+) -> dict[int, list[dict[str, Any]]]:
+    """Sum the diffs per (record, unit) and drop zeros: each unit's rows with ``diff``."""
+    sums: Counter[tuple[Any, ...]] = Counter()
+    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for data, unit, d in diffs:
+        k = (unit, *(data[n] for n in names))
+        sums[k] += d
+        rows.setdefault(k, data)
+    out: dict[int, list[dict[str, Any]]] = {}
+    for k, n in sums.items():
+        if n:
+            out.setdefault(k[0], []).append({**rows[k], "diff": n})
+    return out
+
+
+def _write(fs: Any, path: str, table: pa.Table) -> int:
+    """Write one Parquet file (its folder made first); return its rows."""
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    pq.write_table(table, path, filesystem=fs)
+    return int(table.num_rows)
