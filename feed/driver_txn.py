@@ -13,13 +13,15 @@ key's changes against its row in the touched state buckets (read and rewritten w
 pyarrow), consolidate per time, and write each time's segment.
 
 The plain case is what a streaming Debezium connector delivers between snapshots: data
-events (c/u/d) and skipped lines only, no bad row, no unavailable-value placeholder, no
-transaction metadata, no snapshot reads or snapshot end markers, no event delivered twice
-in what was read, and no delete of a key the feed does not hold; a record of scalar
-columns other than floating point (whose grouping rules Spark normalises); a bucketed
-state that is not due to be rebucketed. On anything else :func:`run` returns None before
-writing a file, and the Spark path computes the transaction (its parse is one small job
-more). Input larger than ``--driver-txn-bytes`` goes to Spark directly.
+events (c/u/d), END records and skipped lines only; no bad row, no unavailable-value
+placeholder, no snapshot read or snapshot end marker; every source transaction complete
+(with transaction metadata: its END record read, and every event it counts); no delete of
+a key the feed does not hold; a record of scalar columns other than floating point (whose
+grouping rules Spark normalises); a bucketed state not due to be rebucketed. An event
+delivered twice is kept once, as the Spark path keeps it. On anything else :func:`run`
+returns None before writing a file, and the Spark path computes the transaction (its
+parse is one small job more). Input larger than ``--driver-txn-bytes`` goes to Spark
+directly.
 
 Both paths give the same feed: tests/feed/test_driver_txn.py runs random histories
 through each and compares the updates, the progress and the state.
@@ -55,6 +57,7 @@ _COLUMNS = (
     "pos_n",
     "txn",
     "tx_meta",
+    "tx_count",
     "ord_file",
     "ord_row",
     "_error",
@@ -118,11 +121,9 @@ def _not_plain(t: pa.Table) -> str | None:
         return "bad rows"
     if t.column("_toast").null_count < t.num_rows:
         return "unavailable-value placeholders"
-    if pc.any(t.column("tx_meta")).as_py():
-        return "transaction metadata"
     ops = set(pc.unique(t.column("op")).to_pylist())
-    if ops - {*_DATA_OPS, "x"}:
-        return f"ops {sorted(o for o in ops - {*_DATA_OPS, 'x'} if o)}"
+    if ops - {*_DATA_OPS, "x", "E"}:
+        return f"ops {sorted(o for o in ops - {*_DATA_OPS, 'x', 'E'} if o)}"
     if set(pc.unique(t.column("_snap")).to_pylist()) & set(_SNAPSHOT_ENDS):
         return "a snapshot's end"
     record = t.schema.field("after").type
@@ -162,9 +163,13 @@ def run(
 
     pos = cp.source.get("pos", [0, 0])
     committed = (int(pos[0]), int(pos[1]), int(pos[2]) if len(pos) > 2 else 1 << 62)
-    kept = [e for e in data if (e["pos_hi"], e["pos_lo"], e["pos_n"]) > committed]
-    if len({(e["txn"], e["pos_lo"], e["pos_n"], e["op"]) for e in kept}) < len(kept):
-        return _to_spark(ctx, seq, "an event read twice")
+    why = _complete(t, data, committed)
+    if why is not None:
+        return _to_spark(ctx, seq, why)
+    fresh = [e for e in data if (e["pos_hi"], e["pos_lo"], e["pos_n"]) > committed]
+    kept = _once(fresh)
+    if not _counted(t, kept, committed):
+        return _to_spark(ctx, seq, "a source transaction not complete, or over its END count")
     for e in kept:
         e["o"] = (e["pos_hi"], e["pos_lo"], e["pos_n"], e["ord_file"], e["ord_row"])
         img = e["before"] if e["op"] == "d" else e["after"]
@@ -230,6 +235,43 @@ def run(
         segments=segments,
         state_ref=state_ref,
     )
+
+
+def _once(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events with a repeat (the same transaction, position and op: an at-least-once
+    redelivery) left out, keeping the first delivered."""
+    first: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for e in sorted(events, key=lambda e: (e["ord_file"], e["ord_row"])):
+        first.setdefault((e["txn"], e["pos_lo"], e["pos_n"], e["op"]), e)
+    return list(first.values())
+
+
+def _complete(t: pa.Table, data: list[dict[str, Any]], committed: tuple[int, ...]) -> str | None:
+    """Give each event of a transaction with metadata its END record's commit LSN as
+    ``pos_hi`` (:func:`feed.transactions.assemble`); why not, when an END is missing."""
+    ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi"]).to_pylist()
+    commit: dict[Any, int] = {}
+    for end in ends:
+        commit[end["txn"]] = max(commit.get(end["txn"], end["pos_hi"]), end["pos_hi"])
+    for e in data:
+        if e["tx_meta"]:
+            if e["txn"] not in commit:
+                return "a source transaction whose END record is not read yet"
+            e["pos_hi"] = commit[e["txn"]]
+    return None
+
+
+def _counted(t: pa.Table, kept: list[dict[str, Any]], committed: tuple[int, ...]) -> bool:
+    """Whether every source transaction with metadata has exactly the events its END
+    record counts (an END at or below the committed position is done with)."""
+    ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi", "tx_count"])
+    expected: dict[Any, int] = {}
+    for end in ends.to_pylist():
+        if end["pos_hi"] > committed[0]:
+            expected[end["txn"]] = max(expected.get(end["txn"], 0), end["tx_count"] or 0)
+    events = Counter(e["txn"] for e in kept)
+    meta = {e["txn"] for e in kept if e["tx_meta"]}
+    return meta <= expected.keys() and all(events[x] == n for x, n in expected.items())
 
 
 def _to_spark(ctx: TxnContext, seq: int, why: str) -> DriverTxn | None:

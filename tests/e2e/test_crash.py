@@ -96,6 +96,9 @@ def test_a_chain_of_sigkills_at_every_step_then_a_clean_run(tmp_path, reference)
         assert check_messages(reader.messages(), key=["id"]) == []
     again = tidefeed(*emit_args(src, log))
     assert again.returncode == 0, again.stderr.decode()[-3000:]
+    # the transactions after the first are small and plain: computed on the driver
+    # (feed/driver_txn.py), the path the kills above stopped at each step
+    assert b" driver=" in again.stderr, again.stderr.decode()[-3000:]
     assert store.latest().epoch == epoch + 1
     verify(log, reference)
 

@@ -66,15 +66,49 @@ def _feed(log: Path) -> tuple[int, dict[int, Counter], Counter, set]:
     return reader.frontier, times, state, schemas
 
 
-def _history(src: Path, events: list[bytes], *, redeliver: bool, absent_delete: bool) -> None:
+def _with_metadata(events: list[bytes]) -> list[bytes]:
+    """The events as a connector with ``provide.transaction.metadata`` delivers them: each
+    transaction between a BEGIN and an END record, its events numbered."""
+    out: list[bytes] = []
+    group: list[dict] = []
+
+    def close() -> None:
+        xid, commit = group[0]["source"]["txId"], group[-1]["source"]["lsn"] + 1
+        out.append(orjson.dumps({"status": "BEGIN", "id": f"{xid}:{commit}"}))
+        for i, e in enumerate(group):
+            e["transaction"] = {"id": f"{xid}:{e['source']['lsn']}", "total_order": i + 1}
+            out.append(orjson.dumps(e))
+        counts = [{"data_collection": "public.accounts", "event_count": len(group)}]
+        end = {"status": "END", "id": f"{xid}:{commit}", "event_count": len(group)}
+        out.append(orjson.dumps({**end, "data_collections": counts}))
+        group.clear()
+
+    for line in events:
+        e = orjson.loads(line)
+        e = e.get("payload", e)
+        if group and group[0]["source"]["txId"] != e["source"]["txId"]:
+            close()
+        group.append(e)
+    close()
+    return out
+
+
+def _history(
+    src: Path, events: list[bytes], *, redeliver: bool, absent_delete: bool, metadata: bool
+) -> None:
     """A first file with a third of the events (the load), then files of a few events each;
     with ``redeliver`` some files start with the tail of the one before (a connector
-    restarting), with ``absent_delete`` one file deletes a key the table never had."""
+    restarting), with ``absent_delete`` one file deletes a key the table never had; with
+    ``metadata`` the files end at END records (files that cut a transaction are held
+    back, which the Spark path does)."""
     load = len(events) // 3
     write_parts(src, events[:load], 1)
     rest, n, i = events[load:], 1, 0
     while i < len(rest):
-        chunk = rest[i : i + 7]
+        step = 7
+        while metadata and i + step < len(rest) and b'"END"' not in rest[i + step - 1]:
+            step += 1  # a file ends with a transaction's END record
+        chunk = rest[i : i + step]
         if redeliver and n % 3 == 0:
             chunk = rest[max(0, i - 4) : i] + chunk
         if absent_delete and n == 4:
@@ -86,24 +120,26 @@ def _history(src: Path, events: list[bytes], *, redeliver: bool, absent_delete: 
                 orjson.dumps({"before": gone, "after": None, "op": "d", "source": source}),
             ]
         write_parts(src, chunk, 1, start=n)
-        i += 7
+        i += step
         n += 1
 
 
 @pytest.mark.parametrize(
-    "granularity,redeliver,absent_delete,seed",
+    "granularity,redeliver,absent_delete,metadata,seed",
     [
-        ("transaction", False, False, 11),
-        ("batch", True, False, 12),
-        ("transaction", True, True, 13),
+        ("transaction", False, False, False, 11),
+        ("batch", True, False, False, 12),
+        ("transaction", True, True, False, 13),
+        ("transaction", True, False, True, 14),
     ],
 )
 def test_the_driver_gives_the_feed_spark_gives(
-    spark, tmp_path, granularity, redeliver, absent_delete, seed
+    spark, tmp_path, granularity, redeliver, absent_delete, metadata, seed
 ):
     bank = generate_bank(transactions=30, seed=seed)
     src = tmp_path / "in"
-    _history(src, bank.events, redeliver=redeliver, absent_delete=absent_delete)
+    events = _with_metadata(bank.events) if metadata else bank.events
+    _history(src, events, redeliver=redeliver, absent_delete=absent_delete, metadata=metadata)
     on = _run(spark, src, tmp_path / "driver", driver=True, granularity=granularity)
     off = _run(spark, src, tmp_path / "spark", driver=False, granularity=granularity)
 
