@@ -164,7 +164,6 @@ def assemble(
         .agg(
             F.max("pos_hi").alias("commit_lsn"),
             F.max("tx_count").alias("expected"),
-            F.collect_set("_file").alias("end_files"),
         )
         .persist()
     )
@@ -194,7 +193,6 @@ def assemble(
             F.min(F.when(kept_only, F.struct("ord_file", "ord_row"))).alias("first"),
             F.max(F.when(kept_only, F.struct("pos_hi", "pos_lo", "pos_n"))).alias("last"),
             F.min(F.when(kept_only, order_column())).alias("order"),
-            F.collect_set("_file").alias("files"),
             F.max(F.struct("ord_file", "ord_row")).alias("latest"),
             F.count(F.when(behind, 1)).alias("behind"),
         )
@@ -336,10 +334,14 @@ def assemble(
         if dropped:
             held = held & ~F.col("txn").isin(sorted(dropped))
         held = F.coalesce(held, F.lit(False))
-        for r in per_txn.where(held).select("txn", "files", "end_files").collect():
-            held_txns.add(r["txn"])
-            held_files.update(r["files"] or ())
-            held_files.update(r["end_files"] or ())
+        held_txns = {r["txn"] for r in per_txn.where(held).select("txn").collect()}
+        if held_txns:
+            # the files holding their events and END records (asked for only here: a set
+            # of files per source transaction would cost every read a second or more)
+            theirs = changes.where(
+                F.col("op").isin(*DATA_OPS, "E") & F.col("txn").isin(sorted(held_txns))
+            )
+            held_files.update(r["_file"] for r in theirs.select("_file").distinct().collect())
         if hold_from is not None:  # a held snapshot's files, its end marker's too
             for r in snaps:
                 if tuple(r["s_first"]) >= hold_from:

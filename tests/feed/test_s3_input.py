@@ -164,3 +164,44 @@ def test_spark_tasks_write_grouped_files_into_the_store(bucket, spark):
         g: [i for t, i in rows if t == g] for g in range(3)
     }
     assert strays(fs, "inbox/log/_staging/1", written) == []
+
+
+def test_a_keyed_feed_in_an_s3_log_takes_small_transactions_on_the_driver(bucket, spark, tmp_path):
+    """A log in the store: the first transaction is Spark's (its tasks write through
+    pyarrow), the next ones are computed on the driver (feed/driver_txn.py), which reads
+    and writes the state's buckets and the segments in the store; the feed reads back as
+    the table."""
+    from feed.emitter import Emitter, EmitterConfig
+    from feed.reader import FeedReader
+
+    uri, _ = bucket
+    query = uri.split("?", 1)[1]
+    log = f"s3://test:test@inbox/log-driver?{query}"
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.json").write_bytes(b"\n".join(_event(i, 10) for i in range(1, 40)) + b"\n")
+    update = {"id": 7, "owner": "o7", "balance": 700}
+    gone = {"id": 8, "owner": "o8", "balance": 8}
+    later = [
+        {"before": None, "after": update, "op": "u", "source": {"lsn": 500, "txId": 20}},
+        {"before": gone, "after": None, "op": "d", "source": {"lsn": 501, "txId": 20}},
+    ]
+    (src / "b.json").write_bytes(b"\n".join(orjson.dumps(e) for e in later) + b"\n")
+    cfg = EmitterConfig(
+        source_kind="debezium",
+        source_path=str(src),
+        feed="t",
+        log=log,
+        key=("id",),
+        schema=ACCOUNTS_SCHEMA,
+        clock="logical",
+        max_files_per_txn=1,
+    )
+    e = Emitter(cfg, spark=spark)
+    e.open()
+    reports = e.run()
+    e.close()
+    assert ["driver" in r.seconds for r in reports] == [False, True]
+    rows = FeedReader(log, "t").snapshot().to_pylist()
+    table = {r["id"]: (r["balance"], r["count"]) for r in rows}
+    assert table == {i: (700 if i == 7 else i, 1) for i in range(1, 40) if i != 8}
