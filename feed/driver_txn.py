@@ -32,7 +32,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
@@ -42,44 +42,16 @@ import pyarrow.parquet as pq
 from protocol import SourceError
 
 from .dataflow import TxnContext, read_source
-from .manifest import Segment
-from .segments import install_segments
+from .segments import Written, install_segments
+from .source_rows import CHANGE_COLUMNS
 from .state import LoadedState
 
-__all__ = ["DriverTxn", "committed_state", "run"]
+__all__ = ["committed_state", "run"]
 
-_COLUMNS = (
-    "op",
-    "before",
-    "after",
-    "pos_hi",
-    "pos_lo",
-    "pos_n",
-    "txn",
-    "tx_meta",
-    "tx_count",
-    "ord_file",
-    "ord_row",
-    "_error",
-    "_skip",
-    "_toast",
-    "_snap",
-)
+#: the parsed columns the driver needs (not the weight, the file or the raw line)
+_COLUMNS = tuple(c for c in CHANGE_COLUMNS if c not in ("weight", "_file", "_raw"))
 _DATA_OPS = ("c", "u", "d")
 _SNAPSHOT_ENDS = ("last", "last_in_data_collection")
-
-
-@dataclass(frozen=True, slots=True)
-class DriverTxn:
-    """What a transaction computed on the driver wrote, and its figures."""
-
-    input_rows: int
-    skipped: dict[str, int]
-    redelivered: int
-    units: int  # how many times it takes from ``next``
-    position: tuple[int, int, int] | None  # the highest source position turned into updates
-    segments: list[Segment]
-    state_ref: str | None
 
 
 def _scalar(t: pa.DataType) -> bool:
@@ -138,7 +110,7 @@ def run(
     files: Sequence[str],
     loaded: LoadedState,
     reached: Callable[..., None],
-) -> DriverTxn | None:
+) -> Written | None:
     """Compute and write transaction ``seq`` over ``files`` on the driver, from the
     committed state ``loaded`` (:func:`committed_state`); None, with nothing written, when
     the input is not the plain case. ``reached(step, **facts)`` is told ``after_read`` and
@@ -226,14 +198,15 @@ def run(
                 path = f"{ctx.state.bucket_folder(attempt, b)}/part-{uuid.uuid4().hex}.parquet"
                 written.append((b, path, _write(fl.fs, path, rows)))
         state_ref = ctx.state.publish(attempt, written, replace(loaded, touched=frozenset(touched)))
-    return DriverTxn(
+    return Written(
+        segments=segments,
+        state_ref=state_ref,
+        units=units,
+        position=max((e["o"][:3] for e in kept), default=None),
         input_rows=t.num_rows,
         skipped=dict(skipped),
         redelivered=len(data) - len(kept),
-        units=units,
-        position=max((e["o"][:3] for e in kept), default=None),
-        segments=segments,
-        state_ref=state_ref,
+        snapshot_lsn=None,  # (no snapshot read: the Spark path takes those)
     )
 
 
@@ -274,7 +247,7 @@ def _counted(t: pa.Table, kept: list[dict[str, Any]], committed: tuple[int, ...]
     return meta <= expected.keys() and all(events[x] == n for x, n in expected.items())
 
 
-def _to_spark(ctx: TxnContext, seq: int, why: str) -> DriverTxn | None:
+def _to_spark(ctx: TxnContext, seq: int, why: str) -> Written | None:
     """None (the transaction goes to Spark), saying why in the debug log."""
     ctx.log.debug("feed %s: transaction %d is computed in Spark: %s", ctx.config.feed, seq, why)
     return None

@@ -5,25 +5,19 @@ Start-up (:meth:`Emitter.open`): load the latest checkpoint, claim a new epoch b
 above the committed ``upper`` and every staged, quarantined or state folder no commit names
 (the rollback of a transaction that did not commit).
 
-One transaction (:meth:`Emitter.step`):
+One transaction (:meth:`Emitter.step`), in Spark (:mod:`feed.spark_txn`) or, small and
+plain, on the driver (:mod:`feed.driver_txn`), which writes the same files:
 
-1. list input files not yet consumed (named above the high-water ``source.file``,
-   :mod:`feed.inputs`) in name order; read them into changes, drop input at or below the
-   committed position (redelivery) and hold back incomplete source transactions
-   (:func:`feed.dataflow.read_input`);
+1. read the input files not yet consumed (:mod:`feed.inputs`) into changes, drop input at
+   or below the committed position and hold back incomplete source transactions;
 2. turn changes into diffs (keyed state where needed), assign times from ``next``,
-   consolidate per time (:func:`feed.dataflow.compute_updates`);
+   consolidate per time;
 3. write each time's updates to ``_staging`` and move them to ``times/<t>`` (a redo of the
-   same time replaces them: idempotent), write the keyed state and the quarantined rows
-   (:mod:`feed.segments`);
+   same time replaces them), the keyed state and the quarantined rows (:mod:`feed.segments`);
 4. **commit**: the manifest (:mod:`feed.manifest`), then the checkpoint (progress,
-   ``next``, ``source``, ``state``, ``manifest``) — the checkpoint is the single commit
-   point (:mod:`feed.commits`);
+   ``next``, ``source``, ``state``, ``manifest``), the single commit point
+   (:mod:`feed.commits`);
 5. hand the committed progress to the publisher, if any.
-
-Steps 1 to 3 run in Spark (:mod:`feed.dataflow`, :mod:`feed.segments`), or for a small
-keyed Debezium transaction of plain input on the driver (:mod:`feed.driver_txn`), which
-writes the same files; step 4 is the same for both.
 
 The feed's settings are checked or created first (:mod:`feed.settings`). Batch and follow
 runs loop over :meth:`Emitter.step` in :mod:`feed.loop`.
@@ -39,31 +33,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from enum import Enum
 from typing import Any
 
 from protocol import CheckpointError, Progress
 
-from . import driver_txn
+from . import driver_txn, spark_txn
 from ._faults import maybe_die
 from .checkpoint import Checkpoint
 from .commits import Committer
-from .dataflow import (
-    NEED_MORE,
-    ReadChanges,
-    TxnContext,
-    base_name,
-    compute_updates,
-    fixed,
-    read_input,
-)
+from .dataflow import NEED_MORE, TxnContext, fixed
 from .eager import EagerPusher
 from .inputs import InputWindow, next_source
 from .log import FeedLog
 from .manifest import Segment
 from .progress import TxnProgress, TxnReport
-from .segments import write_transaction
+from .segments import Written
 from .session import small_shuffles
 from .settings import (
     DEFAULT_CLOCK,
@@ -77,26 +63,6 @@ from .settings import (
 __all__ = ["Emitter", "EmitterConfig", "TxnReport", "load_schema_file"]
 
 log = logging.getLogger("tidefeed.emit")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Written:
-    """What a transaction wrote before its commit, and what the commit records."""
-
-    segments: list[Segment]
-    state_ref: str | None
-    units: int  # how many times it takes from ``next``
-    position: tuple[Any, ...] | None  # the highest source position turned into updates
-    input_rows: int
-    skipped: dict[str, int]
-    redelivered: int
-    snapshot_lsn: int | None  # a Debezium feed's first snapshot (when not recorded yet)
-    bad_rows: int = 0
-    held: int = 0
-    held_files: frozenset[str] = frozenset()  # base names of files read again later
-    replaces: tuple[int, str] | None = None
-    tx_files: tuple[str, ...] = ()
-    source_update: dict[str, Any] | None = None
 
 
 class State(Enum):
@@ -343,21 +309,20 @@ class Emitter:
             small = driver_txn.run(ctx, cp.seq + 1, files, loaded, self._reached)
             if small is not None:
                 secs["driver"] = time.perf_counter() - t0
-                return self._finish(
-                    files,
-                    secs,
-                    _Written(
-                        segments=small.segments,
-                        state_ref=small.state_ref,
-                        units=small.units,
-                        position=small.position,
-                        input_rows=small.input_rows,
-                        skipped=small.skipped,
-                        redelivered=small.redelivered,
-                        snapshot_lsn=None,
-                    ),
-                )
-        return self._spark_txn(ctx, files, tx_files, secs, more=more, source_update=source_update)
+                return self._finish(files, secs, small)
+        written = spark_txn.run(
+            ctx,
+            files,
+            tx_files,
+            secs,
+            more=more,
+            source_update=source_update,
+            reached=self._reached,
+            eager=self.eager,
+        )
+        if not isinstance(written, Written):
+            return written  # None or NEED_MORE: nothing to commit
+        return self._finish(files, secs, written)
 
     def _reached(self, step: str, **facts: Any) -> None:
         """A transaction passed ``step`` (``after_read``, ``after_write``): fault injection
@@ -368,74 +333,7 @@ class Emitter:
         elif step == "before_write":
             self._stage("writing", **facts)
 
-    def _spark_txn(
-        self,
-        ctx: TxnContext,
-        files: list[str],
-        tx_files: list[str],
-        secs: dict[str, float],
-        *,
-        more: bool,
-        source_update: dict[str, Any] | None,
-    ) -> Any:
-        """Read, compute and write one transaction in Spark (:mod:`feed.dataflow`)."""
-        from pyspark.sql import functions as F
-
-        cfg, cp = self.config, ctx.cp
-        t0 = time.perf_counter()
-        read = read_input(ctx, files, tx_files, more=more)
-        if read is NEED_MORE:
-            return NEED_MORE
-        if read is None:
-            return None
-        assert isinstance(read, ReadChanges)
-        secs["read"] = time.perf_counter() - t0
-        self._reached("after_read", rows_read=read.input_rows)
-
-        t1 = time.perf_counter()
-        done = compute_updates(ctx, read)
-        secs["compute"] = time.perf_counter() - t1
-
-        t2 = time.perf_counter()
-        self._reached("before_write", bad_rows=done.bad_rows)
-        segments, state_ref = write_transaction(ctx, cp.seq + 1, done)
-        secs["write"] = time.perf_counter() - t2
-        if self.eager is not None and segments:
-            t_eager = time.perf_counter()
-            fl = self.feedlog
-            paths = [self._spark_path(fl.path(f)) for s in segments for f in s.files]
-            self.eager.push(self.spark, paths, cp.epoch).log(self.log, cfg.feed)
-            secs["eager"] = time.perf_counter() - t_eager
-        snapshot_lsn = None
-        if cfg.source_kind == "debezium" and "snapshot_lsn" not in cp.source:
-            # the first snapshot read committed: later reads at another LSN are a new one
-            reads = done.good.where(F.col("op") == "r").agg(F.min("pos_lo").alias("m"))
-            snapshot_lsn = reads.collect()[0]["m"]  # None: the feed had none
-        try:
-            return self._finish(
-                files,
-                secs,
-                _Written(
-                    segments=segments,
-                    state_ref=state_ref,
-                    units=done.units,
-                    position=done.position,
-                    input_rows=read.input_rows,
-                    skipped=read.skipped,
-                    redelivered=read.redelivered,
-                    snapshot_lsn=snapshot_lsn,
-                    bad_rows=done.bad_rows,
-                    held=read.held,
-                    held_files=frozenset(base_name(f) for f in read.held_files),
-                    replaces=read.replaces,
-                    tx_files=tuple(tx_files),
-                    source_update=source_update,
-                ),
-            )
-        finally:
-            done.release()
-
-    def _finish(self, files: list[str], secs: dict[str, float], w: _Written) -> TxnReport:
+    def _finish(self, files: list[str], secs: dict[str, float], w: Written) -> TxnReport:
         """Commit what a transaction wrote, prune and report."""
         assert self.cp is not None
         self._reached("after_write")

@@ -12,12 +12,34 @@ never named.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 from .dataflow import Computed, TxnContext
 from .grouped import by_group, write_groups
 from .manifest import Segment
 
-__all__ = ["install_segments", "write_transaction"]
+__all__ = ["Written", "install_segments", "write_transaction"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Written:
+    """What a transaction wrote before its commit, and what the commit records."""
+
+    segments: list[Segment]
+    state_ref: str | None
+    units: int  # how many times it takes from ``next``
+    position: tuple[Any, ...] | None  # the highest source position turned into updates
+    input_rows: int
+    skipped: dict[str, int]
+    redelivered: int
+    snapshot_lsn: int | None  # a Debezium feed's first snapshot (when not recorded yet)
+    bad_rows: int = 0
+    held: int = 0
+    held_files: frozenset[str] = frozenset()  # base names of files read again later
+    replaces: tuple[int, str] | None = None
+    tx_files: tuple[str, ...] = ()
+    source_update: dict[str, Any] | None = None
 
 
 def write_transaction(
