@@ -16,8 +16,8 @@ The plain case is what a streaming Debezium connector delivers between snapshots
 events (c/u/d), END records and skipped lines only; no bad row, no unavailable-value
 placeholder, no snapshot read or snapshot end marker; every source transaction complete
 (with transaction metadata: its END record read, and every event it counts); no delete of
-a key the feed does not hold; a record of scalar columns other than floating point (whose
-grouping rules Spark normalises); a bucketed state not due to be rebucketed. An event
+a key the feed does not hold; a record of scalar columns and a key without floating-point
+ones; a bucketed state not due to be rebucketed. An event
 delivered twice is kept once, as the Spark path keeps it. On anything else :func:`run`
 returns None before writing a file, and the Spark path computes the transaction (its
 parse is one small job more). Input larger than ``--driver-txn-bytes`` goes to Spark
@@ -57,6 +57,7 @@ _SNAPSHOT_ENDS = ("last", "last_in_data_collection")
 def _scalar(t: pa.DataType) -> bool:
     return bool(
         pa.types.is_integer(t)
+        or pa.types.is_floating(t)
         or pa.types.is_string(t)
         or pa.types.is_large_string(t)
         or pa.types.is_binary(t)
@@ -87,7 +88,7 @@ def committed_state(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[st
     return ctx.state.committed(ctx.cp.state)
 
 
-def _not_plain(t: pa.Table) -> str | None:
+def _not_plain(t: pa.Table, key: Sequence[str]) -> str | None:
     """Why the parsed input is not the plain case (see the module docstring), or None."""
     if t.column("_error").null_count < t.num_rows:
         return "bad rows"
@@ -100,7 +101,9 @@ def _not_plain(t: pa.Table) -> str | None:
         return "a snapshot's end"
     record = t.schema.field("after").type
     if not all(_scalar(f.type) for f in record):
-        return "a record with floating-point or nested columns"
+        return "a record with nested columns"
+    if any(pa.types.is_floating(record.field(k).type) for k in key):
+        return "a floating-point key column"
     return None
 
 
@@ -125,7 +128,7 @@ def run(
     image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
     bucket = bucket_of(image, key, loaded.buckets).alias("_bucket")
     t = changes.select(*_COLUMNS, bucket).toArrow()
-    why = _not_plain(t)
+    why = _not_plain(t, key)
     if why is not None:
         return _to_spark(ctx, seq, why)
     record = pa.schema(list(t.schema.field("after").type))
@@ -174,7 +177,8 @@ def run(
     staging = fl.path("_staging", f"{seq}-{uuid.uuid4().hex[:8]}")
     segment = pa.schema([*record, pa.field("diff", pa.int64())])
     staged = []
-    for unit, rows in sorted(_consolidate(updates, names).items()):
+    floats = [f.name for f in record if pa.types.is_floating(f.type)]
+    for unit, rows in sorted(_consolidate(updates, names, floats).items()):
         time = cp.next + unit
         path = f"{staging}/time={time}/part-{uuid.uuid4().hex}.parquet"
         staged.append((time, path, _write(fl.fs, path, pa.Table.from_pylist(rows, segment))))
@@ -324,13 +328,17 @@ def _keyed_diffs(
 
 
 def _consolidate(
-    diffs: list[tuple[dict[str, Any], int, int]], names: Sequence[str]
+    diffs: list[tuple[dict[str, Any], int, int]], names: Sequence[str], floats: Sequence[str]
 ) -> dict[int, list[dict[str, Any]]]:
-    """Sum the diffs per (record, unit) and drop zeros: each unit's rows with ``diff``."""
+    """Sum the diffs per (record, unit) and drop zeros: each unit's rows with ``diff``.
+    Floating-point columns group as Spark groups them: every NaN alike and -0.0 as 0.0,
+    which is also the value written (:func:`_normal`)."""
     sums: Counter[tuple[Any, ...]] = Counter()
     rows: dict[tuple[Any, ...], dict[str, Any]] = {}
     for data, unit, d in diffs:
-        k = (unit, *(data[n] for n in names))
+        if floats:
+            data = {**data, **{n: _normal(data[n]) for n in floats}}
+        k = (unit, *(_NAN if data[n] != data[n] else data[n] for n in names))
         sums[k] += d
         rows.setdefault(k, data)
     out: dict[int, list[dict[str, Any]]] = {}
@@ -338,6 +346,15 @@ def _consolidate(
         if n:
             out.setdefault(k[0], []).append({**rows[k], "diff": n})
     return out
+
+
+#: what every NaN groups as (NaN is not equal to itself)
+_NAN = ("NaN",)
+
+
+def _normal(v: float | None) -> float | None:
+    """-0.0 as 0.0 (Spark's NormalizeFloatingNumbers on grouping keys); the rest as is."""
+    return 0.0 if v == 0 else v
 
 
 def _write(fs: Any, path: str, table: pa.Table) -> int:

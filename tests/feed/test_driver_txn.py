@@ -24,14 +24,16 @@ from ..e2e.helpers import write_parts
 from .model import as_multiset, collection_of
 
 
-def _run(spark, src: Path, log: Path, *, driver: bool, granularity: str) -> list:
+def _run(
+    spark, src: Path, log: Path, *, driver: bool, granularity: str, schema=ACCOUNTS_SCHEMA
+) -> list:
     cfg = EmitterConfig(
         source_kind="debezium",
         source_path=str(src),
         feed="bank",
         log=str(log),
         key=("id",),
-        schema=ACCOUNTS_SCHEMA,
+        schema=schema,
         clock="logical",
         granularity=granularity,
         max_files_per_txn=1,
@@ -160,3 +162,57 @@ def test_the_driver_gives_the_feed_spark_gives(
     assert state == as_multiset(bank.final.values())
     if absent_delete:  # the delete of an absent key went to Spark and was quarantined
         assert sum(r.bad_rows for r in on) == sum(r.bad_rows for r in off) == 1
+
+
+MEASURES = {
+    "type": "record",
+    "name": "measures",
+    "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "x", "type": ["null", "double"], "default": None},
+    ],
+}
+
+
+def _m(op: str, i: int, before: str | None, after: str | None, lsn: int) -> bytes:
+    """A Debezium event of MEASURES; ``x`` as JSON text (NaN as the string ``"NaN"``, as
+    Kafka Connect's JSON converter writes it)."""
+    row = "null" if before is None else f'{{"id":{i},"x":{before}}}'
+    new = "null" if after is None else f'{{"id":{i},"x":{after}}}'
+    source = f'{{"lsn":{lsn},"txId":{lsn},"schema":"public","table":"m"}}'
+    return f'{{"before":{row},"after":{new},"op":"{op}","source":{source}}}'.encode()
+
+
+def test_floating_point_columns_consolidate_as_in_spark(spark, tmp_path):
+    """NaN is one value and -0.0 is 0.0 when Spark groups updates: a no-op update of a NaN
+    cancels, and -0.0 is written as 0.0. The driver must do the same."""
+    src = tmp_path / "in"
+    load = [_m("c", i, None, f"{i}.5", 100 + i) for i in range(1, 11)]
+    load += [_m("c", 11, None, '"NaN"', 111), _m("c", 12, None, "-0.0", 112)]
+    load += [_m("c", 13, None, "0.0", 113)]
+    files = [
+        load,
+        [_m("u", 11, '"NaN"', '"NaN"', 200), _m("u", 12, "-0.0", "0.0", 201)],
+        [_m("u", 1, "1.5", "-0.0", 300), _m("u", 13, "0.0", '"NaN"', 301)],
+        [_m("u", 1, "-0.0", "0.0", 400), _m("d", 12, "0.0", None, 401)],
+        [_m("c", 30, None, '"NaN"', 500), _m("u", 30, '"NaN"', "-0.0", 501)],
+    ]
+    for n, lines in enumerate(files):
+        write_parts(src, lines, 1, start=n)
+    on = _run(
+        spark, src, tmp_path / "driver", driver=True, granularity="transaction", schema=MEASURES
+    )
+    off = _run(
+        spark, src, tmp_path / "spark", driver=False, granularity="transaction", schema=MEASURES
+    )
+    assert [r.progress for r in on] == [r.progress for r in off]
+    assert ["driver" in r.seconds for r in on] == [False, True, True, True, True]
+
+    def updates(log: Path) -> dict[int, list[tuple[str, int]]]:
+        reader = FeedReader(str(log), "bank")
+        return {
+            t: sorted((repr(r["x"]), r["id"], r["diff"]) for r in reader.table(t).to_pylist())
+            for t in reader.times()
+        }
+
+    assert updates(tmp_path / "driver") == updates(tmp_path / "spark")
