@@ -42,6 +42,7 @@ import pyarrow.parquet as pq
 from protocol import SourceError
 
 from .dataflow import TxnContext, read_source
+from .manifest import Segment
 from .segments import Written, install_segments
 from .source_rows import CHANGE_COLUMNS
 from .state import LoadedState
@@ -132,13 +133,12 @@ def run(
     if why is not None:
         return _to_spark(ctx, seq, why)
     record = pa.schema(list(t.schema.field("after").type))
-    names = record.names
     skipped = Counter(s for s in t.column("_skip").to_pylist() if s is not None)
     data = t.filter(pc.is_in(t.column("op"), pa.array(_DATA_OPS))).to_pylist()
 
     pos = cp.source.get("pos", [0, 0])
     committed = (int(pos[0]), int(pos[1]), int(pos[2]) if len(pos) > 2 else 1 << 62)
-    why = _complete(t, data, committed)
+    why = _complete(t, data)
     if why is not None:
         return _to_spark(ctx, seq, why)
     fresh = [e for e in data if (e["pos_hi"], e["pos_lo"], e["pos_n"]) > committed]
@@ -155,16 +155,7 @@ def run(
     state = _read_buckets(ctx, loaded, touched, record)
     if state is None:
         return _to_spark(ctx, seq, "state with positions or tombstones")
-    keys = pa.Table.from_pylist(
-        [dict(zip(key, k, strict=True)) for k in {e["k"] for e in kept}],
-        schema=pa.schema([record.field(c) for c in key]),
-    )
-    old: dict[tuple[Any, ...], dict[str, Any]] = {}
-    carried: dict[int, pa.Table] = {}
-    for b, rows in state.items():
-        for row in rows.join(keys, list(key), join_type="left semi").to_pylist():
-            old[tuple(row[c] for c in key)] = row
-        carried[b] = rows.join(keys, list(key), join_type="left anti").select(names)
+    old, carried = _split_state(state, {e["k"] for e in kept}, key, record)
     diffs = _keyed_diffs(kept, old)
     if diffs is None:
         return _to_spark(ctx, seq, "a delete of a key the feed does not hold")
@@ -173,35 +164,15 @@ def run(
     # (told only now: a transaction handed to Spark above reaches them there, once)
     reached("after_read", rows_read=t.num_rows)
     reached("before_write", bad_rows=0)
-    fl = ctx.feedlog
-    staging = fl.path("_staging", f"{seq}-{uuid.uuid4().hex[:8]}")
-    segment = pa.schema([*record, pa.field("diff", pa.int64())])
-    staged = []
-    floats = [f.name for f in record if pa.types.is_floating(f.type)]
-    for unit, rows in sorted(_consolidate(updates, names, floats).items()):
-        time = cp.next + unit
-        path = f"{staging}/time={time}/part-{uuid.uuid4().hex}.parquet"
-        staged.append((time, path, _write(fl.fs, path, pa.Table.from_pylist(rows, segment))))
-    segments = install_segments(ctx, staged, cp.epoch)
-    fl.delete_dir(staging)
-
+    segments = _write_segments(ctx, seq, _consolidate(updates, record), record)
     state_ref = cp.state
     if kept:
-        attempt = ctx.state.attempt(seq)
-        written = []
         new_rows: dict[int, list[dict[str, Any]]] = {}
         for b, img in final.values():
             if img is not None:
                 new_rows.setdefault(b, []).append(img)
-        for b in sorted(touched):
-            parts = [pa.Table.from_pylist(new_rows.get(b, []), record)]
-            if b in carried:
-                parts.insert(0, carried[b])
-            rows = pa.concat_tables(parts)
-            if rows.num_rows:
-                path = f"{ctx.state.bucket_folder(attempt, b)}/part-{uuid.uuid4().hex}.parquet"
-                written.append((b, path, _write(fl.fs, path, rows)))
-        state_ref = ctx.state.publish(attempt, written, replace(loaded, touched=frozenset(touched)))
+        loaded = replace(loaded, touched=frozenset(touched))
+        state_ref = _write_state(ctx, seq, loaded, carried, new_rows, record)
     return Written(
         segments=segments,
         state_ref=state_ref,
@@ -223,7 +194,7 @@ def _once(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(first.values())
 
 
-def _complete(t: pa.Table, data: list[dict[str, Any]], committed: tuple[int, ...]) -> str | None:
+def _complete(t: pa.Table, data: list[dict[str, Any]]) -> str | None:
     """Give each event of a transaction with metadata its END record's commit LSN as
     ``pos_hi`` (:func:`feed.transactions.assemble`); why not, when an END is missing."""
     ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi"]).to_pylist()
@@ -293,6 +264,25 @@ def _read_buckets(
     return out
 
 
+def _split_state(
+    state: dict[int, pa.Table], keys: set[tuple[Any, ...]], key: Sequence[str], record: pa.Schema
+) -> tuple[dict[tuple[Any, ...], dict[str, Any]], dict[int, pa.Table]]:
+    """The state rows of ``keys`` (by key) and, per bucket, the rows of every other key,
+    which the new version of the bucket carries as they are (columnar: a bucket holds
+    thousands of rows, a transaction touches a few)."""
+    wanted = pa.Table.from_pylist(
+        [dict(zip(key, k, strict=True)) for k in keys],
+        schema=pa.schema([record.field(c) for c in key]),
+    )
+    old: dict[tuple[Any, ...], dict[str, Any]] = {}
+    carried: dict[int, pa.Table] = {}
+    for b, rows in state.items():
+        for row in rows.join(wanted, list(key), join_type="left semi").to_pylist():
+            old[tuple(row[c] for c in key)] = row
+        carried[b] = rows.join(wanted, list(key), join_type="left anti").select(record.names)
+    return old, carried
+
+
 def _keyed_diffs(
     events: list[dict[str, Any]], old: dict[tuple[Any, ...], dict[str, Any]]
 ) -> tuple[list[tuple[dict[str, Any], int, int]], dict[tuple[Any, ...], tuple[int, Any]]] | None:
@@ -328,11 +318,13 @@ def _keyed_diffs(
 
 
 def _consolidate(
-    diffs: list[tuple[dict[str, Any], int, int]], names: Sequence[str], floats: Sequence[str]
+    diffs: list[tuple[dict[str, Any], int, int]], record: pa.Schema
 ) -> dict[int, list[dict[str, Any]]]:
     """Sum the diffs per (record, unit) and drop zeros: each unit's rows with ``diff``.
     Floating-point columns group as Spark groups them: every NaN alike and -0.0 as 0.0,
     which is also the value written (:func:`_normal`)."""
+    names = record.names
+    floats = [f.name for f in record if pa.types.is_floating(f.type)]
     sums: Counter[tuple[Any, ...]] = Counter()
     rows: dict[tuple[Any, ...], dict[str, Any]] = {}
     for data, unit, d in diffs:
@@ -355,6 +347,48 @@ _NAN = ("NaN",)
 def _normal(v: float | None) -> float | None:
     """-0.0 as 0.0 (Spark's NormalizeFloatingNumbers on grouping keys); the rest as is."""
     return 0.0 if v == 0 else v
+
+
+def _write_segments(
+    ctx: TxnContext, seq: int, units: dict[int, list[dict[str, Any]]], record: pa.Schema
+) -> list[Segment]:
+    """Write each unit's updates as its time's segment: staged, then installed under the
+    epoch's names (:func:`feed.segments.install_segments`)."""
+    fl, cp = ctx.feedlog, ctx.cp
+    staging = fl.path("_staging", f"{seq}-{uuid.uuid4().hex[:8]}")
+    schema = pa.schema([*record, pa.field("diff", pa.int64())])
+    staged = []
+    for unit, rows in sorted(units.items()):
+        time = cp.next + unit
+        path = f"{staging}/time={time}/part-{uuid.uuid4().hex}.parquet"
+        staged.append((time, path, _write(fl.fs, path, pa.Table.from_pylist(rows, schema))))
+    segments = install_segments(ctx, staged, cp.epoch)
+    fl.delete_dir(staging)
+    return segments
+
+
+def _write_state(
+    ctx: TxnContext,
+    seq: int,
+    loaded: LoadedState,
+    carried: dict[int, pa.Table],
+    new_rows: dict[int, list[dict[str, Any]]],
+    record: pa.Schema,
+) -> str:
+    """Write the touched buckets (their untouched keys' rows and the touched keys' new
+    rows) and the state manifest; return the manifest's reference."""
+    attempt = ctx.state.attempt(seq)
+    written = []
+    for b in sorted(loaded.touched):
+        parts = [pa.Table.from_pylist(new_rows.get(b, []), record)]
+        if b in carried:
+            parts.insert(0, carried[b])
+        rows = pa.concat_tables(parts)
+        if rows.num_rows:
+            path = f"{ctx.state.bucket_folder(attempt, b)}/part-{uuid.uuid4().hex}.parquet"
+            written.append((b, path, _write(ctx.feedlog.fs, path, rows)))
+    ref: str = ctx.state.publish(attempt, written, loaded)
+    return ref
 
 
 def _write(fs: Any, path: str, table: pa.Table) -> int:
