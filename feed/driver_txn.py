@@ -13,15 +13,16 @@ key's changes against its row in the touched state buckets (read and rewritten w
 pyarrow), consolidate per time, and write each time's segment.
 
 The plain case is what a streaming Debezium connector delivers between snapshots: data
-events (c/u/d), END records and skipped lines only; no bad row, no unavailable-value
-placeholder, no snapshot read or snapshot end marker; every source transaction complete
-(with transaction metadata: its END record read, and every event it counts); no delete of
-a key the feed does not hold; a record of scalar columns and a key without floating-point
-ones; a bucketed state not due to be rebucketed. An event
-delivered twice is kept once, as the Spark path keeps it. On anything else :func:`run`
-returns None before writing a file, and the Spark path computes the transaction (its
-parse is one small job more). Input larger than ``--driver-txn-bytes`` goes to Spark
-directly.
+events (c/u/d), END records and skipped lines only; no bad row, no snapshot read or
+snapshot end marker; no unavailable-value placeholder without an earlier value to fill
+it; every source transaction complete (with transaction metadata: its END record read,
+and every event it counts); no delete of a key the feed does not hold; a record of scalar
+columns and a key without floating-point ones; a bucketed state not due to be
+rebucketed. An event delivered twice is kept once, as the Spark path keeps it. On
+anything else :func:`run` returns None before writing a file, and the Spark path
+computes the transaction (its parse is one small job more). Input larger than
+``--driver-txn-bytes`` goes to Spark directly. The row-by-row semantics are in
+:mod:`feed.driver_diffs`.
 
 Both paths give the same feed: tests/feed/test_driver_txn.py runs random histories
 through each and compares the updates, the progress and the state.
@@ -42,6 +43,15 @@ import pyarrow.parquet as pq
 from protocol import SourceError
 
 from .dataflow import TxnContext, read_source
+from .driver_diffs import (
+    assign_units,
+    complete,
+    consolidate,
+    counted,
+    fill_unavailable,
+    keyed_diffs,
+    once,
+)
 from .manifest import Segment
 from .segments import Written, install_segments
 from .source_rows import CHANGE_COLUMNS
@@ -93,8 +103,6 @@ def _not_plain(t: pa.Table, key: Sequence[str]) -> str | None:
     """Why the parsed input is not the plain case (see the module docstring), or None."""
     if t.column("_error").null_count < t.num_rows:
         return "bad rows"
-    if t.column("_toast").null_count < t.num_rows:
-        return "unavailable-value placeholders"
     ops = set(pc.unique(t.column("op")).to_pylist())
     if ops - {*_DATA_OPS, "x", "E"}:
         return f"ops {sorted(o for o in ops - {*_DATA_OPS, 'x', 'E'} if o)}"
@@ -138,25 +146,27 @@ def run(
 
     pos = cp.source.get("pos", [0, 0])
     committed = (int(pos[0]), int(pos[1]), int(pos[2]) if len(pos) > 2 else 1 << 62)
-    why = _complete(t, data)
+    why = complete(t, data)
     if why is not None:
         return _to_spark(ctx, seq, why)
     fresh = [e for e in data if (e["pos_hi"], e["pos_lo"], e["pos_n"]) > committed]
-    kept = _once(fresh)
-    if not _counted(t, kept, committed):
+    kept = once(fresh)
+    if not counted(t, kept, committed):
         return _to_spark(ctx, seq, "a source transaction not complete, or over its END count")
     for e in kept:
         e["o"] = (e["pos_hi"], e["pos_lo"], e["pos_n"], e["ord_file"], e["ord_row"])
         img = e["before"] if e["op"] == "d" else e["after"]
         e["k"] = tuple(img[c] for c in key)
-    units = _assign_units(kept, cfg.granularity)
+    units = assign_units(kept, cfg.granularity)
 
     touched = {e["_bucket"] for e in kept}
     state = _read_buckets(ctx, loaded, touched, record)
     if state is None:
         return _to_spark(ctx, seq, "state with positions or tombstones")
     old, carried = _split_state(state, {e["k"] for e in kept}, key, record)
-    diffs = _keyed_diffs(kept, old)
+    if not fill_unavailable(kept, old):
+        return _to_spark(ctx, seq, "an unavailable value with no earlier value to take")
+    diffs = keyed_diffs(kept, old)
     if diffs is None:
         return _to_spark(ctx, seq, "a delete of a key the feed does not hold")
     updates, final = diffs
@@ -164,7 +174,7 @@ def run(
     # (told only now: a transaction handed to Spark above reaches them there, once)
     reached("after_read", rows_read=t.num_rows)
     reached("before_write", bad_rows=0)
-    segments = _write_segments(ctx, seq, _consolidate(updates, record), record)
+    segments = _write_segments(ctx, seq, consolidate(updates, record), record)
     state_ref = cp.state
     if kept:
         new_rows: dict[int, list[dict[str, Any]]] = {}
@@ -185,63 +195,10 @@ def run(
     )
 
 
-def _once(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The events with a repeat (the same transaction, position and op: an at-least-once
-    redelivery) left out, keeping the first delivered."""
-    first: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for e in sorted(events, key=lambda e: (e["ord_file"], e["ord_row"])):
-        first.setdefault((e["txn"], e["pos_lo"], e["pos_n"], e["op"]), e)
-    return list(first.values())
-
-
-def _complete(t: pa.Table, data: list[dict[str, Any]]) -> str | None:
-    """Give each event of a transaction with metadata its END record's commit LSN as
-    ``pos_hi`` (:func:`feed.transactions.assemble`); why not, when an END is missing."""
-    ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi"]).to_pylist()
-    commit: dict[Any, int] = {}
-    for end in ends:
-        commit[end["txn"]] = max(commit.get(end["txn"], end["pos_hi"]), end["pos_hi"])
-    for e in data:
-        if e["tx_meta"]:
-            if e["txn"] not in commit:
-                return "a source transaction whose END record is not read yet"
-            e["pos_hi"] = commit[e["txn"]]
-    return None
-
-
-def _counted(t: pa.Table, kept: list[dict[str, Any]], committed: tuple[int, ...]) -> bool:
-    """Whether every source transaction with metadata has exactly the events its END
-    record counts (an END at or below the committed position is done with)."""
-    ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi", "tx_count"])
-    expected: dict[Any, int] = {}
-    for end in ends.to_pylist():
-        if end["pos_hi"] > committed[0]:
-            expected[end["txn"]] = max(expected.get(end["txn"], 0), end["tx_count"] or 0)
-    events = Counter(e["txn"] for e in kept)
-    meta = {e["txn"] for e in kept if e["tx_meta"]}
-    return meta <= expected.keys() and all(events[x] == n for x, n in expected.items())
-
-
 def _to_spark(ctx: TxnContext, seq: int, why: str) -> Written | None:
     """None (the transaction goes to Spark), saying why in the debug log."""
     ctx.log.debug("feed %s: transaction %d is computed in Spark: %s", ctx.config.feed, seq, why)
     return None
-
-
-def _assign_units(events: list[dict[str, Any]], granularity: str | None) -> int:
-    """Each event's ``unit`` (:func:`feed.times.assign_units`); returns how many."""
-    if granularity == "batch":
-        for e in events:
-            e["unit"] = 0
-        return 1
-    first: dict[Any, tuple[int, ...]] = {}
-    for e in events:
-        if e["txn"] not in first or e["o"] < first[e["txn"]]:
-            first[e["txn"]] = e["o"]
-    rank = {txn: i for i, txn in enumerate(sorted(first, key=first.__getitem__))}
-    for e in events:
-        e["unit"] = rank[e["txn"]]
-    return len(rank)
 
 
 def _read_buckets(
@@ -281,72 +238,6 @@ def _split_state(
             old[tuple(row[c] for c in key)] = row
         carried[b] = rows.join(wanted, list(key), join_type="left anti").select(record.names)
     return old, carried
-
-
-def _keyed_diffs(
-    events: list[dict[str, Any]], old: dict[tuple[Any, ...], dict[str, Any]]
-) -> tuple[list[tuple[dict[str, Any], int, int]], dict[tuple[Any, ...], tuple[int, Any]]] | None:
-    """Each key's diffs per unit, as :func:`feed.diffs.keyed_diffs`: retract what the key
-    held before the unit, emit its last image in the unit. Returns the diffs and, per key,
-    its bucket and final image (None: deleted); None when a delete meets an absent key."""
-    by_key: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    for e in events:
-        by_key.setdefault(e["k"], []).append(e)
-    diffs: list[tuple[dict[str, Any], int, int]] = []
-    final: dict[tuple[Any, ...], tuple[int, Any]] = {}
-    for k, evs in by_key.items():
-        evs.sort(key=lambda e: (e["unit"], e["o"]))
-        prev = old.get(k)
-        i = 0
-        while i < len(evs):
-            unit = evs[i]["unit"]
-            j = i
-            while j < len(evs) and evs[j]["unit"] == unit:
-                j += 1
-            last = evs[j - 1]
-            img = None if last["op"] == "d" else last["after"]
-            if img is None and prev is None and all(e["op"] == "d" for e in evs[i:j]):
-                return None
-            if prev is not None:
-                diffs.append((prev, unit, -1))
-            if img is not None:
-                diffs.append((img, unit, 1))
-            prev = img
-            i = j
-        final[k] = (evs[0]["_bucket"], prev)
-    return diffs, final
-
-
-def _consolidate(
-    diffs: list[tuple[dict[str, Any], int, int]], record: pa.Schema
-) -> dict[int, list[dict[str, Any]]]:
-    """Sum the diffs per (record, unit) and drop zeros: each unit's rows with ``diff``.
-    Floating-point columns group as Spark groups them: every NaN alike and -0.0 as 0.0,
-    which is also the value written (:func:`_normal`)."""
-    names = record.names
-    floats = [f.name for f in record if pa.types.is_floating(f.type)]
-    sums: Counter[tuple[Any, ...]] = Counter()
-    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for data, unit, d in diffs:
-        if floats:
-            data = {**data, **{n: _normal(data[n]) for n in floats}}
-        k = (unit, *(_NAN if data[n] != data[n] else data[n] for n in names))
-        sums[k] += d
-        rows.setdefault(k, data)
-    out: dict[int, list[dict[str, Any]]] = {}
-    for k, n in sums.items():
-        if n:
-            out.setdefault(k[0], []).append({**rows[k], "diff": n})
-    return out
-
-
-#: what every NaN groups as (NaN is not equal to itself)
-_NAN = ("NaN",)
-
-
-def _normal(v: float | None) -> float | None:
-    """-0.0 as 0.0 (Spark's NormalizeFloatingNumbers on grouping keys); the rest as is."""
-    return 0.0 if v == 0 else v
 
 
 def _write_segments(
