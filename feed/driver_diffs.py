@@ -9,14 +9,15 @@ and ``unit`` once assigned; functions that fill those in say so.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 __all__ = [
     "assign_units",
+    "by_key",
     "complete",
     "consolidate",
     "counted",
@@ -35,10 +36,10 @@ def once(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(first.values())
 
 
-def complete(t: pa.Table, data: list[dict[str, Any]]) -> str | None:
+def complete(ends: list[dict[str, Any]], data: list[dict[str, Any]]) -> str | None:
     """Give each event of a transaction with metadata its END record's commit LSN as
-    ``pos_hi`` (:func:`feed.transactions.assemble`); why not, when an END is missing."""
-    ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi"]).to_pylist()
+    ``pos_hi`` (:func:`feed.transactions.assemble`); why not, when an END is missing.
+    ``ends``: the END records read (``txn``, ``pos_hi``, ``tx_count``)."""
     commit: dict[Any, int] = {}
     for end in ends:
         commit[end["txn"]] = max(commit.get(end["txn"], end["pos_hi"]), end["pos_hi"])
@@ -50,12 +51,13 @@ def complete(t: pa.Table, data: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def counted(t: pa.Table, kept: list[dict[str, Any]], committed: tuple[int, ...]) -> bool:
+def counted(
+    ends: list[dict[str, Any]], kept: list[dict[str, Any]], committed: tuple[int, ...]
+) -> bool:
     """Whether every source transaction with metadata has exactly the events its END
     record counts (an END at or below the committed position is done with)."""
-    ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi", "tx_count"])
     expected: dict[Any, int] = {}
-    for end in ends.to_pylist():
+    for end in ends:
         if end["pos_hi"] > committed[0]:
             expected[end["txn"]] = max(expected.get(end["txn"], 0), end["tx_count"] or 0)
     events = Counter(e["txn"] for e in kept)
@@ -79,6 +81,14 @@ def assign_units(events: list[dict[str, Any]], granularity: str | None) -> int:
     return len(rank)
 
 
+def by_key(events: list[dict[str, Any]]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
+    """The events of each key, in the order they apply: by unit, then source order."""
+    out: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for e in sorted(events, key=lambda e: (e["unit"], e["o"])):
+        out.setdefault(e["k"], []).append(e)
+    return out
+
+
 def fill_unavailable(
     events: list[dict[str, Any]], old: dict[tuple[Any, ...], dict[str, Any]]
 ) -> bool:
@@ -87,17 +97,14 @@ def fill_unavailable(
     row, as :func:`feed.diffs.fill_unavailable` does; False when one has none."""
     if not any(e["_toast"] for e in events):
         return True
-    by_key: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    for e in events:
-        by_key.setdefault(e["k"], []).append(e)
-    for k, evs in by_key.items():
+    for k, evs in by_key(events).items():
         if not any(e["_toast"] for e in evs):
             continue
         known = dict(old.get(k) or {})
-        for e in sorted(evs, key=lambda e: (e["unit"], e["o"])):
-            toasted = set(e["_toast"].split(",")) if e["_toast"] else set()
+        for e in evs:
             if e["after"] is None:
                 continue
+            toasted = set(e["_toast"].split(",")) if e["_toast"] else set()
             if toasted - known.keys():
                 return False
             raw = e["after"]
@@ -112,30 +119,21 @@ def keyed_diffs(
     """Each key's diffs per unit, as :func:`feed.diffs.keyed_diffs`: retract what the key
     held before the unit, emit its last image in the unit. Returns the diffs and, per key,
     its bucket and final image (None: deleted); None when a delete meets an absent key."""
-    by_key: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    for e in events:
-        by_key.setdefault(e["k"], []).append(e)
     diffs: list[tuple[dict[str, Any], int, int]] = []
     final: dict[tuple[Any, ...], tuple[int, Any]] = {}
-    for k, evs in by_key.items():
-        evs.sort(key=lambda e: (e["unit"], e["o"]))
+    for k, evs in by_key(events).items():
         prev = old.get(k)
-        i = 0
-        while i < len(evs):
-            unit = evs[i]["unit"]
-            j = i
-            while j < len(evs) and evs[j]["unit"] == unit:
-                j += 1
-            last = evs[j - 1]
+        for unit, group in itertools.groupby(evs, key=lambda e: e["unit"]):
+            in_unit = list(group)
+            last = in_unit[-1]
             img = None if last["op"] == "d" else last["after"]
-            if img is None and prev is None and all(e["op"] == "d" for e in evs[i:j]):
+            if img is None and prev is None and all(e["op"] == "d" for e in in_unit):
                 return None
             if prev is not None:
                 diffs.append((prev, unit, -1))
             if img is not None:
                 diffs.append((img, unit, 1))
             prev = img
-            i = j
         final[k] = (evs[0]["_bucket"], prev)
     return diffs, final
 

@@ -53,9 +53,10 @@ from .driver_diffs import (
     once,
 )
 from .manifest import Segment
-from .segments import Written, install_segments
+from .segments import Written, install_segments, staging_folder
 from .source_rows import CHANGE_COLUMNS
 from .state import LoadedState
+from .transactions import committed_position
 
 __all__ = ["committed_state", "run"]
 
@@ -144,14 +145,15 @@ def run(
     skipped = Counter(s for s in t.column("_skip").to_pylist() if s is not None)
     data = t.filter(pc.is_in(t.column("op"), pa.array(_DATA_OPS))).to_pylist()
 
-    pos = cp.source.get("pos", [0, 0])
-    committed = (int(pos[0]), int(pos[1]), int(pos[2]) if len(pos) > 2 else 1 << 62)
-    why = complete(t, data)
+    committed = committed_position(cp.source.get("pos", [0, 0]))
+    ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi", "tx_count"])
+    ends_read = ends.to_pylist()
+    why = complete(ends_read, data)
     if why is not None:
         return _to_spark(ctx, seq, why)
     fresh = [e for e in data if (e["pos_hi"], e["pos_lo"], e["pos_n"]) > committed]
     kept = once(fresh)
-    if not counted(t, kept, committed):
+    if not counted(ends_read, kept, committed):
         return _to_spark(ctx, seq, "a source transaction not complete, or over its END count")
     for e in kept:
         e["o"] = (e["pos_hi"], e["pos_lo"], e["pos_n"], e["ord_file"], e["ord_row"])
@@ -246,7 +248,7 @@ def _write_segments(
     """Write each unit's updates as its time's segment: staged, then installed under the
     epoch's names (:func:`feed.segments.install_segments`)."""
     fl, cp = ctx.feedlog, ctx.cp
-    staging = fl.path("_staging", f"{seq}-{uuid.uuid4().hex[:8]}")
+    staging = staging_folder(fl, seq)
     schema = pa.schema([*record, pa.field("diff", pa.int64())])
     staged = []
     for unit, rows in sorted(units.items()):

@@ -309,32 +309,40 @@ class Emitter:
             small = driver_txn.run(ctx, cp.seq + 1, files, loaded, self._reached)
             if small is not None:
                 secs["driver"] = time.perf_counter() - t0
-                return self._finish(files, secs, small)
+                return self._finish(files, secs, small, tx_files=(), source_update=None)
         written = spark_txn.run(
             ctx,
             files,
             tx_files,
             secs,
             more=more,
-            source_update=source_update,
             reached=self._reached,
             eager=self.eager,
         )
         if not isinstance(written, Written):
             return written  # None or NEED_MORE: nothing to commit
-        return self._finish(files, secs, written)
+        return self._finish(files, secs, written, tx_files=tx_files, source_update=source_update)
 
     def _reached(self, step: str, **facts: Any) -> None:
-        """A transaction passed ``step`` (``after_read``, ``after_write``): fault injection
-        and the progress line."""
+        """A transaction reached ``step`` (``after_read``, ``before_write``,
+        ``after_write``): fault injection, and the progress line's stage."""
         maybe_die(step)
         if step == "after_read":
             self._stage("computing diffs", **facts)
         elif step == "before_write":
             self._stage("writing", **facts)
 
-    def _finish(self, files: list[str], secs: dict[str, float], w: Written) -> TxnReport:
-        """Commit what a transaction wrote, prune and report."""
+    def _finish(
+        self,
+        files: list[str],
+        secs: dict[str, float],
+        w: Written,
+        *,
+        tx_files: Sequence[str],
+        source_update: dict[str, Any] | None,
+    ) -> TxnReport:
+        """Commit what a transaction over ``files`` (and ``tx_files``) wrote, with a
+        source's own ``source_update`` (a Delta version); prune and report."""
         assert self.cp is not None
         self._reached("after_write")
         cfg, cp = self.config, self.cp
@@ -352,10 +360,10 @@ class Emitter:
             position=w.position,
             cdf=cfg.source_kind == "cdf",
             replaces=w.replaces,
-            files=None if w.source_update is not None else (self.inputs.listed, files),
-            tx_files=(self.inputs.tx_listed, w.tx_files) if w.tx_files else None,
+            files=None if source_update is not None else (self.inputs.listed, files),
+            tx_files=(self.inputs.tx_listed, tx_files) if tx_files else None,
             held=set(w.held_files),
-            update=w.source_update,
+            update=source_update,
         )
         if cfg.source_kind == "debezium" and "snapshot_lsn" not in source:
             source["snapshot_lsn"] = w.snapshot_lsn

@@ -17,9 +17,10 @@ from typing import Any
 
 from .dataflow import Computed, TxnContext
 from .grouped import by_group, write_groups
+from .log import FeedLog
 from .manifest import Segment
 
-__all__ = ["Written", "install_segments", "write_transaction"]
+__all__ = ["Written", "install_segments", "staging_folder", "write_transaction"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,8 +39,6 @@ class Written:
     held: int = 0
     held_files: frozenset[str] = frozenset()  # base names of files read again later
     replaces: tuple[int, str] | None = None
-    tx_files: tuple[str, ...] = ()
-    source_update: dict[str, Any] | None = None
 
 
 def write_transaction(
@@ -50,7 +49,7 @@ def write_transaction(
     from pyspark.sql import functions as F
 
     fl, cp = ctx.feedlog, ctx.cp
-    staging = fl.path("_staging", f"{seq}-{uuid.uuid4().hex[:8]}")
+    staging = staging_folder(fl, seq)
     flat = done.updates.select("time", "data.*", "diff")
     staged = write_groups(flat, "time", fl.store, staging, "time=")
     segments = install_segments(ctx, staged, cp.epoch)
@@ -58,7 +57,7 @@ def write_transaction(
     if done.new_state is not None and done.loaded is not None:
         state_ref = ctx.state.write(seq, done.new_state, done.loaded)
     elif done.new_state is not None:  # successive snapshots: the last one, whole
-        state_ref = f"state/{seq}-{uuid.uuid4().hex[:8]}"
+        state_ref = f"state/{ctx.state.attempt(seq)}"
         done.new_state.select("data.*").write.parquet(ctx.spark_path(fl.path(state_ref)))
     if done.bad_rows:
         done.bad.select(
@@ -68,6 +67,12 @@ def write_transaction(
         ).write.mode("overwrite").json(ctx.spark_path(fl.path("quarantine", str(seq))))
     fl.delete_dir(staging)
     return segments, state_ref
+
+
+def staging_folder(fl: FeedLog, seq: int) -> str:
+    """A new folder for transaction ``seq``'s updates before they are installed (random:
+    a redo never meets a killed attempt's files)."""
+    return fl.path("_staging", f"{seq}-{uuid.uuid4().hex[:8]}")
 
 
 def install_segments(

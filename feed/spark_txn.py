@@ -22,7 +22,6 @@ def run(
     secs: dict[str, float],
     *,
     more: bool,
-    source_update: dict[str, Any] | None,
     reached: Callable[..., None],
     eager: Any = None,
 ) -> Written | object | None:
@@ -75,6 +74,4 @@ def run(
         held=read.held,
         held_files=frozenset(base_name(f) for f in read.held_files),
         replaces=read.replaces,
-        tx_files=tuple(tx_files),
-        source_update=source_update,
     )

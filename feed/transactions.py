@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
 
-__all__ = ["Assembled", "Position", "assemble", "order_column"]
+__all__ = ["Assembled", "Position", "assemble", "committed_position", "order_column"]
 
 Position = tuple[int, int, int]
 DATA_OPS = ("c", "u", "d", "r")
@@ -81,6 +81,12 @@ class Assembled:
     also: tuple[Row, ...] = ()
     #: a new snapshot, the first transaction released, as the whole table: (LSN, ``txn``)
     replaces: tuple[int, str] | None = None
+
+
+def committed_position(pos: Sequence[int]) -> Position:
+    """The checkpoint's ``source.pos`` as a position (one written before total orders
+    has two parts: every event at its LSN counts as done)."""
+    return (int(pos[0]), int(pos[1]), int(pos[2]) if len(pos) > 2 else 1 << 62)
 
 
 def _position_filter(pos: Position, snapshot_lsn: int | None) -> tuple[Column, Column]:
@@ -157,7 +163,7 @@ def assemble(
     ``bucket`` (an int column over the data events; its distinct values come back as
     ``buckets``) and ``also`` (a small aggregate of its own, collected as ``also``)."""
     log = logger or logging.getLogger("tidefeed.emit")
-    committed: Position = (int(pos[0]), int(pos[1]), int(pos[2]) if len(pos) > 2 else 1 << 62)
+    committed = committed_position(pos)
     ends = (
         changes.where(F.col("op") == "E")
         .groupBy("txn")
