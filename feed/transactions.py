@@ -50,6 +50,9 @@ __all__ = ["Assembled", "Position", "assemble", "committed_position", "order_col
 
 Position = tuple[int, int, int]
 DATA_OPS = ("c", "u", "d", "r")
+#: what one event is: the rows of a repeated (redelivered) event agree on all of it
+#: (``_dup``: a snapshot read's row, as its reads share a position)
+EVENT = ["txn", "pos_lo", "pos_n", "op", "_dup"]
 
 
 def order_column() -> Column:
@@ -64,7 +67,7 @@ class Assembled:
 
     changes: DataFrame  # the events to turn into updates now (END records removed)
     held_files: frozenset[str]  # input files that must be read again
-    ready: int  # source transactions released
+    ready: int | None  # source transactions released (None: not counted, none held)
     held: int  # source transactions held back
     redelivered: int  # events dropped as already done or repeated
     bad: DataFrame  # snapshot reads of a new snapshot behind the committed position
@@ -159,7 +162,9 @@ def assemble(
     first snapshot delivered is its own. Rows whose ``_snap`` is ``last`` may come from
     other tables (op ``x``): they only say where a snapshot ends.
 
-    One Spark job computes every figure; the caller's own figures ride along with it:
+    One Spark job computes the figures over all events, and only where metadata, a
+    repeated event or a new snapshot needs them a second one those per source transaction.
+    The caller's own figures ride along with the first:
     ``bucket`` (an int column over the data events; its distinct values come back as
     ``buckets``) and ``also`` (a small aggregate of its own, collected as ``also``)."""
     log = logger or logging.getLogger("tidefeed.emit")
@@ -187,20 +192,90 @@ def assemble(
     flagged = data.withColumn("_keep", keep).withColumn("_dup", dup)
     bad = flagged.where(behind).select("_file", "_raw", F.lit(NEW_SNAPSHOT).alias("_error"))
     kept_only = F.col("_keep")
+    place = F.struct("ord_file", "ord_row")  # in delivery order
+    # The first job: figures over every event, none per source transaction (grouping 1 M
+    # transactions costs seconds), whether any event is there twice, the snapshots, and the
+    # caller's figures.
+    parts = [
+        flagged.agg(
+            F.count(F.lit(1)).alias("total"),
+            F.count(F.when(kept_only, 1)).alias("kept_rows"),
+            F.max("tx_meta").alias("meta"),
+            F.max(F.when(kept_only, F.struct("pos_hi", "pos_lo", "pos_n"))).alias("last"),
+            F.max(place).alias("latest"),
+            F.count(F.when(behind, 1)).alias("behind"),
+        ).withColumn("_kind", F.lit("summary")),
+        ends.agg(F.count(F.lit(1)).alias("ends")).withColumn("_kind", F.lit("ends")),
+        # (the same key as the dropDuplicates below: a match is a repeated event)
+        flagged.where(kept_only)
+        .groupBy(*EVENT)
+        .agg(F.count(F.lit(1)).alias("copies"))
+        .where(F.col("copies") > 1)
+        .limit(1)
+        .select("copies", F.lit("repeat").alias("_kind")),
+        _snapshot_figures(changes),
+    ]
+    if bucket is not None:
+        parts.append(
+            flagged.select(bucket.alias("bucket")).distinct().withColumn("_kind", F.lit("bucket"))
+        )
+    if also is not None:
+        parts.append(also.withColumn("_kind", F.lit("also")))
+    figures = parts[0]
+    for part in parts[1:]:
+        figures = figures.unionByName(part, allowMissingColumns=True)
+    collected = figures.collect()
+    summary = next(r for r in collected if r["_kind"] == "summary")
+    n_ends = next(r["ends"] for r in collected if r["_kind"] == "ends")
+    repeats = any(r["_kind"] == "repeat" for r in collected)
+    buckets = (
+        frozenset(r["bucket"] for r in collected if r["_kind"] == "bucket")
+        if bucket is not None
+        else None
+    )
+    extra = tuple(r for r in collected if r["_kind"] == "also")
+    snaps = sorted(
+        (r for r in collected if r["_kind"] == "snap" and r["s_first"] is not None),
+        key=lambda r: tuple(r["s_first"]),
+    )
+    own = (snaps[0]["lsn"] if snaps else None) if new_feed else snapshot_lsn
+    # (a new snapshot with only another table's end marker: the feed's table was empty)
+    fresh = [r for r in snaps if r["lsn"] != own and r["lsn"] > committed[0]]
+    last = summary["last"]
+    if not (summary["meta"] or n_ends or repeats or fresh):
+        # The plain case (no transaction metadata, nothing delivered twice, no new
+        # snapshot): every source transaction is complete as read and released whole, in
+        # one pass over the cached input; no figure per transaction is needed.
+        return Assembled(
+            changes=flagged.where(kept_only).select(*changes.columns),
+            held_files=frozenset(),
+            ready=None,
+            held=0,
+            position=tuple(last) if last is not None else None,
+            redelivered=(summary["total"] or 0) - (summary["kept_rows"] or 0),
+            bad=bad,
+            bad_rows=summary["behind"] or 0,
+            cached=(ends,),
+            buckets=buckets,
+            also=extra,
+        )
+    # Otherwise the figures per source transaction decide: a second job.
+    # (Without repeats an event's rows are its distinct events: no count_distinct, whose
+    # sort is the costliest part of this job.)
+    events_col = (
+        F.count_distinct(F.when(kept_only, F.struct(*EVENT[1:])))
+        if repeats
+        else F.count(F.when(kept_only, 1))
+    )
     per_txn = (
         flagged.groupBy("txn")
         .agg(
             F.count(F.lit(1)).alias("total"),
-            F.count_distinct(F.when(kept_only, F.struct("pos_lo", "pos_n", "op", "_dup"))).alias(
-                "events"
-            ),
-            F.count(F.when(kept_only, 1)).alias("kept_rows"),
+            events_col.alias("events"),
             F.max("tx_meta").alias("meta"),
-            F.min(F.when(kept_only, F.struct("ord_file", "ord_row"))).alias("first"),
+            F.min(F.when(kept_only, place)).alias("first"),
             F.max(F.when(kept_only, F.struct("pos_hi", "pos_lo", "pos_n"))).alias("last"),
             F.min(F.when(kept_only, order_column())).alias("order"),
-            F.max(F.struct("ord_file", "ord_row")).alias("latest"),
-            F.count(F.when(behind, 1)).alias("behind"),
         )
         # a transaction redelivered whole after it was turned into updates: its events
         # are filtered out and its END is done with
@@ -215,41 +290,21 @@ def assemble(
         (F.col("expected").isNull() & (events > 0)) | (events < F.col("expected"))
     )
     too_many = with_meta & (events > F.col("expected"))
-    # One job for every figure, and nothing per source transaction comes to the driver
-    # but the incomplete ones (the tail of the input, at most): a summary row, the
-    # distinct state buckets, the incomplete transactions and the caller's aggregate.
-    parts = [
-        per_txn.agg(
-            F.sum("total").alias("total"),
-            F.sum(events).alias("kept"),
-            F.sum("kept_rows").alias("kept_rows"),
-            F.count(F.when(events > 0, 1)).alias("ready"),
-            F.max(F.when(events > 0, F.col("last"))).alias("last"),
-            F.max("latest").alias("latest"),
-            F.sum("behind").alias("behind"),
-        ).withColumn("_kind", F.lit("summary")),
+    # nothing per source transaction comes to the driver but the incomplete ones (the tail
+    # of the input, at most) and a summary row
+    txn_figures = per_txn.agg(
+        F.sum(events).alias("kept"),
+        F.count(F.when(events > 0, 1)).alias("ready"),
+    ).withColumn("_kind", F.lit("summary"))
+    txn_figures = txn_figures.unionByName(
         per_txn.where(incomplete | too_many)
         .select("txn", events.alias("events"), "expected", "first", incomplete.alias("open"))
         .withColumn("_kind", F.lit("txn")),
-        _snapshot_figures(changes),
-    ]
-    if bucket is not None:
-        parts.append(
-            flagged.select(bucket.alias("bucket")).distinct().withColumn("_kind", F.lit("bucket"))
-        )
-    if also is not None:
-        parts.append(also.withColumn("_kind", F.lit("also")))
-    figures = parts[0]
-    for part in parts[1:]:
-        figures = figures.unionByName(part, allowMissingColumns=True)
-    collected = figures.collect()
-    summary = next(r for r in collected if r["_kind"] == "summary")
-    odd = [r for r in collected if r["_kind"] == "txn"]
-    buckets = (
-        frozenset(r["bucket"] for r in collected if r["_kind"] == "bucket")
-        if bucket is not None
-        else None
+        allowMissingColumns=True,
     )
+    collected = txn_figures.collect()
+    counted = next(r for r in collected if r["_kind"] == "summary")
+    odd = [r for r in collected if r["_kind"] == "txn"]
     for r in odd:
         if r["expected"] is not None and r["events"] > r["expected"]:
             log.warning(
@@ -260,19 +315,12 @@ def assemble(
                 r["expected"],
             )
     data = flagged.where(kept_only)
-    if (summary["kept_rows"] or 0) != (summary["kept"] or 0):
+    if repeats:
         # an event delivered more than once (Kafka's at-least-once): keep one of each.
-        # Without repeats (the figures say so) the sort this takes is skipped.
-        data = data.dropDuplicates(["txn", "pos_lo", "pos_n", "op", "_dup"])
+        # Without repeats (the first job says so) the sort this takes is skipped.
+        data = data.dropDuplicates(EVENT)
     data = persisted = data.drop("_keep", "_dup").persist()
-    ready, last = summary["ready"], summary["last"]
-    snaps = sorted(
-        (r for r in collected if r["_kind"] == "snap" and r["s_first"] is not None),
-        key=lambda r: tuple(r["s_first"]),
-    )
-    own = (snaps[0]["lsn"] if snaps else None) if new_feed else snapshot_lsn
-    # (a new snapshot with only another table's end marker: the feed's table was empty)
-    fresh = [r for r in snaps if r["lsn"] != own and r["lsn"] > committed[0]]
+    ready = counted["ready"]
     opened = [r for r in odd if r["open"]]
     dropped: set[str] = set()  # superseded by a new snapshot
     hold_from: tuple[int, int] | None = None  # hold what is delivered from here on
@@ -397,11 +445,11 @@ def assemble(
         held=len(held_txns),
         position=tuple(last) if last is not None else None,
         order=order,
-        redelivered=(summary["total"] or 0) - (summary["kept"] or 0),
+        redelivered=(summary["total"] or 0) - (counted["kept"] or 0),
         bad=bad,
         bad_rows=summary["behind"] or 0,
         cached=(ends, persisted, per_txn),
         buckets=buckets,
-        also=tuple(r for r in collected if r["_kind"] == "also"),
+        also=extra,
         replaces=replaces,
     )
