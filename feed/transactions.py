@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 
 from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
@@ -115,12 +116,31 @@ NEW_SNAPSHOT = (
 )
 
 
+#: a place in delivery order, (``ord_file``, ``ord_row``), as one number:
+#: ``ord_file * PLACE_SCALE + ord_row``
+PLACE_SCALE = 1 << 64
+
+
+def _place() -> Column:
+    """A row's place in delivery order as one number (decimal(38,0)): its minimum per
+    source transaction is a hash aggregate, where the minimum of a struct makes Spark sort
+    every row by transaction."""
+    big = "decimal(38,0)"
+    return F.col("ord_file").cast(big) * F.lit(Decimal(PLACE_SCALE)).cast(big) + F.col(
+        "ord_row"
+    ).cast(big)
+
+
+def _unplace(v: Decimal | None) -> tuple[int, int] | None:
+    """:func:`_place`'s number back as (``ord_file``, ``ord_row``)."""
+    return None if v is None else divmod(int(v), PLACE_SCALE)
+
+
 def _first_from(at: tuple[int, int]) -> Column:
     """Whether a transaction of ``per_txn`` was first delivered at or after ``at``
     (``ord_file``, ``ord_row``)."""
     f, row = at
-    first_f, first_r = F.col("first.ord_file"), F.col("first.ord_row")
-    return (first_f > f) | ((first_f == f) & (first_r >= row))
+    return F.col("first_at") >= F.lit(Decimal(f * PLACE_SCALE + row)).cast("decimal(38,0)")
 
 
 def _snapshot_figures(changes: DataFrame) -> DataFrame:
@@ -267,15 +287,15 @@ def assemble(
         if repeats
         else F.count(F.when(kept_only, 1))
     )
+    # (every aggregate here is a number: Spark keeps them in a hash table, where a struct
+    # would make it sort every row by transaction)
     per_txn = (
         flagged.groupBy("txn")
         .agg(
-            F.count(F.lit(1)).alias("total"),
             events_col.alias("events"),
             F.max("tx_meta").alias("meta"),
-            F.min(F.when(kept_only, place)).alias("first"),
-            F.max(F.when(kept_only, F.struct("pos_hi", "pos_lo", "pos_n"))).alias("last"),
-            F.min(F.when(kept_only, order_column())).alias("order"),
+            F.min(F.when(kept_only, _place())).alias("first_at"),
+            F.max(F.when(kept_only, F.col("pos_hi"))).alias("last_hi"),
         )
         # a transaction redelivered whole after it was turned into updates: its events
         # are filtered out and its END is done with
@@ -298,13 +318,15 @@ def assemble(
     ).withColumn("_kind", F.lit("summary"))
     txn_figures = txn_figures.unionByName(
         per_txn.where(incomplete | too_many)
-        .select("txn", events.alias("events"), "expected", "first", incomplete.alias("open"))
+        .select("txn", events.alias("events"), "expected", "first_at", incomplete.alias("open"))
         .withColumn("_kind", F.lit("txn")),
         allowMissingColumns=True,
     )
     collected = txn_figures.collect()
     counted = next(r for r in collected if r["_kind"] == "summary")
-    odd = [r for r in collected if r["_kind"] == "txn"]
+    odd = [
+        {**r.asDict(), "first": _unplace(r["first_at"])} for r in collected if r["_kind"] == "txn"
+    ]
     for r in odd:
         if r["expected"] is not None and r["events"] > r["expected"]:
             log.warning(
@@ -329,7 +351,7 @@ def assemble(
     if fresh:
         snap = fresh[0]
         at = tuple(snap["s_first"])
-        dropped = {r["txn"] for r in opened if r["first"] is not None and tuple(r["first"]) < at}
+        dropped = {r["txn"] for r in opened if r["first"] is not None and r["first"] < at}
         dropped |= {
             r["s_txn"] for r in snaps if tuple(r["s_first"]) < at and not r["s_end"] and r["s_txn"]
         }
@@ -352,7 +374,7 @@ def assemble(
                 hold_from = tuple(fresh[1]["s_first"])  # one new snapshot at a time
             # delivered after it but committed before it (Debezium streaming again from
             # an older slot position): the snapshot holds their effect
-            older = per_txn.where((events > 0) & ~before & (F.col("last.pos_hi") < lsn))
+            older = per_txn.where((events > 0) & ~before & (F.col("last_hi") < lsn))
             dropped |= {r["txn"] for r in older.select("txn").collect()}
             log.warning(
                 "feed %s: Debezium snapshotted the table again (at LSN %d): the feed moves "
@@ -380,7 +402,7 @@ def assemble(
         held = F.lit(False)
         if opened:
             held = F.col("txn").isin([r["txn"] for r in opened])
-        starts = [tuple(r["first"]) for r in opened if r["first"] is not None]
+        starts = [r["first"] for r in opened if r["first"] is not None]
         if hold_from is not None:
             starts.append(hold_from)
         if starts:
@@ -397,17 +419,18 @@ def assemble(
             )
             held_files.update(r["_file"] for r in theirs.select("_file").distinct().collect())
         if hold_from is not None:  # a held snapshot's files, its end marker's too
-            for r in snaps:
-                if tuple(r["s_first"]) >= hold_from:
-                    held_files.update(r["s_files"] or ())
+            for sn in snaps:
+                if tuple(sn["s_first"]) >= hold_from:
+                    held_files.update(sn["s_files"] or ())
         ready_txns = ready_txns.where(~held)
         if dropped:
             ready_txns = ready_txns.where(~F.col("txn").isin(sorted(dropped)))
-        again = ready_txns.agg(F.count(F.lit(1)).alias("n"), F.max("last").alias("m"))
-        ready, last = again.collect()[0]
+        ready = ready_txns.count()
         spark = changes.sparkSession
         out = spark.createDataFrame([(t,) for t in held_txns | dropped], "txn string")
         data = data.join(F.broadcast(out), "txn", "left_anti")
+        # the highest position released (its rows are cached: a scan, no shuffle)
+        last = data.agg(F.max(F.struct("pos_hi", "pos_lo", "pos_n")).alias("m")).collect()[0]["m"]
         if held_txns:
             log.info(
                 "feed %s: %d source transaction(s) incomplete or behind an incomplete one "
@@ -415,7 +438,9 @@ def assemble(
                 feed,
                 len(held_txns),
             )
-    order = ready_txns.select("txn", F.col("order").alias("o"))
+    # each released transaction's place in source order, computed only if asked for (by
+    # --granularity transaction)
+    order = data.groupBy("txn").agg(F.min(order_column()).alias("o"))
     if replaces is not None and empty_at is not None:
         # the table was empty in the new snapshot: its time holds only retractions
         lsn, (f, row) = replaces[0], empty_at
