@@ -16,7 +16,7 @@ process's start-up (the JVM, Spark's session), so it compares the work itself. T
 transaction's own stages (from ``emit``'s log line) say where tidefeed's time goes, and the
 number of updates each process wrote is compared: they must agree.
 
-    .venv/bin/python benchmarks/bench_emit.py [--sizes 200000,2000000] [--files 8]
+    .venv/bin/python benchmarks/bench_emit.py [--sizes 200000,2000000] [--files 8] [--metadata]
 """
 
 from __future__ import annotations
@@ -89,8 +89,43 @@ print("job", time.perf_counter() - t)
 """
 
 
-def make_input(folder: Path, events: int, files: int) -> int:
-    marker = folder / f".complete-flat-{events}-{files}"
+def with_metadata(lines: list[bytes]) -> list[bytes]:
+    """The events with Debezium's transaction metadata: each event's ``transaction``
+    block (id, ``total_order``) and an END record after each source transaction's last
+    event, as the connector with ``provide.transaction.metadata`` writes them."""
+    out: list[bytes] = []
+    txn, n, last_lsn = None, 0, 0
+
+    def end() -> None:
+        out.append(
+            orjson.dumps(
+                {
+                    "status": "END",
+                    "id": f"{txn}:{last_lsn}",
+                    "event_count": n,
+                    "data_collections": [{"data_collection": "public.accounts", "event_count": n}],
+                }
+            )
+        )
+
+    for line in lines:
+        e = orjson.loads(line)
+        xid = e["source"]["txId"]
+        if xid != txn and txn is not None:
+            end()
+        if xid != txn:
+            txn, n = xid, 0
+        n += 1
+        last_lsn = e["source"]["lsn"]
+        e["transaction"] = {"id": f"{xid}:{last_lsn}", "total_order": n}
+        out.append(orjson.dumps(e))
+    if txn is not None:
+        end()
+    return out
+
+
+def make_input(folder: Path, events: int, files: int, metadata: bool = False) -> int:
+    marker = folder / f".complete-flat-{events}-{files}{'-meta' if metadata else ''}"
     if marker.exists():
         return events
     shutil.rmtree(folder, ignore_errors=True)
@@ -98,6 +133,8 @@ def make_input(folder: Path, events: int, files: int) -> int:
     # about 1.6 events per transaction in the generator
     bank = generate_bank(transactions=int(events / 1.6) + 10, seed=99, wrapped_every=0)
     lines = bank.events[:events]
+    if metadata:
+        lines = with_metadata(lines)
     size = -(-len(lines) // files)
     for i in range(files):
         with open(folder / f"part-{i:04d}.json", "wb") as f:
@@ -136,6 +173,12 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=8)
     ap.add_argument("--work", default="/tmp/tidefeed-bench-emit")
     ap.add_argument("--master", default="local[*]")
+    ap.add_argument(
+        "--metadata",
+        action="store_true",
+        help="the events carry transaction metadata, with an END record after each "
+        "source transaction (the peers skip END records as lines without an op)",
+    )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(args.work)
@@ -150,9 +193,9 @@ def main() -> None:
         "duckdb": [],
     }
     for n in sizes:
-        src = work / f"in-{n}"
+        src = work / f"in-{n}{'-meta' if args.metadata else ''}"
         t0 = time.perf_counter()
-        make_input(src, n, args.files)
+        make_input(src, n, args.files, args.metadata)
         size_mb = sum(p.stat().st_size for p in src.glob("*.json")) / 1e6
         print(
             f"\n{n:,} events, {size_mb:,.0f} MB in {args.files} files "
