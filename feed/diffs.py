@@ -62,14 +62,23 @@ def _key_of(image: Column, key: Sequence[str]) -> Column:
 
 
 def keyed_diffs(
-    changes: DataFrame, state: DataFrame | None, key: Sequence[str], *, per_key: bool = False
+    changes: DataFrame,
+    state: DataFrame | None,
+    key: Sequence[str],
+    *,
+    per_key: bool = False,
+    one_unit: bool = False,
 ) -> Diffs:
     """Diffs of keyed changes against ``state`` (a DataFrame with a record column ``data``).
 
     With ``per_key`` (sources whose positions order each key's changes: upsert order values,
     CDF commit versions) the new state keeps each key's last position (``_pos``), and a
     key's changes at or below the position its state row holds are dropped: a redelivered
-    or older row in a later file never overwrites newer state."""
+    or older row in a later file never overwrites newer state.
+
+    ``one_unit``: every change has the same ``unit`` (``--granularity batch``), so a key
+    has one row of ``last``: its previous image is the state's, and no window (a sort of
+    every key) is needed."""
     image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
     events = changes.select(
         _key_of(image, key).alias("k"),
@@ -108,10 +117,12 @@ def keyed_diffs(
             last = last.where(F.col("old_pos").isNull() | (F.col("p") > F.col("old_pos")))
     else:
         last = last.withColumn("old", F.lit(None).cast(changes.schema["after"].dataType))
-    last = last.withColumn(
-        "prev",
-        F.when(F.row_number().over(by_key) == 1, F.col("old")).otherwise(F.lag("img").over(by_key)),
-    ).persist(StorageLevel.MEMORY_AND_DISK)
+    if one_unit:
+        prev = F.col("old")
+    else:
+        first = F.row_number().over(by_key) == 1
+        prev = F.when(first, F.col("old")).otherwise(F.lag("img").over(by_key))
+    last = last.withColumn("prev", prev).persist(StorageLevel.MEMORY_AND_DISK)
     minus = last.where(F.col("prev").isNotNull()).select(
         F.col("prev").alias("data"), "unit", F.lit(-1).cast("long").alias("diff")
     )
@@ -134,8 +145,12 @@ def keyed_diffs(
         )
     )
     # new state: the last image of every touched key, plus the untouched keys' rows
-    final = Window.partitionBy("k").orderBy(F.col("unit").desc())
-    touched = last.select("k", "img", "p", F.row_number().over(final).alias("rn")).where("rn = 1")
+    if one_unit:
+        touched = last.select("k", "img", "p")
+    else:
+        final = Window.partitionBy("k").orderBy(F.col("unit").desc())
+        rank = F.row_number().over(final)
+        touched = last.select("k", "img", "p", rank.alias("rn")).where("rn = 1")
     new_rows = touched.where(F.col("img").isNotNull()).select(F.col("img").alias("data"))
     if per_key:
         # deleted keys stay as tombstones: the key columns, the position, _gone
