@@ -22,8 +22,8 @@ from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
+from .positions import order_column
 from .state import GONE_COLUMN, POS_COLUMN, POS_TYPE
-from .transactions import order_column
 
 __all__ = [
     "Diffs",

@@ -53,10 +53,10 @@ from .driver_diffs import (
     once,
 )
 from .manifest import Segment
+from .positions import committed_position
 from .segments import Written, install_segments, staging_folder
 from .source_rows import CHANGE_COLUMNS
 from .state import LoadedState
-from .transactions import committed_position
 
 __all__ = ["committed_state", "run"]
 

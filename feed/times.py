@@ -13,7 +13,7 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
-from .transactions import order_column
+from .positions import order_column
 
 __all__ = ["LISTED_TXNS", "assign_units"]
 

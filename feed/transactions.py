@@ -42,24 +42,27 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from decimal import Decimal
 
 from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
 
-__all__ = ["Assembled", "Position", "assemble", "committed_position", "order_column"]
+from .positions import (
+    NEW_SNAPSHOT,
+    Position,
+    committed_position,
+    first_from,
+    order_column,
+    place,
+    position_filter,
+    unplace,
+)
 
-Position = tuple[int, int, int]
+__all__ = ["Assembled", "assemble"]
+
 DATA_OPS = ("c", "u", "d", "r")
 #: what one event is: the rows of a repeated (redelivered) event agree on all of it
 #: (``_dup``: a snapshot read's row, as its reads share a position)
 EVENT = ["txn", "pos_lo", "pos_n", "op", "_dup"]
-
-
-def order_column() -> Column:
-    """The order of changes inside what one emitter transaction read: source position
-    first, delivery order to break ties (and for sources without positions)."""
-    return F.struct("pos_hi", "pos_lo", "pos_n", "ord_file", "ord_row")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,62 +88,6 @@ class Assembled:
     also: tuple[Row, ...] = ()
     #: a new snapshot, the first transaction released, as the whole table: (LSN, ``txn``)
     replaces: tuple[int, str] | None = None
-
-
-def committed_position(pos: Sequence[int]) -> Position:
-    """The checkpoint's ``source.pos`` as a position (one written before total orders
-    has two parts: every event at its LSN counts as done)."""
-    return (int(pos[0]), int(pos[1]), int(pos[2]) if len(pos) > 2 else 1 << 62)
-
-
-def _position_filter(pos: Position, snapshot_lsn: int | None) -> tuple[Column, Column]:
-    """Whether an event comes after ``pos`` (to keep), and whether it is a read of a *new*
-    snapshot arriving behind it (bad: see :data:`NEW_SNAPSHOT`)."""
-    hi, lo, n = pos
-    hi_c, lo_c, n_c = F.col("pos_hi"), F.col("pos_lo"), F.col("pos_n")
-    after = (hi_c > hi) | ((hi_c == hi) & (lo_c > lo)) | ((hi_c == hi) & (lo_c == lo) & (n_c > n))
-    is_read = F.col("op") == "r"
-    same_snapshot = is_read & (hi_c == hi) & (lo_c == lo)
-    # an event of a transaction whose END has not been read has no commit position yet
-    keep = hi_c.isNull() | after | same_snapshot
-    behind = ~keep & is_read
-    if snapshot_lsn is not None:
-        behind = behind & (lo_c != snapshot_lsn)  # the feed's own snapshot, redelivered
-    return keep, behind
-
-
-#: why a snapshot read behind the committed position is quarantined
-NEW_SNAPSHOT = (
-    "a snapshot of the table older than the feed's committed position and not the feed's "
-    "own: the feed holds later changes than it, so it is not applied"
-)
-
-
-#: a place in delivery order, (``ord_file``, ``ord_row``), as one number:
-#: ``ord_file * PLACE_SCALE + ord_row``
-PLACE_SCALE = 1 << 64
-
-
-def _place() -> Column:
-    """A row's place in delivery order as one number (decimal(38,0)): its minimum per
-    source transaction is a hash aggregate, where the minimum of a struct makes Spark sort
-    every row by transaction."""
-    big = "decimal(38,0)"
-    return F.col("ord_file").cast(big) * F.lit(Decimal(PLACE_SCALE)).cast(big) + F.col(
-        "ord_row"
-    ).cast(big)
-
-
-def _unplace(v: Decimal | None) -> tuple[int, int] | None:
-    """:func:`_place`'s number back as (``ord_file``, ``ord_row``)."""
-    return None if v is None else divmod(int(v), PLACE_SCALE)
-
-
-def _first_from(at: tuple[int, int]) -> Column:
-    """Whether a transaction of ``per_txn`` was first delivered at or after ``at``
-    (``ord_file``, ``ord_row``)."""
-    f, row = at
-    return F.col("first_at") >= F.lit(Decimal(f * PLACE_SCALE + row)).cast("decimal(38,0)")
 
 
 def _snapshot_figures(changes: DataFrame) -> DataFrame:
@@ -207,12 +154,12 @@ def assemble(
             for c in changes.columns
         ]
     )
-    keep, behind = _position_filter(committed, snapshot_lsn)
+    keep, behind = position_filter(committed, snapshot_lsn)
     dup = F.when(F.col("op") == "r", F.to_json("after")).otherwise(F.lit(""))
     flagged = data.withColumn("_keep", keep).withColumn("_dup", dup)
     bad = flagged.where(behind).select("_file", "_raw", F.lit(NEW_SNAPSHOT).alias("_error"))
     kept_only = F.col("_keep")
-    place = F.struct("ord_file", "ord_row")  # in delivery order
+    delivered = F.struct("ord_file", "ord_row")  # the place in delivery order
     # The first job: figures over every event, none per source transaction (grouping 1 M
     # transactions costs seconds), whether any event is there twice, the snapshots, and the
     # caller's figures.
@@ -222,7 +169,7 @@ def assemble(
             F.count(F.when(kept_only, 1)).alias("kept_rows"),
             F.max("tx_meta").alias("meta"),
             F.max(F.when(kept_only, F.struct("pos_hi", "pos_lo", "pos_n"))).alias("last"),
-            F.max(place).alias("latest"),
+            F.max(delivered).alias("latest"),
             F.count(F.when(behind, 1)).alias("behind"),
         ).withColumn("_kind", F.lit("summary")),
         ends.agg(F.count(F.lit(1)).alias("ends")).withColumn("_kind", F.lit("ends")),
@@ -294,7 +241,7 @@ def assemble(
         .agg(
             events_col.alias("events"),
             F.max("tx_meta").alias("meta"),
-            F.min(F.when(kept_only, _place())).alias("first_at"),
+            F.min(F.when(kept_only, place())).alias("first_at"),
             F.max(F.when(kept_only, F.col("pos_hi"))).alias("last_hi"),
         )
         # a transaction redelivered whole after it was turned into updates: its events
@@ -325,7 +272,7 @@ def assemble(
     collected = txn_figures.collect()
     counted = next(r for r in collected if r["_kind"] == "summary")
     odd = [
-        {**r.asDict(), "first": _unplace(r["first_at"])} for r in collected if r["_kind"] == "txn"
+        {**r.asDict(), "first": unplace(r["first_at"])} for r in collected if r["_kind"] == "txn"
     ]
     for r in odd:
         if r["expected"] is not None and r["events"] > r["expected"]:
@@ -356,7 +303,7 @@ def assemble(
             r["s_txn"] for r in snaps if tuple(r["s_first"]) < at and not r["s_end"] and r["s_txn"]
         }
         opened = [r for r in opened if r["txn"] not in dropped]
-        before = ~_first_from(at)
+        before = ~first_from(at)
         earlier = per_txn.where((events > 0) & before)
         if dropped:
             earlier = earlier.where(~F.col("txn").isin(sorted(dropped)))
@@ -406,7 +353,7 @@ def assemble(
         if hold_from is not None:
             starts.append(hold_from)
         if starts:
-            held = held | _first_from(min(starts))
+            held = held | first_from(min(starts))
         if dropped:
             held = held & ~F.col("txn").isin(sorted(dropped))
         held = F.coalesce(held, F.lit(False))
