@@ -91,7 +91,10 @@ def test_a_signal_during_emit_finishes_the_transaction_and_the_feed_restarts_who
 def test_a_second_ctrl_c_abandons_the_transaction_at_once(tmp_path):
     src, _ = bank_input(tmp_path, 4)
     log, err = tmp_path / "log", tmp_path / "emit.err"
-    proc = start(*bank_emit_args(src, log, "--log-level", "debug"), log=err)
+    # in Spark, where the transaction's steps after "computing diffs" take seconds: on the
+    # driver they take milliseconds, and the second Ctrl-C could come after the end
+    args = bank_emit_args(src, log, "--log-level", "debug", "--driver-txn-bytes", "0")
+    proc = start(*args, log=err)
     try:
         wait_for_text(err, "txn 3: computing diffs", proc)  # inside the 2nd transaction
         proc.send_signal(signal.SIGINT)
