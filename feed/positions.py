@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from decimal import Decimal
 
-from pyspark.sql import Column
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "committed_position",
     "first_from",
     "order_column",
+    "source_order",
     "place",
     "position_filter",
     "unplace",
@@ -34,6 +35,12 @@ def order_column() -> Column:
     """The order of changes inside what one emitter transaction read: source position
     first, delivery order to break ties (and for sources without positions)."""
     return F.struct("pos_hi", "pos_lo", "pos_n", "ord_file", "ord_row")
+
+
+def source_order(changes: DataFrame) -> DataFrame:
+    """Each source transaction (``txn``) of ``changes`` with its place in source order
+    (``o``): its first change's :func:`order_column`."""
+    return changes.groupBy("txn").agg(F.min(order_column()).alias("o"))
 
 
 def committed_position(pos: Sequence[int]) -> Position:

@@ -13,7 +13,7 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
-from .positions import order_column
+from .positions import source_order
 
 __all__ = ["LISTED_TXNS", "assign_units"]
 
@@ -37,7 +37,7 @@ def assign_units(
     if granularity == "batch":
         return changes.withColumn("unit", F.lit(0).cast("long")), 1, None
     if order is None:
-        order = changes.groupBy("txn").agg(F.min(order_column()).alias("o"))
+        order = source_order(changes)
     spark = changes.sparkSession
     head = order.orderBy("o").select("txn").limit(LISTED_TXNS + 1).collect()
     if len(head) <= LISTED_TXNS:

@@ -51,9 +51,9 @@ from .positions import (
     Position,
     committed_position,
     first_from,
-    order_column,
     place,
     position_filter,
+    source_order,
     unplace,
 )
 
@@ -78,7 +78,8 @@ class Assembled:
     bad_rows: int  # how many (at most: some may be in files read again later)
     position: Position | None = None  # the highest position among ``changes``
     #: the released transactions (``txn``) and their source order (``o``), for
-    #: :func:`feed.times.assign_units`
+    #: :func:`feed.times.assign_units`, where ``changes`` alone does not tell it (a new
+    #: snapshot of an empty table adds a transaction without rows); None: it does
     order: DataFrame | None = None
     cached: tuple[DataFrame, ...] = ()  # persisted here: unpersist after the commit
     #: the distinct values of ``assemble(bucket=...)`` over every data event read (None
@@ -385,9 +386,7 @@ def assemble(
                 feed,
                 len(held_txns),
             )
-    # each released transaction's place in source order, computed only if asked for (by
-    # --granularity transaction)
-    order = data.groupBy("txn").agg(F.min(order_column()).alias("o"))
+    order: DataFrame | None = None  # (assign_units finds it from the changes)
     if replaces is not None and empty_at is not None:
         # the table was empty in the new snapshot: its time holds only retractions
         lsn, (f, row) = replaces[0], empty_at
@@ -406,7 +405,7 @@ def assemble(
         empty = changes.sparkSession.range(1).select(
             F.lit(replaces[1]).alias("txn"), at_snap.alias("o")
         )
-        order = order.unionByName(empty)
+        order = source_order(data).unionByName(empty)
         ready = (ready or 0) + 1
         mark = (lsn, lsn, 0)
         last = mark if last is None or tuple(last) < mark else last
