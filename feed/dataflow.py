@@ -351,7 +351,7 @@ def compute_updates(ctx: TxnContext, r: ReadChanges) -> Computed:
             loaded.rows,
             ctx.info.key,
             per_key=cfg.source_kind in ("upsert", "cdf", "delta"),
-            one_unit=cfg.granularity == "batch",
+            one_unit=units <= 1,
         )
         diffs, new_state, cached = d.diffs, d.state, d.cached
         assert d.bad is not None

@@ -76,9 +76,9 @@ def keyed_diffs(
     key's changes at or below the position its state row holds are dropped: a redelivered
     or older row in a later file never overwrites newer state.
 
-    ``one_unit``: every change has the same ``unit`` (``--granularity batch``), so a key
-    has one row of ``last``: its previous image is the state's, and no window (a sort of
-    every key) is needed."""
+    ``one_unit``: every change has the same ``unit`` (``--granularity batch``, or a single
+    source transaction), so a key has one row of ``last``: its previous image is the
+    state's, and no window (a sort of every key) is needed."""
     image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
     events = changes.select(
         _key_of(image, key).alias("k"),
@@ -102,7 +102,6 @@ def keyed_diffs(
         "p",
         F.when(F.col("last.op") == "d", F.lit(None)).otherwise(F.col("last.after")).alias("img"),
     )
-    by_key = Window.partitionBy("k").orderBy("unit")
     if state is not None:
         pos = F.col(POS_COLUMN) if POS_COLUMN in state.columns else F.lit(None).cast(POS_TYPE)
         gone = F.col(GONE_COLUMN) if GONE_COLUMN in state.columns else F.lit(False)
@@ -120,6 +119,7 @@ def keyed_diffs(
     if one_unit:
         prev = F.col("old")
     else:
+        by_key = Window.partitionBy("k").orderBy("unit")
         first = F.row_number().over(by_key) == 1
         prev = F.when(first, F.col("old")).otherwise(F.lag("img").over(by_key))
     last = last.withColumn("prev", prev).persist(StorageLevel.MEMORY_AND_DISK)
