@@ -115,6 +115,8 @@ class ReadChanges:
     #: no job counts the bad rows
     suspect: bool
     cached: tuple[Any, ...] = ()  # DataFrames to release when the transaction ends
+    #: False when no snapshot read was among the input (Debezium: the figures say so)
+    snapshot_reads: bool = True
 
 
 @dataclass(slots=True, kw_only=True)
@@ -189,6 +191,7 @@ def read_input(
     image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
     touched: frozenset[int] | None = None  # the state buckets this transaction meets
     tally_rows: list[Any] | None = None
+    snapshot_reads = True
     if cfg.source_kind == "debezium":
         from .state import bucket_of
 
@@ -212,6 +215,7 @@ def read_input(
         behind = assembled.bad_rows
         txn_cached = assembled.cached
         replaces = assembled.replaces
+        snapshot_reads = assembled.snapshot_rows > 0
         if replaces is not None and not keyed:
             for df in (changes, *txn_cached):
                 df.unpersist()
@@ -275,6 +279,7 @@ def read_input(
         skipped=skipped,
         suspect=suspect_rows > 0 or replaces is not None or cfg.source_kind == "snapshot",
         cached=txn_cached,
+        snapshot_reads=snapshot_reads,
     )
 
 

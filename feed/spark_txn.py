@@ -55,9 +55,17 @@ def run(
             eager.push(ctx.spark, paths, cp.epoch).log(ctx.log, cfg.feed)
             secs["eager"] = time.perf_counter() - t_eager
         snapshot_lsn = None
-        if cfg.source_kind == "debezium" and "snapshot_lsn" not in cp.source:
+        if (
+            cfg.source_kind == "debezium"
+            and "snapshot_lsn" not in cp.source
+            and read.snapshot_reads
+        ):
             # the first snapshot read committed: later reads at another LSN are a new one
-            reads = done.good.where(F.col("op") == "r").agg(F.min("pos_lo").alias("m"))
+            # (incremental snapshot reads are changes like others: not a snapshot's LSN)
+            whole = (F.col("op") == "r") & ~F.coalesce(
+                F.col("_snap") == "incremental", F.lit(False)
+            )
+            reads = done.good.where(whole).agg(F.min("pos_lo").alias("m"))
             snapshot_lsn = reads.collect()[0]["m"]  # None: the feed had none
     finally:
         done.release()

@@ -89,6 +89,8 @@ class Assembled:
     also: tuple[Row, ...] = ()
     #: a new snapshot, the first transaction released, as the whole table: (LSN, ``txn``)
     replaces: tuple[int, str] | None = None
+    #: snapshot reads and snapshot end markers among ``changes`` as given
+    snapshot_rows: int = 0
 
 
 def _snapshot_row() -> Column:
@@ -241,6 +243,7 @@ def assemble(
             cached=(ends,),
             buckets=buckets,
             also=extra,
+            snapshot_rows=summary["snapshot_rows"],
         )
     # Otherwise the figures per source transaction decide: a second job.
     # (Without repeats an event's rows are its distinct events: no count_distinct, whose
@@ -438,4 +441,5 @@ def assemble(
         buckets=buckets,
         also=extra,
         replaces=replaces,
+        snapshot_rows=summary["snapshot_rows"],
     )
