@@ -23,6 +23,7 @@ from .cliopts import (
 )
 from .session import DEFAULT_MASTER
 from .settings import (
+    COMPACT_SECONDS,
     DEFAULT_CLOCK,
     DEFAULT_DRIVER_TXN_BYTES,
     DEFAULT_GRANULARITY,
@@ -35,7 +36,6 @@ __all__ = ["build_parser"]
 FORMATS = tuple(CODECS)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_SERVE_PORT = 8080
-DEFAULT_COMPACT_EVERY = 60.0  # seconds; ServerConfig.compact_seconds has the same default
 DEFAULT_RECEIVE_PORT = 9090
 DEFAULT_PUSH_TIMEOUT = 300.0
 
@@ -196,7 +196,7 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.option(
         "--compact-every",
         type=positive_float,
-        default=DEFAULT_COMPACT_EVERY,
+        default=COMPACT_SECONDS,
         help="seconds between two retention passes (with --retain)",
     )
 

@@ -20,6 +20,7 @@ from protocol import SourceError
 
 from .checkpoint import Checkpoint
 from .log import FeedLog
+from .settings import fixed
 
 __all__ = [
     "NEED_MORE",
@@ -46,12 +47,6 @@ def spillable() -> Any:
 def base_name(uri: str) -> str:
     """The file name in a path or in Spark's ``_metadata.file_path`` (a quoted URI)."""
     return urllib.parse.unquote(uri.rstrip("/").rsplit("/", 1)[-1])
-
-
-def fixed(cp: Checkpoint | None) -> bool:
-    """Whether a feed has committed anything beyond epoch claims (a transaction or a
-    heartbeat): from then on its settings and schema are fixed."""
-    return cp is not None and cp.frontier > 0
 
 
 def _bad_sample(bad: Any, cached: Sequence[Any]) -> str:

@@ -43,7 +43,7 @@ from . import driver_txn, spark_txn
 from ._faults import maybe_die
 from .checkpoint import Checkpoint
 from .commits import Committer
-from .dataflow import NEED_MORE, TxnContext, fixed
+from .dataflow import NEED_MORE, TxnContext
 from .eager import EagerPusher
 from .inputs import InputWindow, next_source
 from .log import FeedLog
@@ -56,6 +56,7 @@ from .settings import (
     DEFAULT_GRANULARITY,
     EmitterConfig,
     create_feed,
+    fixed,
     load_schema_file,
     settle,
 )

@@ -15,13 +15,13 @@ from protocol._http import HttpError
 
 from .log import log_root, valid_feed_name
 from .reader import FeedReader
+from .settings import COMPACT_SECONDS
 from .subscriptions import SubscriptionStore
 
 __all__ = ["CONFIG", "STATE", "ServerConfig", "ServerState", "state_of"]
 
 POLL_SECONDS = 0.5
 HEARTBEAT_SECONDS = 5.0
-COMPACT_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

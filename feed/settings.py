@@ -18,6 +18,7 @@ import orjson
 
 from protocol import SourceError, fingerprint
 
+from .checkpoint import Checkpoint
 from .log import FeedInfo, FeedLog
 
 __all__ = [
@@ -25,8 +26,10 @@ __all__ = [
     "DEFAULT_GRANULARITY",
     "DEFAULT_MAX_FILES",
     "DEFAULT_TRIGGER",
+    "COMPACT_SECONDS",
     "EmitterConfig",
     "create_feed",
+    "fixed",
     "load_schema_file",
     "settle",
 ]
@@ -37,6 +40,8 @@ DEFAULT_MAX_FILES = 1000
 #: (feed/driver_txn.py; ``--driver-txn-bytes``)
 DEFAULT_DRIVER_TXN_BYTES = 1 << 20
 DEFAULT_CLOCK = "wallclock"  # a new feed's, when --clock is left out
+#: how often ``tidefeed serve`` compacts (``--compact-every``; feed/server_state.py)
+COMPACT_SECONDS = 60.0
 DEFAULT_GRANULARITY = "batch"  # a new feed's, when --granularity is left out
 RESERVED = ("time", "diff")
 
@@ -63,6 +68,12 @@ class EmitterConfig:
     conf: tuple[tuple[str, str], ...] = ()  # Spark settings (--conf), over everything else
     #: keyed Debezium input of at most this many bytes is computed on the driver (0: never)
     driver_txn_bytes: int = DEFAULT_DRIVER_TXN_BYTES
+
+
+def fixed(cp: Checkpoint | None) -> bool:
+    """Whether a feed has committed anything beyond epoch claims (a transaction or a
+    heartbeat): from then on its settings and schema are fixed."""
+    return cp is not None and cp.frontier > 0
 
 
 def create_feed(
