@@ -307,7 +307,13 @@ def assemble(
         # an event delivered more than once (Kafka's at-least-once): keep one of each.
         # Without repeats (the first job says so) the sort this takes is skipped.
         data = data.dropDuplicates(EVENT)
-    data = persisted = data.drop("_keep", "_dup").persist()
+    data = data.drop("_keep", "_dup")
+    # Kept where repeats were dropped, so later scans do not shuffle again. Otherwise each
+    # later scan reads the cached input again, which costs less than caching it twice.
+    persisted: tuple[DataFrame, ...] = ()
+    if repeats:
+        data = data.persist()
+        persisted = (data,)
     ready = counted["ready"]
     opened = [r for r in odd if r["open"]]
     dropped: set[str] = set()  # superseded by a new snapshot
@@ -395,7 +401,7 @@ def assemble(
         spark = changes.sparkSession
         out = spark.createDataFrame([(t,) for t in held_txns | dropped], "txn string")
         data = data.join(F.broadcast(out), "txn", "left_anti")
-        # the highest position released (its rows are cached: a scan, no shuffle)
+        # the highest position released (a scan, no shuffle)
         last = data.agg(F.max(F.struct("pos_hi", "pos_lo", "pos_n")).alias("m")).collect()[0]["m"]
         if held_txns:
             log.info(
@@ -437,7 +443,7 @@ def assemble(
         redelivered=(summary["total"] or 0) - (counted["kept"] or 0),
         bad=bad,
         bad_rows=summary["behind"] or 0,
-        cached=(ends, persisted, per_txn),
+        cached=(ends, *persisted, per_txn),
         buckets=buckets,
         also=extra,
         replaces=replaces,
