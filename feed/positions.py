@@ -59,7 +59,10 @@ def position_filter(pos: Position, snapshot_lsn: int | None) -> tuple[Column, Co
     same_snapshot = is_read & (hi_c == hi) & (lo_c == lo)
     # an event of a transaction whose END has not been read has no commit position yet
     keep = hi_c.isNull() | after | same_snapshot
-    behind = ~keep & is_read
+    # (an incremental snapshot's reads are changes like the others: behind the position,
+    # they are redelivered, not an older snapshot of the table)
+    incremental = F.coalesce(F.col("_snap") == "incremental", F.lit(False))
+    behind = ~keep & is_read & ~incremental
     if snapshot_lsn is not None:
         behind = behind & (lo_c != snapshot_lsn)  # the feed's own snapshot, redelivered
     return keep, behind

@@ -419,3 +419,33 @@ def test_an_event_delivered_twice_in_one_read_counts_once(spark, tmp_path, key, 
     assert check_messages(reader.messages(), non_negative=True) == []
     assert collection_of(reader) == rows((1, "a2", "x"), (2, "b", "y"))
     assert reader.frontier == 3  # times 1 and 2: one per source transaction
+
+
+@pytest.mark.parametrize("key", [("id",), ()])
+def test_incremental_snapshot_reads_redelivered_are_dropped_not_quarantined(spark, tmp_path, key):
+    # incremental snapshot reads (op r, source.snapshot "incremental") are changes like
+    # the others: read again after their commit, they are redeliveries, not an older
+    # snapshot of the table to quarantine
+    src = tmp_path / "in"
+    chunk = [
+        event("r", {"id": i, "owner": f"o{i}", "doc": None}, 250, xid=4, snap="incremental")
+        for i in (2, 3)
+    ]
+    c = [
+        event("c", {"id": i, "owner": o, "doc": None}, lsn, xid=x)
+        for i, o, lsn, x in ((1, "a", 200, 3), (5, "e", 260, 5), (4, "d", 300, 6))
+    ]
+    write(src, "part-0.json", [c[0], *chunk, c[1]])
+    e = open_emitter(spark, tmp_path, key=key, driver_txn_bytes=0)
+    reports = e.run()
+    write(src, "part-1.json", [*chunk, c[2]])  # the chunk delivered again, then a change
+    again = e.run()
+    e.close()
+    assert [r.bad_rows for r in reports + again] == [0] * len(reports + again)
+    assert sum(r.redelivered for r in again) == 2
+    quarantine = tmp_path / "log/t/quarantine"
+    assert not quarantine.exists() or not any(quarantine.rglob("*.json"))
+    reader = FeedReader(str(tmp_path / "log"), "t")
+    assert collection_of(reader) == rows(
+        (1, "a", None), (2, "o2", None), (3, "o3", None), (4, "d", None), (5, "e", None)
+    )
