@@ -25,6 +25,7 @@ __all__ = [
     "source_order",
     "place",
     "position_filter",
+    "snapshot_read",
     "unplace",
 ]
 
@@ -43,6 +44,12 @@ def source_order(changes: DataFrame) -> DataFrame:
     return changes.groupBy("txn").agg(F.min(order_column()).alias("o"))
 
 
+def snapshot_read() -> Column:
+    """Whether a row is a read of a whole-table snapshot (op ``r``; an incremental
+    snapshot's reads are changes like the others)."""
+    return (F.col("op") == "r") & (F.coalesce(F.col("_snap"), F.lit("")) != "incremental")
+
+
 def committed_position(pos: Sequence[int]) -> Position:
     """The checkpoint's ``source.pos`` as a position (one written before total orders
     has two parts: every event at its LSN counts as done)."""
@@ -59,10 +66,9 @@ def position_filter(pos: Position, snapshot_lsn: int | None) -> tuple[Column, Co
     same_snapshot = is_read & (hi_c == hi) & (lo_c == lo)
     # an event of a transaction whose END has not been read has no commit position yet
     keep = hi_c.isNull() | after | same_snapshot
-    # (an incremental snapshot's reads are changes like the others: behind the position,
-    # they are redelivered, not an older snapshot of the table)
-    incremental = F.coalesce(F.col("_snap") == "incremental", F.lit(False))
-    behind = ~keep & is_read & ~incremental
+    # (an incremental snapshot's reads behind the position are redelivered, not an older
+    # snapshot of the table)
+    behind = ~keep & snapshot_read()
     if snapshot_lsn is not None:
         behind = behind & (lo_c != snapshot_lsn)  # the feed's own snapshot, redelivered
     return keep, behind

@@ -31,6 +31,8 @@ def run(
     incomplete); :data:`~feed.dataflow.NEED_MORE`: the same, with more input pending."""
     from pyspark.sql import functions as F
 
+    from .positions import snapshot_read
+
     cfg, cp = ctx.config, ctx.cp
     t0 = time.perf_counter()
     read = read_input(ctx, files, tx_files, more=more)
@@ -61,11 +63,7 @@ def run(
             and read.snapshot_reads
         ):
             # the first snapshot read committed: later reads at another LSN are a new one
-            # (incremental snapshot reads are changes like others: not a snapshot's LSN)
-            whole = (F.col("op") == "r") & ~F.coalesce(
-                F.col("_snap") == "incremental", F.lit(False)
-            )
-            reads = done.good.where(whole).agg(F.min("pos_lo").alias("m"))
+            reads = done.good.where(snapshot_read()).agg(F.min("pos_lo").alias("m"))
             snapshot_lsn = reads.collect()[0]["m"]  # None: the feed had none
     finally:
         done.release()

@@ -53,6 +53,7 @@ from .positions import (
     first_from,
     place,
     position_filter,
+    snapshot_read,
     source_order,
     unplace,
 )
@@ -96,8 +97,7 @@ class Assembled:
 def _snapshot_row() -> Column:
     """Whether a row is a read of a whole-table snapshot, or says where a snapshot ends
     (of any table: another table's last read says the feed's table had no more rows)."""
-    snap = F.coalesce(F.col("_snap"), F.lit(""))
-    return ((F.col("op") == "r") & (snap != "incremental")) | (snap == "last")
+    return snapshot_read() | (F.coalesce(F.col("_snap"), F.lit("")) == "last")
 
 
 def _snapshot_figures(changes: DataFrame) -> DataFrame:
