@@ -115,6 +115,11 @@ def debezium_properties(cfg: CaptureConfig) -> dict[str, str]:
         "snapshot.mode": "initial",
         "key.converter.schemas.enable": "true",
         "value.converter.schemas.enable": "true",
+        # a NULL stays null: by default Kafka Connect's JSON converter writes the column's
+        # DEFAULT in its place (a NULL integer DEFAULT 7 arrived as 7, a NULL timestamptz
+        # DEFAULT now() as 1970-01-01), and the feed then differed from the table
+        "key.converter.replace.null.with.default": "false",
+        "value.converter.replace.null.with.default": "false",
         "tombstones.on.delete": "true",
     }
     props.update(cfg.extra)

@@ -12,18 +12,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import pandas as pd
 from pyspark.sql import Column
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 __all__ = [
     "CONNECT_NAME",
+    "CONNECT_SCALE",
     "DECIMAL",
     "TOAST_PLACEHOLDER",
     "VARIABLE_DECIMAL",
     "VARIABLE_DECIMAL_TYPE",
     "as_strings",
     "connect_names",
+    "connect_scales",
     "connect_to_avro",
     "typed_record",
 ]
@@ -35,6 +38,9 @@ _CONNECT_TYPES = {
     "int64": "long",
     "float32": "float",
     "float64": "double",
+    # what the JSON converter writes for float32 and float64 (real, double precision)
+    "float": "float",
+    "double": "double",
     "boolean": "boolean",
     "string": "string",
     "bytes": "bytes",
@@ -42,6 +48,9 @@ _CONNECT_TYPES = {
 
 #: the ``connect.name`` attribute a record field keeps: how its JSON value is encoded
 CONNECT_NAME = "connect.name"
+#: the scale of a decimal wider than 38 digits, which the feed holds as text (a feed made
+#: before this attribute existed reads such a column at scale 0)
+CONNECT_SCALE = "connect.scale"
 DECIMAL = "org.apache.kafka.connect.data.Decimal"
 VARIABLE_DECIMAL = "io.debezium.data.VariableScaleDecimal"
 #: PostgreSQL ``numeric`` without a declared precision has no fixed scale: tidefeed holds it
@@ -87,7 +96,7 @@ def _connect_field_type(f: dict[str, Any], name: str) -> Any:
         precision = int(params.get("connect.decimal.precision", 38))
         if precision > 38:
             # wider than Spark's decimals: keep the exact digits as text
-            return {"type": "string", CONNECT_NAME: DECIMAL}
+            return {"type": "string", CONNECT_NAME: DECIMAL, CONNECT_SCALE: scale}
         return {
             "type": "bytes",
             "logicalType": "decimal",
@@ -141,6 +150,18 @@ def connect_names(schema: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def connect_scales(schema: dict[str, Any]) -> dict[str, int]:
+    """Each top-level field's :data:`CONNECT_SCALE` (a decimal held as text), if any."""
+    out = {}
+    for f in schema.get("fields", []):
+        t = f.get("type")
+        if isinstance(t, list):
+            t = next((b for b in t if b != "null"), None)
+        if isinstance(t, dict) and isinstance(t.get(CONNECT_SCALE), int):
+            out[f["name"]] = t[CONNECT_SCALE]
+    return out
+
+
 def as_strings(t: T.StructType) -> T.StructType:
     """The same fields, all as strings: Spark's JSON reader then keeps each value's raw text
     (objects and arrays as JSON), so a line is parsed once and typed by casts."""
@@ -153,19 +174,29 @@ def _be_integer(b: Column) -> Column:
     def value(h: Column) -> Column:
         pairs = F.filter(F.split(F.regexp_replace(h, "(..)", "$1,"), ","), lambda x: x != "")
         negative = F.conv(F.substring(h, 1, 2), 16, 10).cast("int") >= 128
-        start = F.when(negative, F.lit(-1)).otherwise(F.lit(0)).cast(_UNSCALED)
-        return F.aggregate(
+        # a negative number is its bitwise complement's -(c + 1): accumulating -c from 0
+        # stays in range all the way to -(10^38 - 1), where accumulating from -1 (the
+        # usual way) left it on the way to values near there
+        minus_c = F.aggregate(
             pairs,
-            start,
+            F.lit(0).cast(_UNSCALED),
             lambda acc, x: F.try_add(
-                F.try_multiply(acc, F.lit(256)), F.conv(x, 16, 10).cast("int")
+                F.try_multiply(acc, F.lit(256)),
+                F.when(negative, F.conv(x, 16, 10).cast("int") - 255).otherwise(
+                    F.conv(x, 16, 10).cast("int")
+                ),
             ).cast(_UNSCALED),
+        )
+        # (-10^38 and below do not fit: null, as any value past 38 digits)
+        return F.when(~negative, minus_c).when(
+            minus_c > F.lit("-" + _LARGEST).cast(_UNSCALED), minus_c - F.lit(1)
         )
 
     return F.transform(F.array(F.hex(b)), value)[0]
 
 
 _UNSCALED = T.DecimalType(38, 0)
+_LARGEST = "9" * 38  # the largest decimal(38, 0)
 
 
 def _scaled_text(unscaled: Column, scale: Column) -> Column:
@@ -173,7 +204,9 @@ def _scaled_text(unscaled: Column, scale: Column) -> Column:
     a lambda variable: the expression stays small however often it is used.)"""
 
     def text(u: Column, s: Column) -> Column:
-        t = F.abs(u).cast("string")
+        # (not abs(u): Spark negates a decimal through 34 significant digits, which
+        # rounds 38 nines up past decimal(38, 0))
+        t = F.ltrim(u.cast("string"), F.lit("-"))
         # lpad also cuts longer strings: pad only the short ones
         digits = F.when(F.length(t) <= s, F.lpad(t, s + 1, "0")).otherwise(t)
         whole = F.substring(digits, F.lit(1), F.length(digits) - s)
@@ -203,13 +236,37 @@ def _micros(r: Column, enc: str) -> Column:
     return F.floor(n / 1000).cast("long") if enc in _NANOS else n * _TIME_UNITS[enc]
 
 
-def _decode(r: Column, t: T.DataType, enc: str | None) -> Column:
+def _wide_text(unscaled: pd.Series, scale: pd.Series) -> pd.Series:
+    """Exact decimal text of big-endian two's-complement integers at a scale: Spark's
+    decimals stop at 38 digits, Python's integers do not."""
+
+    def one(b: bytes | None, s: int) -> str | None:
+        if b is None:
+            return None
+        u = int.from_bytes(b, "big", signed=True)
+        digits = str(abs(u)).rjust(s + 1, "0")
+        text = f"{digits[:-s]}.{digits[-s:]}" if s > 0 else digits
+        return "-" + text if u < 0 else text
+
+    return pd.Series([one(b, int(s)) for b, s in zip(unscaled, scale, strict=True)])
+
+
+def _wide_decimal_text(raw: Column, scale: Column) -> Column:
+    """:func:`_wide_text` as a column (a vectorized UDF: only decimals wider than 38
+    digits, which no Spark expression can hold, take this path)."""
+    from pyspark.sql.pandas.functions import pandas_udf
+
+    udf: Any = pandas_udf(_wide_text, T.StringType())  # type: ignore[call-overload]
+    out: Column = udf(raw, scale)
+    return out
+
+
+def _decode(r: Column, t: T.DataType, enc: str | None, scale: int = 0) -> Column:
     """A raw JSON value (as text) read as type ``t``; ``enc`` is the field's Connect logical
     type when the value is encoded (base64 decimals, epoch numbers), else plain text."""
     if isinstance(t, T.StringType):
         if enc == DECIMAL:  # wider than 38 digits: keep the exact text
-            raw = F.unbase64(r)
-            return _scaled_text(_be_integer(raw), F.lit(0))
+            return _wide_decimal_text(F.unbase64(r), F.lit(scale))
         return r
     if isinstance(t, T.DecimalType):
         if enc == DECIMAL:
@@ -239,15 +296,20 @@ def _decode(r: Column, t: T.DataType, enc: str | None) -> Column:
 
 
 def typed_record(
-    raw: Column, record: T.StructType, label: str, encodings: dict[str, str] | None = None
+    raw: Column,
+    record: T.StructType,
+    label: str,
+    encodings: dict[str, str] | None = None,
+    scales: dict[str, int] | None = None,
 ) -> tuple[Column, list[Column]]:
     """``raw`` (a struct of strings) cast to ``record``, and one column per field naming it
     (``label`` + name) when its raw value does not fit the field's type. ``encodings`` maps
-    a field to its Kafka Connect logical type (see :func:`connect_names`)."""
+    a field to its Kafka Connect logical type (see :func:`connect_names`), ``scales`` a
+    decimal held as text to its scale (:func:`connect_scales`)."""
     values, mismatches = [], []
     for f in record.fields:
         r = raw[f.name]
-        v = _decode(r, f.dataType, (encodings or {}).get(f.name))
+        v = _decode(r, f.dataType, (encodings or {}).get(f.name), (scales or {}).get(f.name, 0))
         values.append(v.alias(f.name))
         mismatches.append(F.when(r.isNotNull() & v.isNull(), F.lit(label + f.name)))
     value = F.when(raw.isNull(), F.lit(None).cast(record)).otherwise(F.struct(*values))

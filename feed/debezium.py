@@ -19,7 +19,14 @@ from pyspark.sql import types as T
 
 from protocol import SourceError
 
-from .connect import TOAST_PLACEHOLDER, as_strings, connect_names, connect_to_avro, typed_record
+from .connect import (
+    TOAST_PLACEHOLDER,
+    as_strings,
+    connect_names,
+    connect_scales,
+    connect_to_avro,
+    typed_record,
+)
 from .inputs import input_lines
 from .source_rows import (
     CORRUPT,
@@ -154,6 +161,7 @@ def read_debezium(
     """
     table = options.get("table")
     encodings = connect_names(options.get("schema") or {})
+    scales = connect_scales(options.get("schema") or {})
     raw_record = as_strings(record)
     source = T.StructType(
         [
@@ -212,8 +220,8 @@ def read_debezium(
         field("event_count").alias("tx_events"),
         field("data_collections").alias("tx_tables"),
     )
-    typed_before, mism_b = typed_record(F.col("raw_before"), record, "before.", encodings)
-    typed_after, mism_a = typed_record(F.col("raw_after"), record, "after.", encodings)
+    typed_before, mism_b = typed_record(F.col("raw_before"), record, "before.", encodings, scales)
+    typed_after, mism_a = typed_record(F.col("raw_after"), record, "after.", encodings, scales)
     # typed once, in their own projection: the checks below refer to them many times
     df = df.select(
         "*",

@@ -135,12 +135,16 @@ class TempPostgres:
             raise SourceError(f"{what} failed: {(r.stderr or r.stdout).strip()[-500:]}")
 
 
+_EXACT = decimal.Context(prec=1000)
+
+
 def normalize(v: Any) -> Any:
     """A column value in one comparable form, whichever side read it: PostgreSQL's driver
     (Decimal, aware datetimes, time, dict for jsonb) or the feed (Arrow's Python values,
     times of day as microseconds, json as text)."""
     if isinstance(v, decimal.Decimal):
-        return format(v.normalize(), "f")
+        # (the default context would round to 28 digits)
+        return format(v.normalize(_EXACT), "f")
     if isinstance(v, dt.datetime):
         return (v.astimezone(dt.UTC) if v.tzinfo else v).isoformat()
     if isinstance(v, dt.time):

@@ -132,8 +132,14 @@ AFTER_RESNAPSHOT = [["UPDATE accounts SET owner = 'streamed again' WHERE id = 77
 
 
 class Capture:
-    def __init__(self, pg: TempPostgres, out: Path, logs: Path) -> None:
-        self.pg, self.out, self.logs = pg, out, logs
+    def __init__(
+        self,
+        pg: TempPostgres,
+        out: Path,
+        logs: Path,
+        tables: str = "public.accounts,public.ledger",
+    ) -> None:
+        self.pg, self.out, self.logs, self.tables = pg, out, logs, tables
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, *debezium: str) -> None:
@@ -145,7 +151,7 @@ class Capture:
             "--dsn",
             self.pg.dsn,
             "--table",
-            "public.accounts,public.ledger",
+            self.tables,
             "--out",
             str(self.out),
             # small batches: a large transaction spans many files, so a kill lands inside it
