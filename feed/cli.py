@@ -25,6 +25,7 @@ from .cli_files import cmd_check, cmd_convert
 from .cliopts import (
     DEFAULT_LOG_LEVEL,
     EXIT_FAILED,
+    EXIT_INCOMPLETE,
     EXIT_OK,
     OptionParser,
     configure_logging,
@@ -139,7 +140,17 @@ def cmd_emit(args: argparse.Namespace) -> int:
         f"{bad} quarantined row(s); frontier {cp.frontier}, epoch {cp.epoch}",
         file=sys.stderr,
     )
-    return exit_code_for_signal(stopping[0]) if stopping else EXIT_OK
+    if stopping:
+        return exit_code_for_signal(stopping[0])
+    if not config.follow and emitter.held_back():
+        print(
+            f"tidefeed emit: the input ended inside source transactions; their files are "
+            "held back, not committed, and are read again at the next run (exit "
+            f"{EXIT_INCOMPLETE}: see the warning above)",
+            file=sys.stderr,
+        )
+        return EXIT_INCOMPLETE
+    return EXIT_OK
 
 
 def _push_delivery(

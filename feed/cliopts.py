@@ -30,6 +30,7 @@ __all__ = [
     "scope_env",
     "with_env",
     "EXIT_FAILED",
+    "EXIT_INCOMPLETE",
     "EXIT_OK",
     "EXIT_USAGE",
     "SHARED",
@@ -47,6 +48,9 @@ __all__ = [
 EXIT_OK = 0
 EXIT_FAILED = 1  # invalid input, a failed command
 EXIT_USAGE = 2  # a bad flag or value (argparse's own code)
+#: a batch ``emit`` whose input ended inside source transactions: what was complete is
+#: committed, the rest is held back (docs/emitter.md)
+EXIT_INCOMPLETE = 3
 #: options that mean the same to every command that has them
 SHARED = ("--log", "--feed", "--token", "--key", "--log-level", "--log-format", "--debug")
 LOG_LEVELS = ("debug", "info", "warning", "error")

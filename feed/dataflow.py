@@ -222,6 +222,19 @@ def read_input(
             )
         if replaces is not None and buckets:
             touched = frozenset(range(buckets))  # every key may have gone
+        if assembled.endless > 1 and not more and not cfg.tx_metadata:
+            # Debezium writes a transaction's END before the next transaction's events:
+            # two transactions without one END in all the input mean the END records
+            # are not in it, and without them no transaction would ever be released
+            for df in (changes, *txn_cached):
+                df.unpersist()
+            raise SourceError(
+                f"feed {cfg.feed!r}: {assembled.endless} source transactions in "
+                f"{cfg.source_path} carry Debezium 'transaction' blocks, but no "
+                "transaction END record was read; give --tx-metadata PATH (the folder of "
+                "the connector's transaction metadata topic), or capture with "
+                "provide.transaction.metadata=false. Nothing was committed."
+            )
         if held and not assembled.ready:
             for df in (changes, *txn_cached):
                 df.unpersist()

@@ -201,6 +201,11 @@ class Emitter:
             return []
         return self.inputs.pending(self.cp.source)
 
+    def held_back(self) -> list[str]:
+        """After a batch run: the input files still pending, which hold source transactions
+        that never completed (their END record or events were not in the input)."""
+        return self.pending_files()
+
     # ---- one transaction -------------------------------------------------------------
     def step(self) -> TxnReport | None:
         """Run one transaction over the pending input; ``None`` when there was none, or when

@@ -16,6 +16,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 __all__ = [
+    "ALL_DONE",
     "NEW_SNAPSHOT",
     "PLACE_SCALE",
     "Position",
@@ -25,6 +26,7 @@ __all__ = [
     "source_order",
     "place",
     "position_filter",
+    "snapshot_done",
     "snapshot_read",
     "unplace",
 ]
@@ -50,10 +52,29 @@ def snapshot_read() -> Column:
     return (F.col("op") == "r") & (F.coalesce(F.col("_snap"), F.lit("")) != "incremental")
 
 
+#: a committed position's ``total_order`` part that says every event at its LSN is done,
+#: the reads of a snapshot at that LSN too (their own ``pos_n`` is 0)
+ALL_DONE = 1 << 62
+
+
 def committed_position(pos: Sequence[int]) -> Position:
     """The checkpoint's ``source.pos`` as a position (one written before total orders
     has two parts: every event at its LSN counts as done)."""
-    return (int(pos[0]), int(pos[1]), int(pos[2]) if len(pos) > 2 else 1 << 62)
+    return (int(pos[0]), int(pos[1]), int(pos[2]) if len(pos) > 2 else ALL_DONE)
+
+
+def snapshot_done(last: Sequence[int] | None, ended: Sequence[int]) -> Position | None:
+    """The position to commit when ``last`` is the highest position released: a snapshot
+    read's (``(lsn, lsn, 0)``) becomes ``(lsn, lsn, ALL_DONE)`` when that snapshot's end
+    was read (its LSN in ``ended``). Reads at the committed position are otherwise kept
+    (a snapshot may straddle emitter transactions); once its end is committed, a file read
+    again (for a transaction held back behind it) must not release it once more."""
+    if last is None:
+        return None
+    hi, lo, n = (int(v) for v in last)
+    if n == 0 and hi == lo and lo in ended:
+        return (hi, lo, ALL_DONE)
+    return (hi, lo, n)
 
 
 def position_filter(pos: Position, snapshot_lsn: int | None) -> tuple[Column, Column]:
@@ -63,7 +84,7 @@ def position_filter(pos: Position, snapshot_lsn: int | None) -> tuple[Column, Co
     hi_c, lo_c, n_c = F.col("pos_hi"), F.col("pos_lo"), F.col("pos_n")
     after = (hi_c > hi) | ((hi_c == hi) & (lo_c > lo)) | ((hi_c == hi) & (lo_c == lo) & (n_c > n))
     is_read = F.col("op") == "r"
-    same_snapshot = is_read & (hi_c == hi) & (lo_c == lo)
+    same_snapshot = is_read & (hi_c == hi) & (lo_c == lo) & F.lit(n < ALL_DONE)
     # an event of a transaction whose END has not been read has no commit position yet
     keep = hi_c.isNull() | after | same_snapshot
     # (an incremental snapshot's reads behind the position are redelivered, not an older

@@ -44,6 +44,9 @@ DEFAULT_CLOCK = "wallclock"  # a new feed's, when --clock is left out
 COMPACT_SECONDS = 60.0
 DEFAULT_GRANULARITY = "batch"  # a new feed's, when --granularity is left out
 RESERVED = ("time", "diff")
+#: a follow-mode emitter warns once input has been held back this long (incomplete source
+#: transactions: an END record or events not arrived), and again as often while it lasts
+HELD_WARNING_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,6 +71,8 @@ class EmitterConfig:
     conf: tuple[tuple[str, str], ...] = ()  # Spark settings (--conf), over everything else
     #: keyed Debezium input of at most this many bytes is computed on the driver (0: never)
     driver_txn_bytes: int = DEFAULT_DRIVER_TXN_BYTES
+    #: follow: warn when input has been held back this long (seconds)
+    held_warning: float = HELD_WARNING_SECONDS
 
 
 def fixed(cp: Checkpoint | None) -> bool:

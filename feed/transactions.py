@@ -53,6 +53,7 @@ from .positions import (
     first_from,
     place,
     position_filter,
+    snapshot_done,
     snapshot_read,
     source_order,
     unplace,
@@ -92,6 +93,9 @@ class Assembled:
     replaces: tuple[int, str] | None = None
     #: snapshot reads and snapshot end markers among ``changes`` as given
     snapshot_rows: int = 0
+    #: source transactions whose events carry Debezium ``transaction`` blocks, none of
+    #: whose END records was read (when END records were read at all, 0)
+    endless: int = 0
 
 
 def _snapshot_row() -> Column:
@@ -227,6 +231,14 @@ def assemble(
     # (a new snapshot with only another table's end marker: the feed's table was empty)
     fresh = [r for r in snaps if r["lsn"] != own and r["lsn"] > committed[0]]
     last = summary["last"]
+    latest = summary["latest"]
+    # snapshots known to be whole: their end marker was read, or an event delivered after
+    # their last read (Debezium streams only once a snapshot is done)
+    whole = {
+        int(r["lsn"])
+        for r in snaps
+        if r["s_end"] or (latest is not None and tuple(latest) > tuple(r["s_last"] or r["s_first"]))
+    }
     if not (summary["meta"] or n_ends or repeats or fresh):
         # The plain case (no transaction metadata, nothing delivered twice, no new
         # snapshot): every source transaction is complete as read and released whole, in
@@ -236,7 +248,7 @@ def assemble(
             held_files=frozenset(),
             ready=None,
             held=0,
-            position=tuple(last) if last is not None else None,
+            position=snapshot_done(last, whole),
             redelivered=(summary["total"] or 0) - (summary["kept_rows"] or 0),
             bad=bad,
             bad_rows=summary["behind"] or 0,
@@ -332,7 +344,6 @@ def assemble(
         earlier = per_txn.where((events > 0) & before)
         if dropped:
             earlier = earlier.where(~F.col("txn").isin(sorted(dropped)))
-        latest = summary["latest"]
         end_at = tuple(snap["s_last"] or snap["s_first"])
         ended = snap["s_end"] or (latest is not None and tuple(latest) > end_at)
         if not earlier.isEmpty():
@@ -365,6 +376,8 @@ def assemble(
                 feed,
                 len(dropped),
             )
+    # transaction blocks and not one END record among them: where are the END records?
+    endless = 0 if n_ends else sum(1 for r in opened if r["expected"] is None)
     held_txns: set[str] = set()
     held_files: set[str] = set()
     ready_txns = per_txn.where(events > 0)
@@ -438,7 +451,7 @@ def assemble(
         held_files=frozenset(held_files),
         ready=ready,
         held=len(held_txns),
-        position=tuple(last) if last is not None else None,
+        position=snapshot_done(last, whole),
         order=order,
         redelivered=(summary["total"] or 0) - (counted["kept"] or 0),
         bad=bad,
@@ -448,4 +461,5 @@ def assemble(
         also=extra,
         replaces=replaces,
         snapshot_rows=summary["snapshot_rows"],
+        endless=endless,
     )

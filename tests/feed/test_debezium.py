@@ -449,3 +449,79 @@ def test_incremental_snapshot_reads_redelivered_are_dropped_not_quarantined(spar
     assert collection_of(reader) == rows(
         (1, "a", None), (2, "o2", None), (3, "o3", None), (4, "d", None), (5, "e", None)
     )
+
+
+def _three_open_transactions():
+    """Two source transactions with transaction blocks and no END record anywhere."""
+    return [
+        event("c", {"id": 10, "owner": "a", "doc": None}, 300, xid=7, order=1),
+        event("c", {"id": 11, "owner": "b", "doc": None}, 400, xid=8, order=1),
+        event("u", {"id": 10, "owner": "c", "doc": None}, 500, xid=9, order=1),
+    ]
+
+
+def test_transaction_blocks_without_any_end_record_fail_at_once_naming_tx_metadata(spark, tmp_path):
+    src = tmp_path / "in"
+    write(src, "part-0.json", snapshot(1))
+    e = open_emitter(spark, tmp_path)
+    e.run()
+    before = e.cp
+    write(src, "part-1.json", _three_open_transactions())
+    with pytest.raises(SourceError, match="--tx-metadata PATH") as err:
+        e.step()
+    assert "3 source transactions" in str(err.value)
+    assert e.cp == before  # nothing committed
+    assert e.pending_files() == [str(src / "part-1.json")]
+    e.close()
+    # told where the END records are (an empty folder so far): the emitter waits for them
+    (tmp_path / "tx").mkdir()
+    e = open_emitter(spark, tmp_path, tx_metadata=str(tmp_path / "tx"))
+    assert e.step() is None
+    write(tmp_path / "tx", "tx-0.json", [end(x, 100 * x - 390, {"accounts": 1}) for x in (7, 8, 9)])
+    reports = e.run()
+    assert e.held_back() == []
+    e.close()
+    assert sum(r.updates for r in reports) == 4
+    reader = FeedReader(str(tmp_path / "log"), "t")
+    assert reader.frontier == 5
+    assert collection_of(reader) == rows((0, "o0", "d0"), (10, "c", None), (11, "b", None))
+
+
+def test_a_batch_run_that_ends_inside_a_transaction_says_so_and_exits_3(tmp_path):
+    from feed.cliopts import EXIT_INCOMPLETE
+    from tests.e2e.helpers import tidefeed
+
+    src = tmp_path / "in"
+    write(src, "part-0.json", [*snapshot(1), event("c", {"id": 5}, 300, xid=7, order=1)])
+    (tmp_path / "schema.json").write_bytes(orjson.dumps(SCHEMA))
+    args = ["emit", "--source", f"debezium:{src}", "--feed", "t", "--log", str(tmp_path / "log")]
+    args += ["--key", "id", "--schema", str(tmp_path / "schema.json"), "--clock", "logical"]
+    out = tidefeed(*args, "--granularity", "transaction")
+    err = out.stderr.decode()
+    assert out.returncode == EXIT_INCOMPLETE == 3, err
+    assert "the input ended inside source transactions" in err
+    assert "part-0.json held back" in err and "--tx-metadata" in err
+    # the snapshot before it is committed; the file is read again at the next run
+    assert FeedReader(str(tmp_path / "log"), "t").frontier == 2
+
+
+def test_follow_warns_when_input_stays_held_back(spark, tmp_path, caplog):
+    import logging
+    import time
+
+    src = tmp_path / "in"
+    write(src, "part-0.json", [*snapshot(1), event("c", {"id": 5}, 300, xid=7, order=1)])
+    e = open_emitter(spark, tmp_path, follow=True, trigger=0.1, held_warning=0.5)
+    deadline = time.monotonic() + 20
+    caplog.set_level(logging.WARNING, logger="tidefeed.emit")
+
+    def stop() -> bool:
+        warned = any("held back for" in r.getMessage() for r in caplog.records)
+        return warned or time.monotonic() > deadline
+
+    e.run(stop=stop)
+    e.close()
+    warnings = [r for r in caplog.records if "held back for" in r.getMessage()]
+    assert warnings and warnings[0].levelno == logging.WARNING
+    assert "part-0.json" in warnings[0].getMessage()
+    assert "--tx-metadata" in warnings[0].getMessage()
