@@ -9,7 +9,7 @@ committed; :mod:`feed.transactions` keeps what comes after it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from decimal import Decimal
 
 from pyspark.sql import Column, DataFrame
@@ -63,7 +63,7 @@ def committed_position(pos: Sequence[int]) -> Position:
     return (int(pos[0]), int(pos[1]), int(pos[2]) if len(pos) > 2 else ALL_DONE)
 
 
-def snapshot_done(last: Sequence[int] | None, ended: Sequence[int]) -> Position | None:
+def snapshot_done(last: Sequence[int] | None, ended: Collection[int]) -> Position | None:
     """The position to commit when ``last`` is the highest position released: a snapshot
     read's (``(lsn, lsn, 0)``) becomes ``(lsn, lsn, ALL_DONE)`` when that snapshot's end
     was read (its LSN in ``ended``). Reads at the committed position are otherwise kept
