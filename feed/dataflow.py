@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +70,7 @@ def _tally(grouped: Any, stale: Any) -> Any:
         F.count(F.when(stale & ok, 1)).alias("stale"),
         F.count("_error").alias("errors"),
         F.count(F.when(ok & (F.col("op") == "d"), 1)).alias("deletes"),
+        F.collect_set("_shape").alias("shapes"),
     )
 
 
@@ -86,6 +87,8 @@ class TxnContext:
     feedlog: FeedLog
     log: logging.Logger
     spark_path: Callable[[str], str]  # a feed-log path as Spark writes to it
+    #: the source table shapes this process found to fit the feed (feed/shapes.py)
+    shapes: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -153,6 +156,21 @@ def read_source(ctx: TxnContext, files: Sequence[str]) -> Any:
     )
 
 
+def unfit_shape(
+    ctx: TxnContext, files: Sequence[str], shapes: Iterable[int]
+) -> tuple[int, Any] | None:
+    """The first source table shape in ``files`` that does not fit the feed's record
+    schema, and how (:mod:`feed.shapes`); None when all fit."""
+    from .shapes import first_unfit, sample_in
+
+    return first_unfit(
+        feed_schema=ctx.info.schema,
+        shapes=shapes,
+        known=ctx.shapes,
+        sample=sample_in(ctx.spark, files),
+    )
+
+
 def read_input(
     ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str], *, more: bool
 ) -> ReadChanges | object | None:
@@ -203,6 +221,49 @@ def read_input(
             also=_tally(changes.groupBy("_file", "_skip"), F.lit(False)),
         )
         touched, tally_rows = assembled.buckets, list(assembled.also)
+        unfit = unfit_shape(ctx, files, (h for r in tally_rows for h in r["shapes"] or ()))
+        if unfit is not None:
+            # commit what was delivered before the table changed shape, then stop there
+            from .shapes import shape_error
+
+            # (from the start of the source transaction of its first event: DDL may sit
+            # between two changes of one PostgreSQL transaction)
+            at = F.struct("ord_file", "ord_row", "_file")
+            txn = (
+                changes.where(F.col("_shape") == F.lit(unfit[0]))
+                .agg(F.min(F.struct(at.alias("at"), F.col("txn"))).alias("m"))
+                .collect()[0]["m"]
+            )
+            first = (
+                changes.where(F.col("txn") == F.lit(txn["txn"]))
+                .agg(F.min(at).alias("m"))
+                .collect()[0]["m"]
+            )
+            for df in assembled.cached:
+                df.unpersist()
+            assembled = assemble(
+                good,
+                cp.source.get("pos", [0, 0]),
+                snapshot_lsn=cp.source.get("snapshot_lsn"),
+                new_feed="snapshot_lsn" not in cp.source,
+                logger=ctx.log,
+                feed=cfg.feed,
+                bucket=bucket_of(image, ctx.info.key, buckets) if buckets else None,
+                also=_tally(changes.groupBy("_file", "_skip"), F.lit(False)),
+                hold_at=(first["ord_file"], first["ord_row"]),
+            )
+            touched, tally_rows = assembled.buckets, list(assembled.also)
+            if not assembled.ready:
+                for df in (changes, *assembled.cached):
+                    df.unpersist()
+                raise shape_error(cfg.feed, ctx.info.table, unfit[1], base_name(first["_file"]))
+            ctx.log.warning(
+                "feed %s: the source table changed shape in %s (%s): committing what came "
+                "before it",
+                cfg.feed,
+                base_name(first["_file"]),
+                unfit[1].describe(),
+            )
         good, held_files = assembled.changes, assembled.held_files
         order, position = assembled.order, assembled.position
         bad = bad.unionByName(assembled.bad)

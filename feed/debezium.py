@@ -47,6 +47,7 @@ __all__ = [
     "debezium_schema",
     "debezium_table",
     "read_debezium",
+    "shape_sample",
 ]
 
 #: how far schema inference looks for a Debezium event of the feed's table
@@ -195,6 +196,7 @@ def read_debezium(
     # one parse reads both shapes: {"schema", "payload": {…}} and the bare envelope
     line = T.StructType(
         [
+            T.StructField("schema", _WRAPPER_SCHEMA),
             T.StructField("payload", T.StructType(envelope)),
             *envelope,
             T.StructField(CORRUPT, T.StringType()),
@@ -326,7 +328,59 @@ def read_debezium(
         # "first", "true", "last", "last_in_data_collection", "incremental", … : where a
         # snapshot ends (feed/transactions.py), also on the reads of other tables
         snap=F.col("src.snapshot"),
+        # the table's shape as this event's Connect schema gives it (feed/shapes.py)
+        shape=F.when(skip.isNull() & op.isin("c", "u", "d", "r"), _shape_of(F.col("p.schema"))),
     )
+
+
+#: the part of a wrapped event's Connect schema that gives the table's columns: the
+#: ``fields`` of its ``after`` (or ``before``) field, kept as its JSON text
+_WRAPPER_SCHEMA = T.StructType(
+    [
+        T.StructField(
+            "fields",
+            T.ArrayType(
+                T.StructType(
+                    [
+                        T.StructField("field", T.StringType()),
+                        T.StructField("fields", T.StringType()),
+                    ]
+                )
+            ),
+        )
+    ]
+)
+
+
+def _columns_text(schema: Column) -> Column:
+    """The JSON text of the table's columns in a parsed :data:`_WRAPPER_SCHEMA` (null for
+    a bare event)."""
+    image = F.filter(schema["fields"], lambda f: f["field"].isin("after", "before"))
+    return F.try_element_at(image, F.lit(1))["fields"]
+
+
+def _shape_of(schema: Column) -> Column:
+    """A 64-bit hash of :func:`_columns_text`: events of one shape share it."""
+    text = _columns_text(schema)
+    return F.when(text.isNotNull(), F.xxhash64(text))
+
+
+def shape_sample(spark: SparkSession, files: Sequence[str], shape: int) -> list[dict[str, Any]]:
+    """The Connect fields (the table's columns) of the first event in ``files`` whose
+    shape hash is ``shape``; [] when none is found."""
+    wrapper = T.StructType([T.StructField("schema", _WRAPPER_SCHEMA)])
+    parsed = F.from_json("_raw", wrapper, PARSE_OPTIONS)["schema"]
+    found = (
+        read_text(spark, files)
+        .select(_columns_text(parsed).alias("t"), _shape_of(parsed).alias("h"))
+        .where(F.col("h") == F.lit(shape))
+        .limit(1)
+        .collect()
+    )
+    if not found:
+        return []
+    fields = orjson.loads(found[0]["t"])
+    return fields if isinstance(fields, list) else []
 
 
 def _toast_columns(image: Column, record: T.StructType) -> Column:

@@ -141,6 +141,8 @@ def run(
     why = _not_plain(t, key)
     if why is not None:
         return _to_spark(ctx, seq, why)
+    if set(pc.unique(t.column("_shape")).to_pylist()) - {None} - ctx.shapes:
+        return _to_spark(ctx, seq, "a source table shape not checked yet")
     record = pa.schema(list(t.schema.field("after").type))
     skipped = Counter(s for s in t.column("_skip").to_pylist() if s is not None)
     data = t.filter(pc.is_in(t.column("op"), pa.array(_DATA_OPS))).to_pylist()

@@ -105,6 +105,7 @@ class Emitter:
         self.info: Any = None
         self._record_type: Any = None
         self.inputs = InputWindow(config.source_path, config.tx_metadata)
+        self._shapes: set[int] = set()  # source table shapes found to fit (feed/shapes.py)
 
     # ---- lifecycle -------------------------------------------------------------------
     @property
@@ -305,6 +306,7 @@ class Emitter:
             feedlog=self.feedlog,
             log=self.log,
             spark_path=self._spark_path,
+            shapes=self._shapes,
         )
         tx_files = self.inputs.pending_tx(cp.source)
         t0 = time.perf_counter()

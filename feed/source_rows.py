@@ -52,6 +52,7 @@ CHANGE_COLUMNS = (
     "_skip",
     "_toast",
     "_snap",
+    "_shape",
 )
 
 
@@ -199,4 +200,5 @@ def canonical(df: DataFrame, **c: Column) -> DataFrame:
         c.get("skip", F.lit(None)).cast("string").alias("_skip"),
         c.get("toast", F.lit(None)).cast("string").alias("_toast"),
         c.get("snap", F.lit(None)).cast("string").alias("_snap"),
+        c.get("shape", F.lit(None)).cast("long").alias("_shape"),
     )

@@ -134,6 +134,7 @@ def assemble(
     feed: str = "",
     bucket: Column | None = None,
     also: DataFrame | None = None,
+    hold_at: tuple[int, int] | None = None,
 ) -> Assembled:
     """Decide which of ``changes`` (good Debezium rows: data events and END records) can
     become updates, given the committed position ``pos``. See the module docstring.
@@ -146,7 +147,10 @@ def assemble(
     snapshot needs them another computes those per source transaction.
     The caller's own figures ride along with the first:
     ``bucket`` (an int column over the data events; its distinct values come back as
-    ``buckets``) and ``also`` (a small aggregate of its own, collected as ``also``)."""
+    ``buckets``) and ``also`` (a small aggregate of its own, collected as ``also``).
+    ``hold_at`` (``ord_file``, ``ord_row``) holds back every source transaction
+    delivered from that place on, as an incomplete one does (a table that changed shape
+    there: feed/shapes.py)."""
     log = logger or logging.getLogger("tidefeed.emit")
     committed = committed_position(pos)
     ends = (
@@ -239,7 +243,7 @@ def assemble(
         for r in snaps
         if r["s_end"] or (latest is not None and tuple(latest) > tuple(r["s_last"] or r["s_first"]))
     }
-    if not (summary["meta"] or n_ends or repeats or fresh):
+    if not (summary["meta"] or n_ends or repeats or fresh or hold_at):
         # The plain case (no transaction metadata, nothing delivered twice, no new
         # snapshot): every source transaction is complete as read and released whole, in
         # one pass over the cached input; no figure per transaction is needed.
@@ -329,7 +333,7 @@ def assemble(
     ready = counted["ready"]
     opened = [r for r in odd if r["open"]]
     dropped: set[str] = set()  # superseded by a new snapshot
-    hold_from: tuple[int, int] | None = None  # hold what is delivered from here on
+    held_from: tuple[int, int] | None = None  # hold what is delivered from here on
     replaces: tuple[int, str] | None = None
     empty_at: tuple[int, int] | None = None  # where a new snapshot without rows is
     if fresh:
@@ -347,14 +351,14 @@ def assemble(
         end_at = tuple(snap["s_last"] or snap["s_first"])
         ended = snap["s_end"] or (latest is not None and tuple(latest) > end_at)
         if not earlier.isEmpty():
-            hold_from = at  # what came before it goes first
+            held_from = at  # what came before it goes first
         elif ended:
             lsn = int(snap["lsn"])
             replaces = (lsn, snap["s_txn"] or f"snapshot:{lsn}")
             if snap["s_txn"] is None:
                 empty_at = at
             if len(fresh) > 1:
-                hold_from = tuple(fresh[1]["s_first"])  # one new snapshot at a time
+                held_from = tuple(fresh[1]["s_first"])  # one new snapshot at a time
             # delivered after it but committed before it (Debezium streaming again from
             # an older slot position): the snapshot holds their effect
             older = per_txn.where((events > 0) & ~before & (F.col("last_hi") < lsn))
@@ -366,7 +370,7 @@ def assemble(
                 snap["lsn"],
             )
         else:
-            hold_from = at
+            held_from = at
             log.info("feed %s: a new snapshot (LSN %d) is not complete yet", feed, snap["lsn"])
         if dropped:
             log.warning(
@@ -381,15 +385,17 @@ def assemble(
     held_txns: set[str] = set()
     held_files: set[str] = set()
     ready_txns = per_txn.where(events > 0)
-    if opened or hold_from is not None or dropped:
+    if opened or held_from is not None or dropped or hold_at is not None:
         # the first incomplete transaction in delivery order holds back every transaction
         # delivered after it (few: the tail of what was read)
         held = F.lit(False)
         if opened:
             held = F.col("txn").isin([r["txn"] for r in opened])
         starts = [r["first"] for r in opened if r["first"] is not None]
-        if hold_from is not None:
-            starts.append(hold_from)
+        if held_from is not None:
+            starts.append(held_from)
+        if hold_at is not None:
+            starts.append(hold_at)
         if starts:
             held = held | first_from(min(starts))
         if dropped:
@@ -403,9 +409,9 @@ def assemble(
                 F.col("op").isin(*DATA_OPS, "E") & F.col("txn").isin(sorted(held_txns))
             )
             held_files.update(r["_file"] for r in theirs.select("_file").distinct().collect())
-        if hold_from is not None:  # a held snapshot's files, its end marker's too
+        if held_from is not None:  # a held snapshot's files, its end marker's too
             for sn in snaps:
-                if tuple(sn["s_first"]) >= hold_from:
+                if tuple(sn["s_first"]) >= held_from:
                     held_files.update(sn["s_files"] or ())
         ready_txns = ready_txns.where(~held)
         if dropped:
