@@ -10,6 +10,7 @@ rule                what is reported
 zero-diff           an update whose diff is 0 (§1, §2.1)
 consolidated        a record twice at one time, with the same diff or another (§2.1)
 late-update         an update at a time the frontier has already passed (§2.4)
+uncounted           updates below the stream's first progress, which no progress counts (§2.3)
 progress-shape      upper below lower, a count outside [lower, upper), a count <= 0, a time
                     counted twice (§1)
 chained             an advancing progress whose lower is not the frontier before it (§2.2)
@@ -122,6 +123,13 @@ class FeedChecker:
                 ex["time"],
                 f"{res.late_count} update(s) below the frontier {self.consumer.frontier}, "
                 f"e.g. {ex['data']!r:.200}",
+            )
+        if res.uncounted:
+            self._report(
+                "uncounted",
+                None,
+                f"{res.uncounted} update(s) below the stream's first progress, which no "
+                "progress counts",
             )
         if res.duplicate_count:
             ex = res.duplicates[0]

@@ -179,6 +179,12 @@ async def post_push(request: web.Request) -> web.Response:
             sum(t.num_rows for t in result.committed),
             epoch,
         )
+    if result.uncounted:
+        log.warning(
+            "feed %s: %d update(s) below the first progress dropped: no progress counted them",
+            feed,
+            result.uncounted,
+        )
     if result.rollbacks:  # every session's announcement is one
         log.debug("feed %s: announcement: pending updates rolled back (epoch %d)", feed, epoch)
     return json_response({"frontier": result.frontier, "pending": result.pending})

@@ -59,6 +59,9 @@ class ApplyResult:
     rollbacks: int = 0
     late_count: int = 0
     duplicate_count: int = 0
+    #: updates dropped because a first progress started above their time (no progress
+    #: ever counted them)
+    uncounted: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,7 +356,14 @@ class _Txn:
                 raise ProtocolError(f"{self._where(t)}counted twice in one progress")
             stated[t] = n
         if self.frontier is None:
+            # a consumer that has seen nothing adopts the first lower (a feed may start
+            # above 0); updates pending below it were never counted by any progress: they
+            # are dropped, never kept (a store counts what is below the frontier as kept)
             self.frontier = p.lower
+            for t in [t for t in self._pending_times() if t < p.lower]:
+                self.result.uncounted += self._count(t)
+                self.added.pop(t, None)
+                self.done_times.add(t)
         f = self.frontier
         if p.upper <= f:
             self._rollback()

@@ -28,6 +28,7 @@ CASES = {
         Progress(0, 2, ((1, 1),)),
     ],
     "late-update": [announcement(0), Progress(0, 2, ()), U(({"a": 1}, 1, 1))],
+    "uncounted": [U(({"a": 1}, 5, 1)), Progress(10, 11, ())],
     "chained": [announcement(0), Progress(3, 4, ())],
     "exact-counts": [announcement(0), U(({"a": 1}, 1, 1)), Progress(0, 2, ((1, 2),))],
     "progress-shape": [announcement(0), Progress(0, 2, ((5, 1),))],

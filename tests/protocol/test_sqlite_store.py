@@ -188,6 +188,27 @@ def test_pending_updates_are_written_ahead_and_count_only_once_committed(tmp_pat
     assert kept(again.store("f")) == truth
 
 
+def test_updates_below_a_new_feeds_first_lower_are_dropped_not_kept(tmp_path):
+    """Updates at time 5, then a first progress [10, 11): no progress ever counted them,
+    so they are dropped, in memory and on disk, and stay dropped after a reopen."""
+    path = str(tmp_path / "r.db")
+    db = SqliteDatabase(path)
+    store = db.store("f")
+    c = Consumer(store, feed="f")
+    rec = [{"id": i, "name": f"n{i}", "v": 0} for i in range(4)]
+    c.apply([_updates(5, rec[:2])], epoch=1)
+    _written_ahead(db)
+    assert _pending_rows(db) == 2
+    result = c.apply([_updates(10, rec[2:3]), Progress(10, 11, ((10, 1),))], epoch=1)
+    assert result.uncounted == 2
+    assert (c.frontier, c.pending, _pending_rows(db)) == (11, 0, 0)
+    truth = {record_key(rec[2]): 1}
+    assert kept(store) == truth == accumulated(store)
+    db.close()
+    again = SqliteDatabase(path)
+    assert kept(again.store("f")) == truth
+
+
 def test_updates_written_ahead_by_a_receiver_that_stopped_are_dropped_on_load(tmp_path):
     path = str(tmp_path / "r.db")
     db = SqliteDatabase(path)

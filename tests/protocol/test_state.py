@@ -80,6 +80,8 @@ class NaiveConsumer:
             raise ProtocolError("shape")
         if self.F is None:
             self.F = p.lower
+            # never counted by any progress: dropped, never kept
+            self.pending = [x for x in self.pending if x[2] >= p.lower]
         if p.upper <= self.F:
             self.pending = []
             return
