@@ -60,6 +60,7 @@ def cmd_emit(args: argparse.Namespace) -> int:
     from .session import parse_conf
 
     kind, path = _parse_source(args.source)
+    _token(args.token, "emit")
     if args.eager and not args.push:
         raise SystemExit("tidefeed emit: --eager pushes to a receiver: give --push URL too")
     if "," in (args.table or "") or "," in args.feed:
@@ -211,14 +212,32 @@ def _listening(command: str, host: str, port: int, run: Callable[[], None]) -> i
     return EXIT_OK
 
 
+def _token(token: str | None, command: str) -> str | None:
+    """``--token`` as given; an empty one (``--token ""``, an empty ``TIDEFEED_TOKEN``) is
+    refused rather than taken as "no token": that would turn authentication off."""
+    if token is not None and not token.strip():
+        raise SystemExit(
+            f"tidefeed {command}: --token is empty; give a token, or leave the flag (and "
+            "TIDEFEED_TOKEN) out to run without one"
+        )
+    return token
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    from protocol.destinations import Destinations
+
     from .server import ServerConfig, run_server
 
+    try:
+        allow = Destinations.parse(args.push_allow)
+    except ValueError as e:
+        raise SystemExit(f"tidefeed serve: {e}") from None
     config = ServerConfig(
         log=args.log,
         host=args.host,
         port=args.port,
-        token=args.token or None,
+        token=_token(args.token, "serve"),
+        push_allow=allow,
         retain=args.retain,
         compact_seconds=args.compact_every,
     )
@@ -235,7 +254,9 @@ def cmd_compact(args: argparse.Namespace) -> int:
 def cmd_receive(args: argparse.Namespace) -> int:
     from protocol.receiver import ReceiverConfig, run_receiver
 
-    config = ReceiverConfig(db=args.db, host=args.host, port=args.port, token=args.token or None)
+    config = ReceiverConfig(
+        db=args.db, host=args.host, port=args.port, token=_token(args.token, "receive")
+    )
     return _listening("receive", args.host, args.port, lambda: run_receiver(config))
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from protocol import CODECS
+from protocol.destinations import DEFAULT_PUSH_ALLOW
 
 from .cliopts import (
     DEFAULT_LOG_LEVEL,
@@ -186,6 +187,11 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.option("--host", default=DEFAULT_HOST, help="address to listen on")
     p.option("--port", type=port, default=DEFAULT_SERVE_PORT, help="port to listen on")
     p.option("--token", help="require this bearer token from every client")
+    p.option(
+        "--push-allow",
+        default=DEFAULT_PUSH_ALLOW,
+        help="HOST|CIDR,… where push subscriptions may point (default: this machine only)",
+    )
     p.option(
         "--retain",
         type=non_negative_int,

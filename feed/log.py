@@ -57,7 +57,7 @@ def log_root(uri: str) -> tuple[pafs.FileSystem, str]:
 
 def valid_feed_name(name: str) -> bool:
     """Feed names are path segments: letters, digits, ``_ . -``; no ``..``, no slashes."""
-    return bool(_FEED_NAME.match(name)) and ".." not in name
+    return bool(_FEED_NAME.fullmatch(name)) and ".." not in name
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,11 +165,17 @@ class FeedLog:
         with contextlib.suppress(FileNotFoundError):
             self.fs.delete_file(path)
 
-    def write_bytes(self, path: str, data: bytes) -> None:
-        """Write a whole small file: to a temporary name, then renamed into place."""
+    def write_bytes(self, path: str, data: bytes, *, private: bool = False) -> None:
+        """Write a whole small file: to a temporary name, then renamed into place.
+        ``private``: readable by its owner only (mode 0600 on a local disk), for a file
+        that holds a secret."""
         parent = path.rsplit("/", 1)[0]
         self.fs.create_dir(parent, recursive=True)
         tmp = f"{path}.tmp"
+        if private and self.local_root is not None:
+            # created 0600, so the secret is never readable by others, not even briefly
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+            os.chmod(tmp, 0o600)
         with self.fs.open_output_stream(tmp) as f:
             f.write(data)
         self.fs.move(tmp, path)

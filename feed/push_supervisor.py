@@ -106,7 +106,11 @@ async def _push_sessions(app: web.Application, store: SubscriptionStore, sub: Su
         lag()
 
     async with PushClient(
-        sub.url, fmt=sub.format, schema=reader.info.schema, token=sub.token
+        sub.url,
+        fmt=sub.format,
+        schema=reader.info.schema,
+        token=sub.token,
+        allow=st.config.push_allow,
     ) as client:
         while True:
             await asyncio.to_thread(reader.refresh)
@@ -139,6 +143,11 @@ async def put_subscription(request: web.Request) -> web.Response:
         sub = Subscription.from_request(feed, name, body)
     except (orjson.JSONDecodeError, ValueError) as e:
         raise HttpError(400, "malformed_body", f"bad subscription: {e}") from None
+    if sub.url is not None:
+        try:  # (it may ask DNS)
+            await asyncio.to_thread(st.config.push_allow.check, sub.url)
+        except ValueError as e:
+            raise HttpError(400, "push_not_allowed", f"bad subscription: {e}") from None
     store = await asyncio.to_thread(st.sub_store, feed)
     existed = name in store.subs
     await asyncio.to_thread(store.put, sub)

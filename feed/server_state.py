@@ -4,7 +4,7 @@ and subscription stores every endpoint uses (``feed/server.py`` assembles the ap
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 from aiohttp import web
@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from protocol import CheckpointError
 from protocol._http import HttpError
+from protocol.destinations import DEFAULT_PUSH_ALLOW, Destinations
 
 from .log import log_root, valid_feed_name
 from .reader import FeedReader
@@ -36,6 +37,8 @@ class ServerConfig:
     #: (milliseconds with the wallclock clock) and compact what is older; None: keep all
     retain: int | None = None
     compact_seconds: float = COMPACT_SECONDS
+    #: where push subscriptions may point (``--push-allow``; protocol/destinations.py)
+    push_allow: Destinations = field(default_factory=lambda: Destinations.parse(DEFAULT_PUSH_ALLOW))
 
 
 class Metrics:

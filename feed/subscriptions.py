@@ -27,7 +27,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 def valid_subscription(name: str) -> bool:
-    return bool(_NAME.match(name)) and ".." not in name
+    return bool(_NAME.fullmatch(name)) and ".." not in name
 
 
 @dataclass(slots=True)
@@ -127,4 +127,5 @@ class SubscriptionStore:
         return min(acks) if acks else None
 
     def _write(self, sub: Subscription) -> None:
-        self.log.write_bytes(f"{self.dir}/{sub.name}.json", orjson.dumps(asdict(sub)))
+        # (it may hold the receiver's bearer token)
+        self.log.write_bytes(f"{self.dir}/{sub.name}.json", orjson.dumps(asdict(sub)), private=True)

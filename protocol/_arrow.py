@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from .codecs import MAX_UPDATES_PER_MESSAGE, Codec, Decoder, Encoder, check_field_names
 from .errors import CodecError
-from .messages import Message, Progress, Updates, update_schema
+from .messages import Message, Progress, Updates, columns_problem, update_schema
 from .schema import arrow_to_avro
 
 __all__ = ["PROGRESS_KEY", "ArrowCodec"]
@@ -104,7 +104,16 @@ class ArrowDecoder(Decoder):
                     f"cannot read batch: {e}", fmt="arrow", position=self.position
                 ) from e
             index += 1
+            try:
+                # row counts, offsets and buffers as the batch claims them, checked before
+                # anything reads it (a patched count made reads run past the body)
+                batch.validate(full=True)
+            except (pa.ArrowException, ValueError) as e:
+                raise CodecError(f"invalid batch: {e}", fmt="arrow", position=self.position) from e
             if batch.num_rows:
+                why = columns_problem(batch)
+                if why is not None:
+                    raise CodecError(why, fmt="arrow", position=self.position)
                 for name, i in columns:
                     if batch.column(i).null_count:
                         raise CodecError(

@@ -14,7 +14,7 @@ import pyarrow as pa
 from ._avro_columns import avro_long, encode_update_array
 from .codecs import MAX_UPDATES_PER_MESSAGE, Codec, Decoder, Encoder
 from .errors import CodecError
-from .messages import Message, Progress, Updates, rows_to_table
+from .messages import Message, Progress, Updates, rows_to_table, wire_rows_problem
 from .schema import CDC_NAMESPACE, avro_to_arrow, cdcv2_schema, record_schema_of
 
 __all__ = ["AvroCodec"]
@@ -113,6 +113,65 @@ def _check_cdcv2(schema: Any) -> None:
         )
 
 
+#: block codecs a body may use (others, bzip2 and xz among them, inflate to far more than
+#: they weigh and cost more to undo than the body is worth)
+ALLOWED_CODECS = ("null", "deflate")
+
+
+def _check_safe(reader: Any) -> None:
+    """Refuse a writer schema that refers to itself (a record nested in itself can be as
+    deep as the body is long, and decoding it recursed until the process died) and a block
+    codec not in :data:`ALLOWED_CODECS`."""
+    codec = str(getattr(reader, "codec", "null"))
+    if codec not in ALLOWED_CODECS:
+        raise CodecError(
+            f"block codec {codec!r} is not accepted (use {' or '.join(ALLOWED_CODECS)})",
+            fmt="avro",
+            position="header",
+        )
+    name = _recursive(reader.writer_schema, ())
+    if name is not None:
+        raise CodecError(
+            f"the writer schema's type {name!r} contains itself: recursive types are refused",
+            fmt="avro",
+            position="header",
+        )
+
+
+def _recursive(schema: Any, path: tuple[str, ...], namespace: str = "") -> str | None:
+    """The first named type inside ``schema`` that refers to one it is nested in."""
+    if isinstance(schema, str):
+        full = schema if "." in schema or not namespace else f"{namespace}.{schema}"
+        return schema if schema in path or full in path else None
+    if isinstance(schema, list):
+        for branch in schema:
+            found = _recursive(branch, path, namespace)
+            if found is not None:
+                return found
+        return None
+    if not isinstance(schema, dict):
+        return None
+    kind = schema.get("type")
+    if kind in ("record", "error", "enum", "fixed"):
+        name = str(schema.get("name", ""))
+        namespace = str(schema.get("namespace", namespace) or "")
+        full = name if "." in name or not namespace else f"{namespace}.{name}"
+        path = (*path, name, full)
+    if kind in ("record", "error"):
+        for f in schema.get("fields") or ():
+            found = _recursive(f.get("type") if isinstance(f, dict) else None, path, namespace)
+            if found is not None:
+                return found
+        return None
+    if kind == "array":
+        return _recursive(schema.get("items"), path, namespace)
+    if kind == "map":
+        return _recursive(schema.get("values"), path, namespace)
+    if isinstance(kind, dict | list):
+        return _recursive(kind, path, namespace)
+    return None
+
+
 class AvroDecoder(Decoder):
     fmt = "avro"
 
@@ -125,6 +184,7 @@ class AvroDecoder(Decoder):
                 f"not an Avro object container: {e!r}", fmt="avro", position=self.position
             ) from e
         _check_cdcv2(reader.writer_schema)
+        _check_safe(reader)
         self._schema = record_schema_of(reader.writer_schema)
         index = 0
         it = iter(reader)
@@ -139,6 +199,9 @@ class AvroDecoder(Decoder):
                     f"cannot read datum: {e!r}", fmt="avro", position=self.position
                 ) from e
             if isinstance(datum, list):
+                why = wire_rows_problem(datum)
+                if why is not None:
+                    raise CodecError(why, fmt="avro", position=self.position)
                 yield Updates.from_rows(datum)
             else:
                 yield Progress.from_wire(datum, fmt="avro", position=self.position)

@@ -106,15 +106,21 @@ async def error_middleware(
 
 def token_middleware(token: str | None) -> Callable[..., Any]:
     """Require ``Authorization: Bearer <token>`` on every path but ``/healthz``."""
-    expected = f"Bearer {token}".encode() if token else None
+    expected = token.encode() if token else None
 
     @web.middleware
     async def check(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         if expected is not None and request.path != "/healthz":
-            got = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
+            # the scheme is case-insensitive (RFC 9110); a header that is not UTF-8 text
+            # is a wrong token, never a server error
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            try:
+                got = given.strip().encode()
+            except UnicodeEncodeError:
+                got = b""
+            if scheme.lower() != "bearer" or not hmac.compare_digest(got, expected):
                 raise HttpError(
                     401,
                     "unauthorized",

@@ -28,7 +28,7 @@ import pyarrow.json as pa_json
 from .codecs import Codec, Decoder, Encoder, check_field_names
 from .errors import CodecError, Compacted
 from .jsontext import json_objects, span
-from .messages import INT64_MAX, INT64_MIN, Message, Progress, Updates, _json_default
+from .messages import Message, Progress, Updates, _json_default, wire_rows_problem
 
 __all__ = ["NdjsonCodec"]
 
@@ -77,22 +77,6 @@ def _columnar_line(updates: Updates) -> bytes | None:
     return b"".join((b'{"updates":[', text[:-1], b"]}"))
 
 
-def _bad_rows(rows: list[Any]) -> str | None:
-    """Why a list of wire updates is malformed, or ``None``. One cheap pass, no allocation."""
-    for i, r in enumerate(rows):
-        if type(r) is not dict:
-            return f"updates[{i}] is not an object"
-        t, d = r.get("time"), r.get("diff")
-        if type(t) is not int or type(d) is not int or type(r.get("data")) is not dict:
-            return (
-                f"updates[{i}] must have an object 'data' and integer 'time' and 'diff', "
-                f"got {orjson.dumps(r)[:120].decode(errors='replace')}"
-            )
-        if not (0 <= t <= INT64_MAX and INT64_MIN <= d <= INT64_MAX):
-            return f"updates[{i}] time {t} or diff {d} is outside the 64-bit range"
-    return None
-
-
 class NdjsonDecoder(Decoder):
     fmt = "ndjson"
 
@@ -124,7 +108,7 @@ class NdjsonDecoder(Decoder):
                     raise CodecError(
                         "'updates' must be a list", fmt="ndjson", position=self.position
                     )
-                why = _bad_rows(rows)
+                why = wire_rows_problem(rows)
                 if why:
                     raise CodecError(why, fmt="ndjson", position=self.position)
                 yield Updates.from_rows(rows)
@@ -252,6 +236,101 @@ def _update_batches(column: pa.ChunkedArray) -> list[pa.Table | None] | None:
     return out
 
 
+#: the deepest nesting of objects and arrays a body may have: a record's own columns
+#: (structs in lists in maps …) come far below it; pyarrow's JSON reader crashed the
+#: process on bodies nested some 20,000 deep
+MAX_DEPTH = 64
+
+
+_CHUNK = 1 << 22  # bytes a nesting scan looks at at once: its memory stays bounded
+
+
+def nesting_check(body: bytes) -> None:
+    """Raise :class:`CodecError` when ``body`` nests objects and arrays deeper than
+    :data:`MAX_DEPTH`, naming the line. Columnar, over the positions of brackets and
+    quotes only, in chunks of :data:`_CHUNK` bytes: brackets inside strings do not count,
+    nor quotes escaped by an odd run of backslashes."""
+    if b"\\" not in body:
+        # no escapes: only brackets and quotes matter, and deleting every other byte (at C
+        # speed) leaves a far shorter text to scan; a body found too deep is scanned again
+        # whole, to name the line
+        # (two quotes side by side, an empty string's or a string's end and the next
+        # one's start, change no bracket's side of a string: dropped too)
+        brackets = body.translate(None, _NOT_STRUCTURAL).replace(b'""', b"")
+        if b'"' not in brackets:  # the usual case: no bracket inside a string
+            steps = _STEP[np.frombuffer(brackets, dtype=np.uint8)]
+            if not len(steps) or int(np.cumsum(steps, dtype=np.int64).max()) <= MAX_DEPTH:
+                return
+        try:
+            _scan(brackets)
+            return
+        except CodecError:
+            pass
+    _scan(body)
+
+
+#: every byte but brackets and quotes (deleted before a scan of a body without escapes)
+_NOT_STRUCTURAL = bytes(c for c in range(256) if c not in b'[]{}"')
+
+
+def _scan(body: bytes) -> None:
+    """:func:`nesting_check` on ``body`` as it is."""
+    b = np.frombuffer(body, dtype=np.uint8)
+    depth, inside = 0, 0  # carried from chunk to chunk
+    for at in range(0, len(b), _CHUNK):
+        kind = _KIND[b[at : at + _CHUNK]]  # one pass: what each byte is to this scan
+        marks = np.flatnonzero(kind)
+        kinds = kind[marks]
+        real = _real_quotes(b, marks[kinds == 3], at)
+        if inside:
+            real = np.concatenate(([-1], real))  # a string open since an earlier chunk
+        opens, closes = marks[kinds == 1], marks[kinds == 2]
+        opens = opens[np.searchsorted(real, opens) % 2 == 0]
+        closes = closes[np.searchsorted(real, closes) % 2 == 0]
+        # the depth after each open: the opens up to it less the closes before it
+        levels = depth + np.arange(1, len(opens) + 1) - np.searchsorted(closes, opens)
+        if len(levels) and int(levels.max()) > MAX_DEPTH:
+            where = at + int(opens[int(np.argmax(levels > MAX_DEPTH))])
+            line = int(np.count_nonzero(b[:where] == 10)) + 1
+            raise CodecError(
+                f"nested deeper than {MAX_DEPTH} levels of objects and arrays",
+                fmt="ndjson",
+                position=f"line {line}",
+            )
+        depth += len(opens) - len(closes)
+        inside = len(real) % 2
+
+
+#: what a byte is to :func:`nesting_check`: 1 an opening bracket, 2 a closing one, 3 a quote
+_KIND = np.zeros(256, dtype=np.uint8)
+_KIND[[0x7B, 0x5B]] = 1
+_KIND[[0x7D, 0x5D]] = 2
+_KIND[0x22] = 3
+#: a bracket's step in depth
+_STEP = np.zeros(256, dtype=np.int8)
+_STEP[[0x7B, 0x5B]] = 1
+_STEP[[0x7D, 0x5D]] = -1
+
+
+def _real_quotes(b: np.ndarray, quotes: np.ndarray, at: int) -> np.ndarray:
+    """The quotes (positions in the chunk at ``at``) that are not escaped: a quote is
+    escaped by an odd run of backslashes just before it (rare: looked at one by one)."""
+    if not len(quotes):
+        return quotes
+    glob = quotes + at
+    after_bs = glob > 0
+    after_bs[after_bs] = b[glob[after_bs] - 1] == 0x5C
+    if not after_bs.any():
+        return quotes
+    keep = np.ones(len(quotes), dtype=bool)
+    for i in np.flatnonzero(after_bs):
+        j = int(glob[i]) - 1
+        while j >= 0 and b[j] == 0x5C:
+            j -= 1
+        keep[i] = (int(glob[i]) - 1 - j) % 2 == 0
+    return quotes[keep]
+
+
 def _decode_columnar(
     body: bytes, record: pa.DataType | None = None
 ) -> tuple[list[Message], pa.DataType | None] | None:
@@ -319,6 +398,7 @@ class NdjsonCodec(Codec):
         return NdjsonDecoder(stream, schema=schema)
 
     def decode(self, body: bytes, *, schema: Any = None) -> list[Message]:
+        nesting_check(body)
         if schema is None and body:
             try:
                 decoded = _decode_columnar(body, self._record)

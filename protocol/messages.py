@@ -23,10 +23,13 @@ from typing import Any, TypeAlias
 
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .errors import CodecError
 
 __all__ = [
+    "columns_problem",
+    "wire_rows_problem",
     "Message",
     "Progress",
     "Update",
@@ -42,6 +45,35 @@ WireRow: TypeAlias = dict[str, Any]
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+
+
+def wire_rows_problem(rows: list[Any]) -> str | None:
+    """Why a list of wire updates is malformed, or ``None``: every format's rule for
+    ``time`` (0 to 2^63 - 1) and ``diff`` (64-bit). One cheap pass, no allocation."""
+    for i, r in enumerate(rows):
+        if type(r) is not dict:
+            return f"updates[{i}] is not an object"
+        t, d = r.get("time"), r.get("diff")
+        if type(t) is not int or type(d) is not int or type(r.get("data")) is not dict:
+            return (
+                f"updates[{i}] must have an object 'data' and integer 'time' and 'diff', "
+                f"got {orjson.dumps(r)[:120].decode(errors='replace')}"
+            )
+        if not (0 <= t <= INT64_MAX and INT64_MIN <= d <= INT64_MAX):
+            return f"updates[{i}] time {t} or diff {d} is outside the 64-bit range"
+    return None
+
+
+def columns_problem(table: pa.Table | pa.RecordBatch) -> str | None:
+    """:func:`wire_rows_problem`'s rule for ``time`` and ``diff`` on Arrow columns."""
+    for name, low in (("time", 0), ("diff", INT64_MIN)):
+        col = table.column(name)
+        if not len(col) or not pa.types.is_integer(col.type):
+            continue
+        lo, hi = pc.min_max(col).values()
+        if lo.as_py() is not None and (lo.as_py() < low or hi.as_py() > INT64_MAX):
+            return f"'{name}' from {lo.as_py()} to {hi.as_py()} is outside its range"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,13 +10,21 @@ worker thread. Answers map to errors a publisher can act on:
 * 413 -> :class:`PushRejected` with ``retry=True`` and ``status`` 413: send smaller bodies;
 * 429, 503, 5xx, connection errors, time-outs -> :class:`PushRejected` with ``retry=True``
   (and ``retry_after`` when the receiver says);
-* any other 4xx -> :class:`PushRejected` with ``fatal=True``: stop the subscription and log why.
+* any other 4xx, and a 3xx (redirects are never followed) -> :class:`PushRejected` with
+  ``fatal=True``: stop the subscription and log why.
+
+With ``allow`` (:class:`~protocol.destinations.Destinations`) the client connects only to
+allowed addresses. An answer is read up to :data:`MAX_ANSWER_BYTES`, and only its status and
+error code go into a :class:`PushRejected`, never its text.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import ipaddress
+import re
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,12 +33,25 @@ import aiohttp
 import orjson
 
 from .codecs import get_codec
+from .destinations import AllowedResolver, Destinations
 from .errors import TidefeedError
 from .messages import Message
 
 __all__ = ["Ack", "PushClient", "PushRejected"]
 
 EPOCH_HEADER = "Tidefeed-Epoch"
+#: the most of a receiver's answer read (an ACK is a few dozen bytes)
+MAX_ANSWER_BYTES = 1 << 16
+_CODE = re.compile(r"[a-z][a-z0-9_]{0,39}")
+_REASONS = {3: "redirects are not followed", 4: "refused", 5: "receiver error"}
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +93,10 @@ class PushClient:
         token: str | None = None,
         timeout: float = 60.0,
         session: aiohttp.ClientSession | None = None,
+        allow: Destinations | None = None,
     ) -> None:
         self.url = url
+        self.allow = allow
         self.codec = get_codec(fmt)
         self.schema = schema
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -84,7 +107,17 @@ class PushClient:
 
     async def __aenter__(self) -> PushClient:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            connector = None
+            if self.allow is not None:
+                host = urllib.parse.urlsplit(self.url).hostname or ""
+                literal = not self.allow.allows_name(host) and _is_address(host)
+                if literal and not self.allow.allows_address(host):
+                    raise PushRejected(
+                        f"{self.url}: {host} is not an allowed push destination (--push-allow)",
+                        fatal=True,
+                    )
+                connector = aiohttp.TCPConnector(resolver=AllowedResolver(self.allow))
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         return self
 
     async def __aexit__(self, *_: object) -> None:
@@ -133,8 +166,15 @@ class PushClient:
         try:
             # a file-like body is streamed in chunks; bytes would be written in one go
             data = io.BytesIO(body) if body is not None else None
-            async with self.session.request(method, self.url, data=data, headers=headers) as r:
-                raw = await r.read()
+            # redirects are not followed: a push goes where its URL says, nowhere else
+            async with self.session.request(
+                method, self.url, data=data, headers=headers, allow_redirects=False
+            ) as r:
+                raw = await r.content.read(MAX_ANSWER_BYTES + 1)
+                if len(raw) > MAX_ANSWER_BYTES:
+                    raise PushRejected(
+                        f"{self.url}: answer larger than {MAX_ANSWER_BYTES} bytes", retry=True
+                    )
                 if body is not None:
                     self.bytes_sent += len(body)
                 if r.status == 200:
@@ -150,12 +190,19 @@ class PushClient:
 
 
 def _rejection(url: str, status: int, raw: bytes, retry_after: str | None) -> PushRejected:
+    """What a non-200 answer means. Only its status and an error code of the protocol's
+    shape are kept: the answer's text is the receiver's (any server's, for a subscription
+    URL), and the message ends up in a subscription's public status and in logs."""
+    code = ""
     try:
         obj = orjson.loads(raw)
-        code, detail = str(obj.get("error", "")), str(obj.get("detail", ""))
+        code = str(obj.get("error", ""))
     except (orjson.JSONDecodeError, AttributeError):
-        code, detail = "", raw[:200].decode(errors="replace")
-    msg = f"{url}: {status} {code}: {detail}"
+        pass
+    if not _CODE.fullmatch(code):
+        code = ""
+    reason = _REASONS.get(status // 100, "refused")
+    msg = f"{url}: HTTP {status}{f' {code}' if code else ''} ({reason})"
     after = None
     if retry_after:
         try:

@@ -95,7 +95,7 @@ CONFIG = web.AppKey("config", ReceiverConfig)
 
 def _feed(request: web.Request) -> str:
     name = request.match_info["feed"]
-    if not FEED_NAME.match(name) or ".." in name:
+    if not FEED_NAME.fullmatch(name) or ".." in name:
         raise HttpError(404, "unknown_feed", f"{name!r} is not a valid feed name")
     return name
 

@@ -1,0 +1,171 @@
+"""Bodies built to hurt a decoder: each is a CodecError naming what is wrong, never a
+crash, a hang or a value taken as something else (issue 29)."""
+
+from __future__ import annotations
+
+import io
+
+import fastavro
+import orjson
+import pyarrow as pa
+import pytest
+
+from protocol import CodecError, Progress, Update, Updates, cdcv2_schema, get_codec
+
+RECORD = {"type": "record", "name": "data", "fields": [{"name": "id", "type": "long"}]}
+
+
+def _avro(rows, *, schema=None, codec="null") -> bytes:
+    buf = io.BytesIO()
+    fastavro.writer(buf, fastavro.parse_schema(schema or cdcv2_schema(RECORD)), rows, codec=codec)
+    return buf.getvalue()
+
+
+def _arrow(time: pa.Array, diff: pa.Array, data: pa.Array | None = None) -> bytes:
+    data = data if data is not None else pa.array([{"id": i} for i in range(len(time))])
+    batch = pa.record_batch([data, time, diff], names=["data", "time", "diff"])
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+@pytest.mark.parametrize(
+    ("time", "diff", "says"),
+    [
+        (-1, 1, "time -1"),
+        (-(2**63), 1, "outside the 64-bit range"),
+        (5, 2**63, None),  # not representable as a long: fastavro refuses to write it
+    ],
+)
+def test_avro_times_and_diffs_out_of_range(time, diff, says):
+    if says is None:
+        with pytest.raises((ValueError, OverflowError)):
+            _avro([[{"data": {"id": 1}, "time": time, "diff": diff}]])
+        return
+    body = _avro([[{"data": {"id": 1}, "time": time, "diff": diff}]])
+    with pytest.raises(CodecError, match=says):
+        get_codec("avro").decode(body)
+
+
+def test_avro_recursive_writer_schema_is_refused():
+    node = {
+        "type": "record",
+        "name": "node",
+        "fields": [{"name": "next", "type": ["null", "node"]}],
+    }
+    record = {"type": "record", "name": "data", "fields": [{"name": "n", "type": node}]}
+    deep: dict = {"next": None}
+    for _ in range(50):
+        deep = {"next": deep}
+    body = _avro([[{"data": {"n": deep}, "time": 1, "diff": 1}]], schema=cdcv2_schema(record))
+    with pytest.raises(CodecError, match="contains itself"):
+        get_codec("avro").decode(body)
+
+
+@pytest.mark.parametrize("codec", ["bzip2", "xz"])
+def test_avro_codecs_that_inflate_cheaply_are_refused(codec):
+    body = _avro([[{"data": {"id": 1}, "time": 1, "diff": 1}]], codec=codec)
+    with pytest.raises(CodecError, match="not accepted"):
+        get_codec("avro").decode(body)
+
+
+def test_avro_deflate_and_null_still_decode():
+    rows = [
+        [{"data": {"id": 1}, "time": 1, "diff": 1}],
+        {"lower": [0], "upper": [2], "counts": [{"time": 1, "count": 1}]},
+    ]
+    for codec in ("null", "deflate"):
+        messages = get_codec("avro").decode(_avro(rows, codec=codec))
+        assert [len(m) if isinstance(m, Updates) else m for m in messages] == [
+            1,
+            Progress(0, 2, ((1, 1),)),
+        ]
+
+
+@pytest.mark.parametrize(
+    ("time", "diff", "says"),
+    [
+        (pa.array([3, -1], pa.int64()), pa.array([1, 1], pa.int64()), "'time' from -1"),
+        (pa.array([2**63], pa.uint64()), pa.array([1], pa.int64()), "'time'"),
+        (pa.array([1], pa.int64()), pa.array([2**63], pa.uint64()), "'diff'"),
+    ],
+)
+def test_arrow_times_and_diffs_out_of_range(time, diff, says):
+    with pytest.raises(CodecError, match=says):
+        get_codec("arrow").decode(_arrow(time, diff))
+
+
+def test_arrow_batch_whose_buffers_do_not_match_its_counts_is_refused():
+    """A string column whose offsets, patched in the body, point past its data: reading
+    it would run past the body; full validation refuses it first."""
+    data = pa.array([{"id": 1, "s": "ab"}, {"id": 2, "s": "cd"}])
+    body = _arrow(pa.array([1, 1], pa.int64()), pa.array([1, 1], pa.int64()), data)
+    offsets = pa.array([0, 2, 4], pa.int32()).buffers()[1].to_pybytes()
+    assert body.count(offsets) == 1
+    patched = body.replace(offsets, pa.array([0, 2, 4000], pa.int32()).buffers()[1].to_pybytes())
+    with pytest.raises(CodecError, match="invalid batch"):
+        get_codec("arrow").decode(patched)
+
+
+def test_a_valid_arrow_body_still_decodes():
+    messages = get_codec("arrow").decode(
+        get_codec("arrow").encode(
+            [Updates.of([Update({"id": 1}, 4, 1)]), Progress(0, 5, ((4, 1),))],
+            schema=RECORD,
+        )
+    )
+    assert [len(m) if isinstance(m, Updates) else m for m in messages] == [
+        1,
+        Progress(0, 5, ((4, 1),)),
+    ]
+
+
+def test_ndjson_nested_too_deep_is_refused_before_any_parser_sees_it():
+    deep = (
+        b'{"updates": [{"data": {"a": '
+        + b"[" * 30_000
+        + b"]" * 30_000
+        + b'}, "time": 1, "diff": 1}]}\n'
+    )
+    ok = b'{"progress": {"lower": [0], "upper": [1], "counts": []}}\n'
+    with pytest.raises(CodecError, match="nested deeper than 64") as e:
+        get_codec("ndjson").decode(ok + deep)
+    assert "line 2" in str(e.value)
+
+
+def test_ndjson_brackets_and_escaped_quotes_inside_strings_do_not_count():
+    text = '\\"' + "[" * 200 + "\\\\"  # an escaped quote, brackets, an escaped backslash
+    body = (
+        b'{"updates": [{"data": {"s": '
+        + orjson.dumps(text)
+        + b'}, "time": 1, "diff": 1}]}\n{"progress": {"lower": [0], "upper": [2], '
+        b'"counts": [{"time": 1, "count": 1}]}}\n'
+    )
+    messages = get_codec("ndjson").decode(body)
+    assert next(iter(messages[0])).record == {"s": text}
+    assert messages[1] == Progress(0, 2, ((1, 1),))
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1 << 20])
+def test_ndjson_nesting_scan_is_the_same_whatever_its_chunks(monkeypatch, chunk):
+    from protocol import _ndjson
+
+    monkeypatch.setattr(_ndjson, "_CHUNK", chunk)
+    tricky = orjson.dumps({"s": '\\"[[[' * 40 + "\\\\", "t": ["]" * 70]})
+    _ndjson.nesting_check(tricky * 3)  # no structure deeper than 2
+    flat = b"[" * 64 + b"]" * 64
+    _ndjson.nesting_check(flat)  # exactly at the limit
+    with pytest.raises(CodecError, match="line 3"):
+        _ndjson.nesting_check(tricky + b"\n" + tricky + b"\n[" + flat + b"]\n")
+
+
+def test_ndjson_without_escapes_brackets_in_strings_do_not_count():
+    from protocol import _ndjson
+
+    body = orjson.dumps({"s": "[" * 100, "t": "", "u": ["]]]", {"v": "{{{" * 30}]}) + b"\n"
+    assert b"\\" not in body
+    _ndjson.nesting_check(body * 5)
+    deep = b'{"s": "]]]]", "a": ' + b"[" * 65 + b"]" * 65 + b"}\n"
+    with pytest.raises(CodecError, match="line 2"):
+        _ndjson.nesting_check(body + deep)
