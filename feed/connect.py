@@ -138,28 +138,26 @@ def connect_to_avro(fields: list[dict[str, Any]], name: str) -> dict[str, Any]:
     return {"type": "record", "name": name, "fields": out}
 
 
-def connect_names(schema: dict[str, Any]) -> dict[str, str]:
-    """Each top-level field's ``connect.name`` (how Debezium encodes its value), if any."""
+def _top_level(schema: dict[str, Any], attribute: str, kind: type) -> dict[str, Any]:
+    """Each top-level field's ``attribute`` (of type ``kind``) in its (nullable) type."""
     out = {}
     for f in schema.get("fields", []):
         t = f.get("type")
         if isinstance(t, list):
             t = next((b for b in t if b != "null"), None)
-        if isinstance(t, dict) and isinstance(t.get(CONNECT_NAME), str):
-            out[f["name"]] = t[CONNECT_NAME]
+        if isinstance(t, dict) and isinstance(t.get(attribute), kind):
+            out[f["name"]] = t[attribute]
     return out
+
+
+def connect_names(schema: dict[str, Any]) -> dict[str, str]:
+    """Each top-level field's ``connect.name`` (how Debezium encodes its value), if any."""
+    return _top_level(schema, CONNECT_NAME, str)
 
 
 def connect_scales(schema: dict[str, Any]) -> dict[str, int]:
     """Each top-level field's :data:`CONNECT_SCALE` (a decimal held as text), if any."""
-    out = {}
-    for f in schema.get("fields", []):
-        t = f.get("type")
-        if isinstance(t, list):
-            t = next((b for b in t if b != "null"), None)
-        if isinstance(t, dict) and isinstance(t.get(CONNECT_SCALE), int):
-            out[f["name"]] = t[CONNECT_SCALE]
-    return out
+    return _top_level(schema, CONNECT_SCALE, int)
 
 
 def as_strings(t: T.StructType) -> T.StructType:

@@ -171,6 +171,23 @@ def unfit_shape(
     )
 
 
+def _first_of_shape(changes: Any, shape: int) -> Any:
+    """Where the source transaction of the first event of table shape ``shape`` begins
+    (``ord_file``, ``ord_row``, ``_file``): from there on, everything is held back (DDL may
+    sit between two changes of one PostgreSQL transaction)."""
+    from pyspark.sql import functions as F
+
+    at = F.struct("ord_file", "ord_row", "_file")
+    txn = (
+        changes.where(F.col("_shape") == F.lit(shape))
+        .agg(F.min(F.struct(at.alias("at"), F.col("txn"))).alias("m"))
+        .collect()[0]["m"]
+    )
+    return (
+        changes.where(F.col("txn") == F.lit(txn["txn"])).agg(F.min(at).alias("m")).collect()[0]["m"]
+    )
+
+
 def read_input(
     ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str], *, more: bool
 ) -> ReadChanges | object | None:
@@ -209,39 +226,10 @@ def read_input(
         from .state import bucket_of
 
         buckets = ctx.state.buckets(cp.state) if keyed else None
-        # the counts and the state buckets come with the transaction figures: one job
-        assembled = assemble(
-            good,
-            cp.source.get("pos", [0, 0]),
-            snapshot_lsn=cp.source.get("snapshot_lsn"),
-            new_feed="snapshot_lsn" not in cp.source,
-            logger=ctx.log,
-            feed=cfg.feed,
-            bucket=bucket_of(image, ctx.info.key, buckets) if buckets else None,
-            also=_tally(changes.groupBy("_file", "_skip"), F.lit(False)),
-        )
-        touched, tally_rows = assembled.buckets, list(assembled.also)
-        unfit = unfit_shape(ctx, files, (h for r in tally_rows for h in r["shapes"] or ()))
-        if unfit is not None:
-            # commit what was delivered before the table changed shape, then stop there
-            from .shapes import shape_error
 
-            # (from the start of the source transaction of its first event: DDL may sit
-            # between two changes of one PostgreSQL transaction)
-            at = F.struct("ord_file", "ord_row", "_file")
-            txn = (
-                changes.where(F.col("_shape") == F.lit(unfit[0]))
-                .agg(F.min(F.struct(at.alias("at"), F.col("txn"))).alias("m"))
-                .collect()[0]["m"]
-            )
-            first = (
-                changes.where(F.col("txn") == F.lit(txn["txn"]))
-                .agg(F.min(at).alias("m"))
-                .collect()[0]["m"]
-            )
-            for df in assembled.cached:
-                df.unpersist()
-            assembled = assemble(
+        def assembled_with(hold_at: tuple[int, int] | None = None) -> Any:
+            # the counts and the state buckets come with the transaction figures: one job
+            return assemble(
                 good,
                 cp.source.get("pos", [0, 0]),
                 snapshot_lsn=cp.source.get("snapshot_lsn"),
@@ -250,8 +238,21 @@ def read_input(
                 feed=cfg.feed,
                 bucket=bucket_of(image, ctx.info.key, buckets) if buckets else None,
                 also=_tally(changes.groupBy("_file", "_skip"), F.lit(False)),
-                hold_at=(first["ord_file"], first["ord_row"]),
+                hold_at=hold_at,
             )
+
+        assembled = assembled_with()
+        shape_held: frozenset[str] = frozenset()
+        touched, tally_rows = assembled.buckets, list(assembled.also)
+        unfit = unfit_shape(ctx, files, (h for r in tally_rows for h in r["shapes"] or ()))
+        if unfit is not None:
+            # commit what was delivered before the table changed shape, then stop there
+            from .shapes import shape_error
+
+            first = _first_of_shape(changes, unfit[0])
+            for df in assembled.cached:
+                df.unpersist()
+            assembled = assembled_with((first["ord_file"], first["ord_row"]))
             touched, tally_rows = assembled.buckets, list(assembled.also)
             if not assembled.ready:
                 for df in (changes, *assembled.cached):
@@ -264,7 +265,17 @@ def read_input(
                 base_name(first["_file"]),
                 unfit[1].describe(),
             )
-        good, held_files = assembled.changes, assembled.held_files
+            # every file from there on is read again (and none of its rows quarantined: a
+            # row of the new shape may not fit the old record, and its transaction's END
+            # may sit in a later file than the row)
+            shape_held = frozenset(
+                r["_file"]
+                for r in changes.where(F.col("ord_file") >= F.lit(first["ord_file"]))
+                .select("_file")
+                .distinct()
+                .collect()
+            )
+        good, held_files = assembled.changes, assembled.held_files | shape_held
         order, position = assembled.order, assembled.position
         bad = bad.unionByName(assembled.bad)
         held, redelivered = assembled.held, assembled.redelivered

@@ -18,12 +18,15 @@ Skipped only where PostgreSQL or the postgres extra is absent; ``.ci/run`` sets
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -197,6 +200,33 @@ class Capture:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=60)
+
+    def finish(self, ends: int) -> None:
+        """Once ``ends`` END records are written (and a moment for the batch holding the
+        last), stop the capture."""
+        self.wait_for('"status":"END"', times=ends)
+        time.sleep(1)
+        assert self.stop() in (0, 143)
+
+
+@contextlib.contextmanager
+def cluster_and_capture(out: Path, logs: Path, tables: str) -> Iterator[tuple[Capture, Any]]:
+    """A throwaway cluster, a capture of ``tables`` into ``out`` (the caller starts it) and
+    an autocommit cursor; the capture and the cluster are gone afterwards."""
+    _require()
+    import psycopg2
+
+    pg = TempPostgres().start()
+    capture = Capture(pg, out, logs, tables=tables)
+    try:
+        conn = psycopg2.connect(pg.dsn)
+        conn.autocommit = True
+        yield capture, conn.cursor()
+        conn.close()
+    finally:
+        if capture.proc is not None and capture.proc.poll() is None:
+            capture.proc.kill()
+        pg.stop()
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,15 @@ whose values still read as the feed's types (varchar(n) to text, a new default) 
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import pytest
 
-from feed.pgtemp import TempPostgres, feed_multiset, table_multiset
+from feed.pgtemp import feed_multiset, table_multiset
 from feed.reader import FeedReader
 from protocol import SourceError, check_messages
 
-from .test_postgres import Capture, _require
+from .test_postgres import cluster_and_capture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -45,17 +44,10 @@ def _row(table: str, i: int) -> str:
 def altered(tmp_path_factory):
     """Capture four tables through a change of each one's shape; the truths of each table
     after each PostgreSQL transaction before its change."""
-    _require()
-    import psycopg2
-
     tmp = tmp_path_factory.mktemp("pgschema")
-    pg = TempPostgres().start()
-    capture = Capture(pg, tmp / "src", tmp, tables=",".join(f"public.{t}" for t in TABLES))
     truths: dict[str, list[Counter]] = {t: [] for t in TABLES}
-    try:
-        conn = psycopg2.connect(pg.dsn)
-        conn.autocommit = True
-        cur = conn.cursor()
+    tables = ",".join(f"public.{t}" for t in TABLES)
+    with cluster_and_capture(tmp / "src", tmp, tables) as (capture, cur):
         for t, (ddl, _) in TABLES.items():
             cur.execute(f"CREATE TABLE {t} ({ddl})")
             cur.execute(f"INSERT INTO {t} VALUES {_row(t, 1)}, {_row(t, 2)}")
@@ -76,14 +68,7 @@ def altered(tmp_path_factory):
         cur.execute("INSERT INTO widen VALUES (5, 'big', 1099511627776)")
         cur.execute("INSERT INTO renamed VALUES (5, 'new')")
         capture.wait_for('"id":5', times=4)
-        capture.wait_for('"status":"END"', times=4 + 1 + 4)
-        time.sleep(1)
-        assert capture.stop() in (0, 143)
-        conn.close()
-    finally:
-        if capture.proc is not None and capture.proc.poll() is None:
-            capture.proc.kill()
-        pg.stop()
+        capture.finish(ends=4 + 1 + 4)
     return {"src": capture.out, "tmp": tmp, "truths": truths}
 
 

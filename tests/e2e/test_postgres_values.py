@@ -12,16 +12,15 @@ from __future__ import annotations
 import decimal
 import math
 import struct
-import time
 from collections import Counter
 
 import pytest
 
-from feed.pgtemp import TempPostgres, feed_multiset, normalize, table_multiset
+from feed.pgtemp import feed_multiset, normalize, table_multiset
 from feed.reader import FeedReader
 from protocol import check_messages
 
-from .test_postgres import Capture, _require
+from .test_postgres import cluster_and_capture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -125,22 +124,15 @@ def _differences(got: Counter, truth: Counter, when: str) -> str:
 
 
 def test_values_as_stored(spark, tmp_path):
-    _require()
-    import psycopg2
-
     from tests.feed.model import run_emitter
 
-    pg = TempPostgres().start()
-    capture = Capture(pg, tmp_path / "src", tmp_path, tables="public.vals")
-    try:
-        conn = psycopg2.connect(pg.dsn)
-        conn.autocommit = True
-        cur = conn.cursor()
+    with cluster_and_capture(tmp_path / "src", tmp_path, "public.vals") as (capture, cur):
         cur.execute(SCHEMA_SQL)
         cur.execute(f"INSERT INTO vals ({COLUMNS}) VALUES {ALL_NULL}, {SMALLEST}, {LARGEST}")
         truths = [_normal(table_multiset(cur, "vals"))]
         capture.start()
         capture.wait_for('"snapshot":"last"')
+        conn = cur.connection
         for txn in WORKLOAD:
             conn.autocommit = False
             for sql in txn:
@@ -148,14 +140,7 @@ def test_values_as_stored(spark, tmp_path):
             conn.commit()
             conn.autocommit = True
             truths.append(_normal(table_multiset(cur, "vals")))
-        capture.wait_for('"status":"END"', times=len(WORKLOAD))
-        time.sleep(1)
-        assert capture.stop() in (0, 143)
-        conn.close()
-    finally:
-        if capture.proc is not None and capture.proc.poll() is None:
-            capture.proc.kill()
-        pg.stop()
+        capture.finish(ends=len(WORKLOAD))
 
     e, reports = run_emitter(
         spark,

@@ -525,3 +525,55 @@ def test_follow_warns_when_input_stays_held_back(spark, tmp_path, caplog):
     assert warnings and warnings[0].levelno == logging.WARNING
     assert "part-0.json" in warnings[0].getMessage()
     assert "--tx-metadata" in warnings[0].getMessage()
+
+
+CONNECT_COLUMNS = [
+    {"field": "id", "type": "int64", "optional": False},
+    {"field": "owner", "type": "string", "optional": True},
+    {"field": "doc", "type": "string", "optional": True},
+]
+
+
+def wrapped(ev, columns=CONNECT_COLUMNS):
+    """An event with the JSON converter's schema wrapper (the table's columns in it)."""
+    image = {"type": "struct", "fields": columns, "optional": True}
+    schema = {
+        "type": "struct",
+        "fields": [{**image, "field": "before"}, {**image, "field": "after"}],
+    }
+    return {"schema": schema, "payload": ev}
+
+
+def test_a_new_column_stops_the_feed_after_what_came_before_it(spark, tmp_path):
+    """The first event of the new shape and its END in different files, the event not
+    fitting the old record: nothing of it is committed or quarantined, and the run stops
+    naming the column, every file from it read again."""
+    src = tmp_path / "in"
+    more = [*CONNECT_COLUMNS, {"field": "qty", "type": "int64", "optional": True}]
+    write(
+        src,
+        "part-0.json",
+        [
+            *[wrapped(e) for e in snapshot(1)],
+            wrapped(event("c", {"id": 10, "owner": "a", "doc": None}, 300, xid=7, order=1)),
+            end(7, 310, {"accounts": 1}),
+            wrapped(
+                event(
+                    "c", {"id": 20, "owner": "b", "doc": None, "qty": 2**40}, 400, xid=8, order=1
+                ),
+                more,
+            ),
+        ],
+    )
+    write(src, "part-1.json", [end(8, 410, {"accounts": 1})])
+    e = open_emitter(spark, tmp_path)
+    with pytest.raises(SourceError, match="added qty") as err:
+        e.run()
+    assert "part-0.json" in str(err.value)
+    assert e.pending_files() == [str(src / "part-0.json"), str(src / "part-1.json")]
+    e.close()
+    reader = FeedReader(str(tmp_path / "log"), "t")
+    assert reader.frontier == 3  # the snapshot and transaction 7
+    assert collection_of(reader) == rows((0, "o0", "d0"), (10, "a", None))
+    quarantine = tmp_path / "log" / "t" / "quarantine"
+    assert not quarantine.exists() or not any(quarantine.rglob("*.json"))
