@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 
 from protocol import SourceError
 
-from .dataflow import TxnContext, read_source
+from .dataflow import TxnContext, read_source, unfit_shape
 from .driver_diffs import (
     assign_units,
     complete,
@@ -141,8 +141,8 @@ def run(
     why = _not_plain(t, key)
     if why is not None:
         return _to_spark(ctx, seq, why)
-    if set(pc.unique(t.column("_shape")).to_pylist()) - {None} - ctx.shapes:
-        return _to_spark(ctx, seq, "a source table shape not checked yet")
+    if unfit_shape(ctx, files, pc.unique(t.column("_shape")).to_pylist()) is not None:
+        return _to_spark(ctx, seq, "the source table changed shape")
     record = pa.schema(list(t.schema.field("after").type))
     skipped = Counter(s for s in t.column("_skip").to_pylist() if s is not None)
     data = t.filter(pc.is_in(t.column("op"), pa.array(_DATA_OPS))).to_pylist()
