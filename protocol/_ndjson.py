@@ -16,6 +16,7 @@ would leave it out of the record type) sends it to inference too.
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -28,7 +29,15 @@ import pyarrow.json as pa_json
 from .codecs import Codec, Decoder, Encoder, check_field_names
 from .errors import CodecError, Compacted
 from .jsontext import json_objects, span
-from .messages import Message, Progress, Updates, _json_default, wire_rows_problem
+from .messages import (
+    INT64_MAX,
+    INT64_MIN,
+    Message,
+    Progress,
+    Updates,
+    _json_default,
+    wire_rows_problem,
+)
 
 __all__ = ["NdjsonCodec"]
 
@@ -236,6 +245,52 @@ def _update_batches(column: pa.ChunkedArray) -> list[pa.Table | None] | None:
     return out
 
 
+#: a run of this many digits may be an integer beyond 64 bits (2^63 has 19 digits)
+_LONG_DIGITS = b"1" * 19
+#: digits as b"1", every other byte as b"0"
+_DIGITS = bytes(0x31 if 0x30 <= c <= 0x39 else 0x30 for c in range(256))
+
+
+def text_check(body: bytes) -> None:
+    """Raise :class:`CodecError`, naming the line, for what the JSON readers would take
+    quietly as something else: bytes that are not UTF-8 (pyarrow replaced them with
+    U+FFFD), the non-JSON ``NaN`` and ``Infinity`` (pyarrow took them as floats), and
+    integers beyond 64 bits (both readers made them floats). Bodies that can hold none of
+    these (no such word, no run of 19 digits) pass after a few scans at C speed; the
+    others are read line by line with Python's own JSON reader, which says exactly."""
+    if not body.isascii():
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CodecError(
+                f"invalid UTF-8 at byte {e.start}", fmt="ndjson", position=_line_at(body, e.start)
+            ) from None
+    words = b"NaN" in body or b"Infinity" in body
+    if not words and _LONG_DIGITS not in body.translate(_DIGITS):
+        return
+    for lineno, line in enumerate(body.splitlines(), start=1):
+        try:
+            json.loads(line, parse_int=_int64, parse_constant=_no_constant)
+        except ValueError as e:
+            raise CodecError(str(e), fmt="ndjson", position=f"line {lineno}") from None
+
+
+def _int64(text: str) -> int:
+    v = int(text)
+    if not INT64_MIN <= v <= INT64_MAX:
+        raise ValueError(f"integer {text[:40]} is beyond 64 bits")
+    return v
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (a number must be finite)")
+
+
+def _line_at(body: bytes, at: int) -> str:
+    newline = b"\n"
+    return f"line {body.count(newline, 0, at) + 1}"
+
+
 #: the deepest nesting of objects and arrays a body may have: a record's own columns
 #: (structs in lists in maps …) come far below it; pyarrow's JSON reader crashed the
 #: process on bodies nested some 20,000 deep
@@ -399,6 +454,7 @@ class NdjsonCodec(Codec):
 
     def decode(self, body: bytes, *, schema: Any = None) -> list[Message]:
         nesting_check(body)
+        text_check(body)
         if schema is None and body:
             try:
                 decoded = _decode_columnar(body, self._record)

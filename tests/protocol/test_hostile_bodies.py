@@ -169,3 +169,43 @@ def test_ndjson_without_escapes_brackets_in_strings_do_not_count():
     deep = b'{"s": "]]]]", "a": ' + b"[" * 65 + b"]" * 65 + b"}\n"
     with pytest.raises(CodecError, match="line 2"):
         _ndjson.nesting_check(body + deep)
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (b"12345678901234567890123", "beyond 64 bits"),
+        (b"-9223372036854775809", "beyond 64 bits"),
+        (b"NaN", "NaN is not JSON"),
+        (b"-Infinity", "Infinity is not JSON"),
+    ],
+)
+def test_ndjson_values_no_reader_may_change_are_refused(value, says):
+    ok = b'{"progress": {"lower": [0], "upper": [0], "counts": []}}\n'
+    body = ok + b'{"updates": [{"data": {"a": ' + value + b'}, "time": 1, "diff": 1}]}\n'
+    with pytest.raises(CodecError, match=says) as e:
+        get_codec("ndjson").decode(body)
+    assert "line 2" in str(e.value)
+
+
+def test_ndjson_invalid_utf8_is_refused_naming_the_line():
+    body = b'{"progress": {"lower": [0], "upper": [0], "counts": []}}\n'
+    body += b'{"updates": [{"data": {"a": "\xff\xfe"}, "time": 1, "diff": 1}]}\n'
+    with pytest.raises(CodecError, match="invalid UTF-8") as e:
+        get_codec("ndjson").decode(body)
+    assert "line 2" in str(e.value)
+
+
+def test_ndjson_edge_values_that_are_fine_still_decode():
+    body = (
+        b'{"updates": [{"data": {"a": 9223372036854775807, "b": -9223372036854775808, '
+        b'"s": "NaN, Infinity and 123456789012345678901234 in a string", "u": "\xc3\xa9"}, '
+        b'"time": 1, "diff": 1}]}\n'
+    )
+    (updates,) = get_codec("ndjson").decode(body)
+    assert next(iter(updates)).record == {
+        "a": 2**63 - 1,
+        "b": -(2**63),
+        "s": "NaN, Infinity and 123456789012345678901234 in a string",
+        "u": "é",
+    }
