@@ -70,6 +70,11 @@ class Destinations:
     def allows_name(self, host: str) -> bool:
         return host.lower().rstrip(".") in self.names
 
+    def refuses_literal(self, host: str) -> bool:
+        """Whether ``host`` is an address (which a connection uses without asking any
+        resolver) that neither a listed name nor a listed network allows."""
+        return not self.allows_name(host) and _is_address(host) and not self.allows_address(host)
+
     def check(self, url: str) -> None:
         """Raise ValueError unless ``url``'s host is allowed: a listed name, or a literal or
         resolved address inside a listed network (blocking: it may ask DNS)."""
@@ -78,10 +83,8 @@ class Destinations:
             raise ValueError(f"{url!r} names no host")
         if self.allows_name(host):
             return
-        try:
-            ipaddress.ip_address(host)
-            addresses: Iterable[str] = [host]
-        except ValueError:
+        addresses: Iterable[str] = [host]
+        if not _is_address(host):
             try:
                 infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
             except OSError as e:
@@ -93,6 +96,14 @@ class Destinations:
                 f"host {host!r} ({', '.join(bad)}) is not an allowed push destination "
                 "(tidefeed serve --push-allow HOST|CIDR,…)"
             )
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 class AllowedResolver(AbstractResolver):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import ipaddress
 import re
 import urllib.parse
 from collections.abc import Sequence
@@ -44,14 +43,6 @@ EPOCH_HEADER = "Tidefeed-Epoch"
 MAX_ANSWER_BYTES = 1 << 16
 _CODE = re.compile(r"[a-z][a-z0-9_]{0,39}")
 _REASONS = {3: "redirects are not followed", 4: "refused", 5: "receiver error"}
-
-
-def _is_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +101,7 @@ class PushClient:
             connector = None
             if self.allow is not None:
                 host = urllib.parse.urlsplit(self.url).hostname or ""
-                literal = not self.allow.allows_name(host) and _is_address(host)
-                if literal and not self.allow.allows_address(host):
+                if self.allow.refuses_literal(host):
                     raise PushRejected(
                         f"{self.url}: {host} is not an allowed push destination (--push-allow)",
                         fatal=True,

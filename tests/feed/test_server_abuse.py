@@ -124,6 +124,10 @@ def test_push_allow_lists_parse_and_match():
     assert d.allows_address("::ffff:127.0.0.1") and d.allows_address("10.0.0.5")
     assert not d.allows_address("10.0.0.6") and not d.allows_address("not an address")
     assert d.allows_name("Receiver.Internal.") and not d.allows_name("other.internal")
+    # what a connection uses without a resolver: a literal address outside the list
+    assert d.refuses_literal("10.0.0.6") and d.refuses_literal("::2")
+    assert not d.refuses_literal("127.0.0.1") and not d.refuses_literal("receiver.internal")
+    assert not d.refuses_literal("other.example")  # a name: the resolver decides
     d.check("http://receiver.internal:9/x")  # named: allowed without asking DNS
     with pytest.raises(ValueError, match="not an allowed push destination"):
         d.check("http://10.0.0.6/x")
