@@ -16,6 +16,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from protocol import TidefeedError
@@ -63,14 +64,11 @@ def cmd_emit(args: argparse.Namespace) -> int:
     _token(args.token, "emit")
     if args.eager and not args.push:
         raise SystemExit("tidefeed emit: --eager pushes to a receiver: give --push URL too")
-    if "," in (args.table or "") or "," in args.feed:
-        # DESIGN §9's groups (one time domain over several tables) are not built yet:
-        # refuse them plainly rather than take "a,b" as one table or feed name
-        raise SystemExit(
-            "tidefeed emit: groups of tables (--table A,B --feed A,B: one time domain) are "
-            "not built yet; run one emit per table (--table A --feed A), see "
-            "docs/sources.md, 'Several tables'"
-        )
+    tables = [t.strip() for t in (args.table or "").split(",")] if args.table else []
+    feeds = [f.strip() for f in args.feed.split(",")]
+    grouped = len(feeds) > 1 or len(tables) > 1
+    if grouped:
+        _check_group(args, kind, tables, feeds)
     _local_path_exists(path, "source path")
     for value, what in ((args.schema, "--schema file"), (args.tx_metadata, "--tx-metadata path")):
         if value:
@@ -96,6 +94,11 @@ def cmd_emit(args: argparse.Namespace) -> int:
         conf=tuple(parse_conf(args.conf).items()),
         driver_txn_bytes=args.driver_txn_bytes,
     )
+    if grouped:
+        configs = [
+            replace(config, feed=f, table=t, granularity="transaction")
+            for f, t in zip(feeds, tables, strict=True)
+        ]
     stopping: list[int] = []
 
     def request_stop(signum: int, _frame: Any) -> None:
@@ -124,6 +127,8 @@ def cmd_emit(args: argparse.Namespace) -> int:
     )
     from .progress import TxnProgress
 
+    if grouped:
+        return _emit_group(configs, stopping)
     emitter = Emitter(config, on_commit=deliver, progress=TxnProgress(config.feed))
     emitter.open()
     if args.eager:
@@ -154,6 +159,68 @@ def cmd_emit(args: argparse.Namespace) -> int:
     if not config.follow and emitter.held_back():
         print(
             f"tidefeed emit: the input ended inside source transactions; their files are "
+            "held back, not committed, and are read again at the next run (exit "
+            f"{EXIT_INCOMPLETE}: see the warning above)",
+            file=sys.stderr,
+        )
+        return EXIT_INCOMPLETE
+    return EXIT_OK
+
+
+def _check_group(args: argparse.Namespace, kind: str, tables: list[str], feeds: list[str]) -> None:
+    """A group's flags (``--table A,B --feed a,b``), refused plainly when they cannot
+    make one (before Spark starts)."""
+    where = "see docs/sources.md, 'Several tables'"
+    if kind != "debezium":
+        raise SystemExit(
+            f"tidefeed emit: a group of feeds (--feed {args.feed}) reads the tables of one "
+            f"Debezium folder; --source {kind}: holds one table: give one --feed ({where})"
+        )
+    if len(tables) != len(feeds):
+        raise SystemExit(
+            f"tidefeed emit: --table lists {len(tables)} table(s) and --feed {len(feeds)} "
+            f"feed(s): a group needs one feed name per table, in the same order ({where})"
+        )
+    for what, names in (("--table", tables), ("--feed", feeds)):
+        if any(not n for n in names) or len(set(names)) != len(names):
+            raise SystemExit(f"tidefeed emit: {what} {','.join(names)}: each name once, none empty")
+    if args.granularity == "batch":
+        raise SystemExit(
+            "tidefeed emit: a group gives each source transaction its own time, the same "
+            f"in every feed: leave out --granularity batch ({where})"
+        )
+    if args.push or args.eager:
+        raise SystemExit(
+            "tidefeed emit: --push delivers one feed; for a group, serve the log "
+            "(tidefeed serve) and subscribe to each feed, or run one tidefeed receive "
+            f"subscription per feed ({where})"
+        )
+
+
+def _emit_group(configs: list[Any], stopping: list[int]) -> int:
+    """``emit`` of a group of feeds (feed/group.py): one transaction loop for all."""
+    from .group import GroupEmitter, group_name
+    from .progress import TxnProgress
+
+    emitter = GroupEmitter(configs, progress=TxnProgress(group_name([c.feed for c in configs])))
+    emitter.open()
+    try:
+        reports = emitter.run(stop=lambda: bool(stopping))
+    finally:
+        emitter.close()
+    updates = sum(r.updates for r in reports)
+    bad = sum(r.bad_rows for r in reports)
+    print(
+        f"group {emitter.name}: {len(reports)} transaction(s), {updates} updates, "
+        f"{bad} quarantined row(s); frontier {emitter.cp.frontier} in every feed "
+        f"({', '.join(emitter.feeds)})",
+        file=sys.stderr,
+    )
+    if stopping:
+        return exit_code_for_signal(stopping[0])
+    if not configs[0].follow and emitter.held_back():
+        print(
+            "tidefeed emit: the input ended inside source transactions; their files are "
             "held back, not committed, and are read again at the next run (exit "
             f"{EXIT_INCOMPLETE}: see the warning above)",
             file=sys.stderr,

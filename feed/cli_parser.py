@@ -102,7 +102,7 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         "cdf, upsert, snapshot, weighted), or delta:TABLE_URI for a Delta table's change "
         "data feed",
     )
-    p.option("--feed", required=True, help="feed name")
+    p.option("--feed", required=True, help="feed name (a list A,B with --table A,B: a group)")
     p.option("--log", required=True, help="feed log: a local folder or s3://…")
     p.option("--key", help="key columns, comma-separated (keeps each key's current row)")
     p.option("--schema", help="record schema (Avro JSON, .avsc); default: inferred")
@@ -167,7 +167,8 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.option(
         "--table",
         help="debezium source: the SCHEMA.TABLE the feed holds; other tables' events are "
-        "skipped (default: the table of the first change event)",
+        "skipped (default: the table of the first change event). A list (A,B) with a "
+        "list of --feed names makes a group: one time domain over the tables",
     )
     p.option(
         "--tx-metadata",

@@ -115,6 +115,26 @@ class ReadChanges:
     cached: tuple[Any, ...] = ()  # DataFrames to release when the transaction ends
     #: False when no snapshot read was among the input (Debezium: the figures say so)
     snapshot_reads: bool = True
+    #: source transactions released (None: not counted), and those held back with the
+    #: first place in delivery order of any of them (feed/group.py needs them)
+    ready: int | None = None
+    held_txns: frozenset[str] = frozenset()
+    held_at: tuple[int, int] | None = None
+    #: a group's feed: the table changed shape (raised by the group if nothing is ready)
+    shape_error: Exception | None = None
+
+    def release(self) -> None:
+        for df in (self.changes, *self.cached):
+            df.unpersist()
+
+
+@dataclass(frozen=True, slots=True)
+class GroupHold:
+    """What a group of feeds holds back in every one of its feeds (feed/group.py): these
+    source transactions, and whatever is delivered from ``at`` on."""
+
+    txns: frozenset[str] = frozenset()
+    at: tuple[int, int] | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -189,11 +209,20 @@ def _first_of_shape(changes: Any, shape: int) -> Any:
 
 
 def read_input(
-    ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str], *, more: bool
+    ctx: TxnContext,
+    files: Sequence[str],
+    tx_files: Sequence[str],
+    *,
+    more: bool,
+    group: GroupHold | None = None,
 ) -> ReadChanges | object | None:
     """Read ``files`` (and the pending ``--tx-metadata`` files) into changes. ``None``:
     every source transaction read is still incomplete and no more input is pending;
-    :data:`NEED_MORE`: the same, with more input files pending."""
+    :data:`NEED_MORE`: the same, with more input files pending.
+
+    A feed of a group (``group``: feed/group.py) also holds back what the group holds,
+    and always gets its :class:`ReadChanges` (``ready`` 0 when nothing is released, and a
+    table's change of shape in ``shape_error`` instead of raised): the group decides."""
     from pyspark.sql import functions as F
 
     from .transactions import assemble
@@ -216,6 +245,10 @@ def read_input(
     position: Any = None  # the highest source position, when the source tells it
     txn_cached: tuple[Any, ...] = ()
     held = redelivered = behind = 0
+    ready: int | None = None
+    held_txns: frozenset[str] = frozenset()
+    held_at: tuple[int, int] | None = None
+    shape_stop: Exception | None = None
     replaces: tuple[int, str] | None = None  # a new Debezium snapshot: (LSN, txn)
     keyed = bool(ctx.info.key) and cfg.source_kind != "snapshot"
     image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
@@ -229,6 +262,8 @@ def read_input(
 
         def assembled_with(hold_at: tuple[int, int] | None = None) -> Any:
             # the counts and the state buckets come with the transaction figures: one job
+            if group is not None and group.at is not None:
+                hold_at = group.at if hold_at is None else min(hold_at, group.at)
             return assemble(
                 good,
                 cp.source.get("pos", [0, 0]),
@@ -239,6 +274,7 @@ def read_input(
                 bucket=bucket_of(image, ctx.info.key, buckets) if buckets else None,
                 also=_tally(changes.groupBy("_file", "_skip"), F.lit(False)),
                 hold_at=hold_at,
+                hold_txns=group.txns if group is not None else frozenset(),
             )
 
         assembled = assembled_with()
@@ -255,9 +291,12 @@ def read_input(
             assembled = assembled_with((first["ord_file"], first["ord_row"]))
             touched, tally_rows = assembled.buckets, list(assembled.also)
             if not assembled.ready:
-                for df in (changes, *assembled.cached):
-                    df.unpersist()
-                raise shape_error(cfg.feed, ctx.info.table, unfit[1], base_name(first["_file"]))
+                stop = shape_error(cfg.feed, ctx.info.table, unfit[1], base_name(first["_file"]))
+                if group is None:
+                    for df in (changes, *assembled.cached):
+                        df.unpersist()
+                    raise stop
+                shape_stop = stop
             ctx.log.warning(
                 "feed %s: the source table changed shape in %s (%s): committing what came "
                 "before it",
@@ -283,6 +322,7 @@ def read_input(
         txn_cached = assembled.cached
         replaces = assembled.replaces
         snapshot_reads = assembled.snapshot_rows > 0
+        ready, held_txns, held_at = assembled.ready, assembled.held_txns, assembled.held_at
         if replaces is not None and not keyed:
             for df in (changes, *txn_cached):
                 df.unpersist()
@@ -307,7 +347,7 @@ def read_input(
                 "the connector's transaction metadata topic), or capture with "
                 "provide.transaction.metadata=false. Nothing was committed."
             )
-        if held and not assembled.ready:
+        if held and not assembled.ready and group is None:
             for df in (changes, *txn_cached):
                 df.unpersist()
             if more:
@@ -360,6 +400,10 @@ def read_input(
         suspect=suspect_rows > 0 or replaces is not None or cfg.source_kind == "snapshot",
         cached=txn_cached,
         snapshot_reads=snapshot_reads,
+        ready=ready,
+        held_txns=held_txns,
+        held_at=held_at,
+        shape_error=shape_stop,
     )
 
 

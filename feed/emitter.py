@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -64,6 +64,21 @@ from .settings import (
 __all__ = ["Emitter", "EmitterConfig", "TxnReport", "load_schema_file"]
 
 log = logging.getLogger("tidefeed.emit")
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """What a transaction's commit records: its checkpoint is ``build(base)``."""
+
+    progress: Progress
+    next: int
+    source: dict[str, Any]
+    state: str | None
+
+    def build(self, base: Checkpoint) -> Checkpoint:
+        return base.successor(
+            progress=self.progress, next=self.next, source=self.source, state=self.state
+        )
 
 
 class State(Enum):
@@ -296,18 +311,7 @@ class Emitter:
         on the driver where it is small and plain (:mod:`feed.driver_txn`), else in Spark."""
         assert self.cp is not None
         cp = self.cp
-        ctx = TxnContext(
-            spark=self.spark,
-            config=self.config,
-            cp=cp,
-            info=self.info,
-            record_type=self._record_type,
-            state=self._state,
-            feedlog=self.feedlog,
-            log=self.log,
-            spark_path=self._spark_path,
-            shapes=self._shapes,
-        )
+        ctx = self.context()
         tx_files = self.inputs.pending_tx(cp.source)
         t0 = time.perf_counter()
         loaded = None
@@ -331,6 +335,23 @@ class Emitter:
             return written  # None or NEED_MORE: nothing to commit
         return self._finish(files, secs, written, tx_files=tx_files, source_update=source_update)
 
+    def context(self) -> TxnContext:
+        """What a transaction's dataflow needs from this emitter, from its committed
+        checkpoint on."""
+        assert self.cp is not None
+        return TxnContext(
+            spark=self.spark,
+            config=self.config,
+            cp=self.cp,
+            info=self.info,
+            record_type=self._record_type,
+            state=self._state,
+            feedlog=self.feedlog,
+            log=self.log,
+            spark_path=self._spark_path,
+            shapes=self._shapes,
+        )
+
     def _reached(self, step: str, **facts: Any) -> None:
         """A transaction reached ``step`` (``after_read``, ``before_write``,
         ``after_write``): fault injection, and the progress line's stage."""
@@ -353,16 +374,37 @@ class Emitter:
         source's own ``source_update`` (a Delta version); prune and report."""
         assert self.cp is not None
         self._reached("after_write")
-        cfg, cp = self.config, self.cp
-        seq = cp.seq + 1
         t3 = time.perf_counter()
+        planned = self.plan(files, w, tx_files=tx_files, source_update=source_update)
+        self._stage("committing", updates=sum(n for _, n in planned.progress.counts))
+        new_cp = self._commit(planned.build, w.segments)  # the commit point
+        secs["commit"] = time.perf_counter() - t3
+        maybe_die("after_commit")
+        return self.committed(new_cp, files, secs, w)
+
+    def plan(
+        self,
+        files: Sequence[str],
+        w: Written,
+        *,
+        tx_files: Sequence[str],
+        source_update: dict[str, Any] | None = None,
+        units: int | None = None,
+        held: frozenset[str] | None = None,
+        next_time: int | None = None,
+    ) -> Planned:
+        """The checkpoint a transaction over ``files`` that wrote ``w`` commits. A group
+        (feed/group.py) gives the group's ``units``, ``held`` files and ``next_time``."""
+        assert self.cp is not None
+        cfg, cp = self.config, self.cp
+        units = w.units if units is None else units
         counts = {s.time: s.count for s in w.segments}
-        self._stage("committing", updates=sum(counts.values()))
-        upper = cp.next + w.units if w.units else cp.frontier
+        upper = cp.next + units if units else cp.frontier
         progress = Progress(cp.frontier, max(upper, cp.frontier), tuple(sorted(counts.items())))
-        next_time = progress.upper
-        if self.info.clock == "wallclock":
-            next_time = max(self._clock(), progress.upper)
+        if next_time is None:
+            next_time = progress.upper
+            if self.info.clock == "wallclock":
+                next_time = max(self._clock(), progress.upper)
         source = next_source(
             cp.source,
             position=w.position,
@@ -370,26 +412,28 @@ class Emitter:
             replaces=w.replaces,
             files=None if source_update is not None else (self.inputs.listed, files),
             tx_files=(self.inputs.tx_listed, tx_files) if tx_files else None,
-            held=set(w.held_files),
+            held=set(w.held_files if held is None else held),
             update=source_update,
         )
         if cfg.source_kind == "debezium" and "snapshot_lsn" not in source:
             source["snapshot_lsn"] = w.snapshot_lsn
-        new_cp = self._commit(  # the commit point
-            lambda base: base.successor(
-                progress=progress, next=next_time, source=source, state=w.state_ref
-            ),
-            w.segments,
-        )
-        secs["commit"] = time.perf_counter() - t3
-        maybe_die("after_commit")
+        return Planned(progress=progress, next=next_time, source=source, state=w.state_ref)
+
+    def committed(
+        self, new_cp: Checkpoint, files: Sequence[str], secs: dict[str, float], w: Written
+    ) -> TxnReport:
+        """After the commit of a transaction that wrote ``w``: prune, log and report it,
+        and hand it to ``on_commit``."""
+        cfg = self.config
+        self.cp = new_cp
         self.commits.prune(new_cp, self._state)
+        progress = new_cp.progress
         report = TxnReport(
-            seq=seq,
+            seq=new_cp.seq,
             progress=progress,
             files=len(files),
             input_rows=w.input_rows,
-            updates=sum(counts.values()),
+            updates=sum(n for _, n in progress.counts),
             bad_rows=w.bad_rows,
             seconds=secs,
             skipped=w.skipped,

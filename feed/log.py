@@ -74,6 +74,9 @@ class FeedInfo:
     granularity: str | None = None
     order: str | None = None  # upsert: the order column
     deleted: str | None = None  # upsert: the delete-flag column
+    #: the feeds of its group (one time domain over several tables: feed/group.py), in
+    #: order; empty for a feed of its own
+    group: tuple[str, ...] = ()
 
     @property
     def fingerprint(self) -> str:
@@ -99,6 +102,7 @@ class FeedInfo:
                     )
                     if v
                 },
+                **({"group": list(self.group)} if self.group else {}),
             },
             option=orjson.OPT_INDENT_2,
         )
@@ -119,8 +123,9 @@ COMPACTION_COMMITTED = "_committed.json"
 class FeedLog:
     """Paths and file operations of one feed in a log."""
 
-    def __init__(self, uri: str, feed: str) -> None:
-        if not valid_feed_name(feed):
+    def __init__(self, uri: str, feed: str, *, own_folder: bool = False) -> None:
+        # (own_folder: one of the log's own folders, such as _groups, no feed's name)
+        if not own_folder and not valid_feed_name(feed):
             raise CheckpointError(
                 f"invalid feed name {feed!r}: use letters, digits, '_', '.', '-' (no '..')"
             )
@@ -254,6 +259,7 @@ class FeedLog:
             granularity=d.get("granularity"),
             order=d.get("order"),
             deleted=d.get("deleted"),
+            group=tuple(d.get("group") or ()),
         )
 
     def create(
@@ -263,6 +269,7 @@ class FeedLog:
         key: tuple[str, ...],
         clock: str,
         table: str | None = None,
+        group: tuple[str, ...] = (),
         **settings: str | None,
     ) -> FeedInfo:
         info = FeedInfo(
@@ -272,6 +279,7 @@ class FeedLog:
             clock=clock,
             created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             table=table,
+            group=group,
             **settings,
         )
         self.write_bytes(self.path("feed.json"), info.to_json())

@@ -7,11 +7,24 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import Any, Protocol
 
-from .emitter import Emitter
 from .progress import TxnReport
 
 __all__ = ["HeldBack", "run"]
+
+
+class Emitter(Protocol):
+    """What the loops drive: a feed's emitter (feed/emitter.py) or a group's
+    (feed/group.py)."""
+
+    config: Any
+    log: Any
+
+    def step(self) -> TxnReport | None: ...
+    def pending_files(self) -> list[str]: ...
+    def held_back(self) -> list[str]: ...
+    def heartbeat(self) -> Any: ...
 
 
 class HeldBack:

@@ -73,6 +73,8 @@ class EmitterConfig:
     driver_txn_bytes: int = DEFAULT_DRIVER_TXN_BYTES
     #: follow: warn when input has been held back this long (seconds)
     held_warning: float = HELD_WARNING_SECONDS
+    #: the feeds of the group this feed is emitted in (feed/group.py); () alone
+    group: tuple[str, ...] = ()
 
 
 def fixed(cp: Checkpoint | None) -> bool:
@@ -137,6 +139,7 @@ def create_feed(
         granularity=cfg.granularity,
         order=cfg.order,
         deleted=cfg.deleted,
+        group=cfg.group,
     )
 
 
@@ -149,6 +152,15 @@ def settle(cfg: EmitterConfig, info: FeedInfo) -> EmitterConfig:
             f"feed {cfg.feed!r}: --schema differs from the feed's record schema "
             f"(fingerprint {info.fingerprint[:12]}…); a feed's schema is fixed when it "
             "is created: leave --schema out, or emit into a new feed"
+        )
+    if tuple(cfg.group) != tuple(info.group):
+        raise SourceError(
+            f"feed {cfg.feed!r} was created "
+            + (f"in the group {','.join(info.group)}" if info.group else "on its own")
+            + "; this run emits it "
+            + (f"in the group {','.join(cfg.group)}" if cfg.group else "on its own")
+            + ". A feed of a group keeps its times only with the group's other feeds: "
+            "emit the same --table and --feed lists (docs/sources.md, 'Several tables')"
         )
     settled: dict[str, Any] = {}
     for name, flag, stored in (

@@ -12,7 +12,7 @@ from typing import Any
 from .dataflow import NEED_MORE, ReadChanges, TxnContext, base_name, compute_updates, read_input
 from .segments import Written, write_transaction
 
-__all__ = ["run"]
+__all__ = ["compute_and_write", "run"]
 
 
 def run(
@@ -29,11 +29,6 @@ def run(
     ``--tx-metadata`` files ``tx_files``), timing its stages into ``secs`` and telling
     ``reached`` each step. ``None``: nothing to do yet (every source transaction read is
     incomplete); :data:`~feed.dataflow.NEED_MORE`: the same, with more input pending."""
-    from pyspark.sql import functions as F
-
-    from .positions import snapshot_read
-
-    cfg, cp = ctx.config, ctx.cp
     t0 = time.perf_counter()
     read = read_input(ctx, files, tx_files, more=more)
     if read is NEED_MORE or read is None:
@@ -41,7 +36,23 @@ def run(
     assert isinstance(read, ReadChanges)
     secs["read"] = time.perf_counter() - t0
     reached("after_read", rows_read=read.input_rows)
+    return compute_and_write(ctx, read, secs, reached=reached, eager=eager)
 
+
+def compute_and_write(
+    ctx: TxnContext,
+    read: ReadChanges,
+    secs: dict[str, float],
+    *,
+    reached: Callable[..., None],
+    eager: Any = None,
+) -> Written:
+    """The rest of :func:`run` once the input is read: diffs, updates, and their files."""
+    from pyspark.sql import functions as F
+
+    from .positions import snapshot_read
+
+    cfg, cp = ctx.config, ctx.cp
     t1 = time.perf_counter()
     done = compute_updates(ctx, read)
     secs["compute"] = time.perf_counter() - t1

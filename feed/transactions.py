@@ -96,6 +96,11 @@ class Assembled:
     #: source transactions whose events carry Debezium ``transaction`` blocks, none of
     #: whose END records was read (when END records were read at all, 0)
     endless: int = 0
+    #: the held-back source transactions (``txn``), and the first place in delivery order
+    #: (``ord_file``, ``ord_row``) of any of their events or of ``hold_at``: a group of
+    #: feeds holds the same ones in every feed (feed/group.py)
+    held_txns: frozenset[str] = frozenset()
+    held_at: tuple[int, int] | None = None
 
 
 def _snapshot_row() -> Column:
@@ -135,6 +140,7 @@ def assemble(
     bucket: Column | None = None,
     also: DataFrame | None = None,
     hold_at: tuple[int, int] | None = None,
+    hold_txns: frozenset[str] = frozenset(),
 ) -> Assembled:
     """Decide which of ``changes`` (good Debezium rows: data events and END records) can
     become updates, given the committed position ``pos``. See the module docstring.
@@ -150,7 +156,8 @@ def assemble(
     ``buckets``) and ``also`` (a small aggregate of its own, collected as ``also``).
     ``hold_at`` (``ord_file``, ``ord_row``) holds back every source transaction
     delivered from that place on, as an incomplete one does (a table that changed shape
-    there: feed/shapes.py)."""
+    there: feed/shapes.py); ``hold_txns`` holds those source transactions (and what is
+    delivered after them) too (held in another feed of a group: feed/group.py)."""
     log = logger or logging.getLogger("tidefeed.emit")
     committed = committed_position(pos)
     ends = (
@@ -243,7 +250,7 @@ def assemble(
         for r in snaps
         if r["s_end"] or (latest is not None and tuple(latest) > tuple(r["s_last"] or r["s_first"]))
     }
-    if not (summary["meta"] or n_ends or repeats or fresh or hold_at):
+    if not (summary["meta"] or n_ends or repeats or fresh or hold_at or hold_txns):
         # The plain case (no transaction metadata, nothing delivered twice, no new
         # snapshot): every source transaction is complete as read and released whole, in
         # one pass over the cached input; no figure per transaction is needed.
@@ -384,24 +391,35 @@ def assemble(
     endless = 0 if n_ends else sum(1 for r in opened if r["expected"] is None)
     held_txns: set[str] = set()
     held_files: set[str] = set()
+    held_at: tuple[int, int] | None = None
     ready_txns = per_txn.where(events > 0)
-    if opened or held_from is not None or dropped or hold_at is not None:
+    if opened or held_from is not None or dropped or hold_at is not None or hold_txns:
         # the first incomplete transaction in delivery order holds back every transaction
         # delivered after it (few: the tail of what was read)
         held = F.lit(False)
-        if opened:
-            held = F.col("txn").isin([r["txn"] for r in opened])
+        if opened or hold_txns:
+            held = F.col("txn").isin(sorted({r["txn"] for r in opened} | set(hold_txns)))
         starts = [r["first"] for r in opened if r["first"] is not None]
         if held_from is not None:
             starts.append(held_from)
         if hold_at is not None:
             starts.append(hold_at)
+        if hold_txns:  # held elsewhere in the group: held from their first event here on
+            m = per_txn.where(F.col("txn").isin(sorted(hold_txns))).agg(F.min("first_at"))
+            first_held = unplace(m.collect()[0][0])
+            if first_held is not None:
+                starts.append(first_held)
         if starts:
             held = held | first_from(min(starts))
         if dropped:
             held = held & ~F.col("txn").isin(sorted(dropped))
         held = F.coalesce(held, F.lit(False))
-        held_txns = {r["txn"] for r in per_txn.where(held).select("txn").collect()}
+        held_rows = per_txn.where(held).select("txn", "first_at").collect()
+        held_txns = {r["txn"] for r in held_rows}
+        firsts = [p for r in held_rows if (p := unplace(r["first_at"])) is not None]
+        if hold_at is not None:
+            firsts.append((hold_at[0], hold_at[1]))
+        held_at = min(firsts) if firsts else None
         if held_txns:
             # the files holding their events and END records (asked for only here: a set
             # of files per source transaction would cost every read a second or more)
@@ -468,4 +486,6 @@ def assemble(
         replaces=replaces,
         snapshot_rows=summary["snapshot_rows"],
         endless=endless,
+        held_txns=frozenset(held_txns),
+        held_at=held_at,
     )
