@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import zlib
 import os
 from collections.abc import Iterator
 from typing import IO, Any
@@ -95,12 +96,22 @@ class AvroEncoder(Encoder):
         self._flush()
 
 
+def _update_fields_ok(items: Any) -> bool:
+    """Whether an update array's items are records with ``time`` and ``diff`` longs (so
+    each item takes two bytes at least: a body cannot declare millions of empty items)."""
+    if not isinstance(items, dict) or items.get("type") != "record":
+        return False
+    types = {f.get("name"): f.get("type") for f in items.get("fields") or () if isinstance(f, dict)}
+    return types.get("time") == "long" and types.get("diff") == "long" and "data" in types
+
+
 def _check_cdcv2(schema: Any) -> None:
     ok = (
         isinstance(schema, list)
         and len(schema) == 2
         and isinstance(schema[0], dict)
         and schema[0].get("type") == "array"
+        and _update_fields_ok(schema[0].get("items"))
         and isinstance(schema[1], dict)
         and schema[1].get("name") in ("progress", f"{CDC_NAMESPACE}.progress")
     )
@@ -172,6 +183,102 @@ def _recursive(schema: Any, path: tuple[str, ...], namespace: str = "") -> str |
     return None
 
 
+#: a whole body's blocks may hold at most this many times its own size once inflated (a
+#: deflate block of CDCv2 rows shrinks 3 to 10 times; a bomb, a thousand), plus this much
+MAX_INFLATION = 32
+INFLATION_SLACK = 1 << 20
+_INFLATE_STEP = 1 << 20
+
+
+def _long_at(buf: bytes, pos: int, where: str) -> tuple[int, int]:
+    """The Avro long at ``pos`` and the position after it; at most ten bytes."""
+    result = shift = 0
+    for _ in range(10):
+        if pos >= len(buf):
+            raise CodecError("the body ends inside a number", fmt="avro", position=where)
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return (result >> 1) ^ -(result & 1), pos
+        shift += 7
+    raise CodecError("a number longer than 10 bytes", fmt="avro", position=where)
+
+
+def _inflated_size(data: memoryview, cap: int, where: str) -> int:
+    """How many bytes a raw deflate block inflates to, counted without keeping them, and
+    refused as soon as it passes ``cap``."""
+    d = zlib.decompressobj(-15)
+    total, pending = 0, bytes(data)
+    try:
+        while pending:
+            total += len(d.decompress(pending, _INFLATE_STEP))
+            pending = d.unconsumed_tail
+            if total > cap:
+                break
+    except zlib.error as e:
+        raise CodecError(f"bad deflate data: {e}", fmt="avro", position=where) from e
+    return total
+
+
+def check_container(body: bytes, *, factor: int = MAX_INFLATION) -> None:
+    """Walk an Avro object container's blocks before any is decoded: every number at most
+    ten bytes, every block inside the body, at most one datum per byte of its data, and
+    all blocks together no larger inflated than ``factor`` times the body (plus
+    :data:`INFLATION_SLACK`). A body that is not a container is left to the decoder."""
+    if body[:4] != b"Obj\x01":
+        return
+    cap = factor * len(body) + INFLATION_SLACK
+    pos, codec = 4, b"null"
+    while True:  # the metadata map
+        n, pos = _long_at(body, pos, "header")
+        if n == 0:
+            break
+        if n < 0:
+            n = -n
+            _, pos = _long_at(body, pos, "header")
+        for _ in range(n):
+            klen, pos = _long_at(body, pos, "header")
+            key = body[pos : pos + max(klen, 0)]
+            pos += max(klen, 0)
+            vlen, pos = _long_at(body, pos, "header")
+            if key == b"avro.codec":
+                codec = body[pos : pos + max(vlen, 0)]
+            pos += max(vlen, 0)
+    pos += 16  # the sync marker
+    view = memoryview(body)
+    total, index = 0, 0
+    while pos < len(body):
+        where = f"block {index}"
+        count, pos = _long_at(body, pos, where)
+        size, pos = _long_at(body, pos, where)
+        if count < 0 or size < 0 or pos + size > len(body):
+            raise CodecError(
+                f"a block of {count} datum(s) in {size} byte(s) does not fit the body",
+                fmt="avro",
+                position=where,
+            )
+        inflated = size
+        if codec == b"deflate":
+            inflated = _inflated_size(view[pos : pos + size], cap - total, where)
+        total += inflated
+        if total > cap:
+            raise CodecError(
+                f"the blocks inflate to more than {cap} bytes ({factor} times the "
+                f"{len(body)}-byte body, plus {INFLATION_SLACK}): refused",
+                fmt="avro",
+                position=where,
+            )
+        if count > inflated:
+            raise CodecError(
+                f"a block of {inflated} byte(s) cannot hold {count} datums",
+                fmt="avro",
+                position=where,
+            )
+        pos += size + 16
+        index += 1
+
+
 class AvroDecoder(Decoder):
     fmt = "avro"
 
@@ -223,6 +330,7 @@ class AvroCodec(Codec):
     def decode(self, body: bytes, *, schema: Any = None) -> list[Message]:
         # a whole body: each update array becomes Arrow as soon as it is read, typed by the
         # writer schema (one C pass, no inference), so few Python rows are alive at a time
+        check_container(body)
         decoder = AvroDecoder(io.BytesIO(body), schema=schema)
         data_type: pa.DataType | None = None
         typed = True

@@ -191,8 +191,9 @@ def _emit(bank, log, *more: str, env: dict[str, str] | None = None, name: str = 
 
 def test_batch_group_keeps_the_bank_balanced_at_every_time(bank):
     log = bank["tmp"] / "batch-log"
-    # small windows: transactions straddle them, and the group holds them back together
-    p = _emit(bank, log, "--max-files-per-txn", "3", name="batch")
+    # windows of 40 files: transactions straddle them, and the group holds them back
+    # together (a group transaction runs in Spark: many small windows take minutes)
+    p = _emit(bank, log, "--max-files-per-txn", "40", name="batch")
     assert p.wait(timeout=600) == 0, (bank["tmp"] / "batch.log").read_text()[-3000:]
     assert_bank(log, bank["txns"], bank["final"])
 
