@@ -21,7 +21,13 @@ import contextlib
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from protocol._http import error_middleware, json_response, settle, token_middleware
+from protocol._http import (
+    encoding_middleware,
+    error_middleware,
+    json_response,
+    settle,
+    token_middleware,
+)
 
 from . import pull, push_supervisor
 from .retention import retention_loop
@@ -42,7 +48,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def make_server_app(config: ServerConfig) -> web.Application:
-    app = web.Application(middlewares=[error_middleware, token_middleware(config.token)])
+    app = web.Application(
+        middlewares=[error_middleware, token_middleware(config.token), encoding_middleware]
+    )
     app[CONFIG] = config
     app[STATE] = ServerState(config)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import io
-import zlib
 import os
+import zlib
 from collections.abc import Iterator
 from typing import IO, Any
 

@@ -29,7 +29,13 @@ from .errors import (
     TidefeedError,
 )
 
-__all__ = ["HttpError", "error_middleware", "json_response", "token_middleware"]
+__all__ = [
+    "HttpError",
+    "encoding_middleware",
+    "error_middleware",
+    "json_response",
+    "token_middleware",
+]
 
 
 class HttpError(TidefeedError):
@@ -102,6 +108,24 @@ async def error_middleware(
                 retry = {"Retry-After": "1"} if status == 503 else None
                 return _error(status, code, str(e), retry)
         return _error(500, "internal_error", str(e))
+
+
+@web.middleware
+async def encoding_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Refuse a compressed request body (``Content-Encoding`` other than ``identity``)
+    before any of it is read: a few hundred KB of gzip can inflate to gigabytes, and the
+    formats compress themselves where it pays (Avro deflate blocks, Arrow IPC buffers)."""
+    given = request.headers.get("Content-Encoding", "")
+    codings = [c.strip().lower() for c in given.split(",") if c.strip()]
+    if any(c != "identity" for c in codings):
+        raise HttpError(
+            415,
+            "unsupported_content_encoding",
+            f"Content-Encoding {given[:40]!r} is not accepted: send the body uncompressed",
+        )
+    return await handler(request)
 
 
 def token_middleware(token: str | None) -> Callable[..., Any]:

@@ -34,7 +34,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ._http import HttpError, error_middleware, json_response, settle, token_middleware
+from ._http import (
+    HttpError,
+    encoding_middleware,
+    error_middleware,
+    json_response,
+    settle,
+    token_middleware,
+)
 from .codecs import codec_for_content_type
 from .errors import CodecError, ProtocolError, TidefeedError
 from .messages import Updates, _json_default
@@ -324,7 +331,7 @@ async def healthz(_request: web.Request) -> web.Response:
 def make_receiver_app(config: ReceiverConfig) -> web.Application:
     app = web.Application(
         client_max_size=config.max_body,
-        middlewares=[error_middleware, token_middleware(config.token)],
+        middlewares=[error_middleware, token_middleware(config.token), encoding_middleware],
     )
     app[CONFIG] = config
     app[CONSUMERS] = {}

@@ -209,3 +209,59 @@ def test_ndjson_edge_values_that_are_fine_still_decode():
         "s": "NaN, Infinity and 123456789012345678901234 in a string",
         "u": "é",
     }
+
+
+def test_avro_deflate_bomb_is_refused_before_it_is_inflated():
+    """A deflate block of zeros: 160 KB that would inflate to 160 MiB. The walk over the
+    blocks counts the inflated bytes in 1 MiB steps and stops past the cap."""
+    import zlib
+
+    from protocol._avro import check_container
+
+    honest = _avro([[{"data": {"id": i}, "time": 1, "diff": 1} for i in range(2000)]])
+    header_end = honest.index(b"\x00", 4)  # (the header is short; the sync follows it)
+    sync = honest[-16:]
+    blob = zlib.compressobj(9, zlib.DEFLATED, -15)
+    data = blob.compress(b"\x00" * (160 << 20)) + blob.flush()
+    header = honest[:header_end]
+    # rebuild the header with the deflate codec, then one block of the zeros
+    meta = {"avro.schema": orjson.dumps(cdcv2_schema(RECORD)), "avro.codec": b"deflate"}
+    from protocol._avro_columns import avro_long
+
+    out = bytearray(b"Obj\x01")
+    out += avro_long(len(meta))
+    for k, v in meta.items():
+        out += avro_long(len(k)) + k.encode() + avro_long(len(v)) + v
+    out += avro_long(0) + sync
+    out += avro_long(1000) + avro_long(len(data)) + data + sync
+    assert len(out) < 400_000 and header
+    with pytest.raises(CodecError, match="inflate to more than"):
+        check_container(bytes(out))
+    with pytest.raises(CodecError, match="inflate to more than"):
+        get_codec("avro").decode(bytes(out))
+
+
+def test_avro_blocks_that_claim_more_than_they_hold_are_refused():
+    from protocol._avro_columns import avro_long
+
+    body = _avro([[{"data": {"id": 1}, "time": 1, "diff": 1}]])
+    sync = body[-16:]
+    head = body[: body.index(sync) + 16]
+    lying = head + avro_long(16_000_000) + avro_long(4) + b"\x02\x00\x00\x00" + sync
+    with pytest.raises(CodecError, match="cannot hold 16000000 datums"):
+        get_codec("avro").decode(lying)
+    eleven = head + b"\x82" + b"\x80" * 9 + b"\x00" + avro_long(1) + b"\x00" + sync
+    with pytest.raises(CodecError, match="longer than 10 bytes"):
+        get_codec("avro").decode(eleven)
+    short = head + avro_long(1) + avro_long(999) + b"\x00" + sync
+    with pytest.raises(CodecError, match="does not fit the body"):
+        get_codec("avro").decode(short)
+
+
+def test_avro_update_items_without_time_and_diff_longs_are_refused():
+    """Items of an empty record take no bytes: a tiny body could declare millions."""
+    schema = cdcv2_schema(RECORD)
+    schema[0]["items"] = {"type": "record", "name": "empty", "fields": []}
+    body = _avro([[{}] * 3], schema=schema)
+    with pytest.raises(CodecError, match="CDCv2 message schema"):
+        get_codec("avro").decode(body)
