@@ -66,7 +66,9 @@ def _int_param(request: web.Request, name: str) -> int | None:
     try:
         value = int(raw)
     except ValueError:
-        raise HttpError(400, "bad_request", f"'{name}' must be an integer, got {raw!r}") from None
+        raise HttpError(
+            400, "bad_request", f"'{name}' must be an integer, got {raw[:40]!r}"
+        ) from None
     if not 0 <= value < 1 << 63:  # times are 64-bit (DESIGN §1)
         raise HttpError(400, "bad_request", f"'{name}' must be a time in [0, 2**63)")
     return value

@@ -278,8 +278,10 @@ async def get_collection(request: web.Request) -> web.StreamResponse:
             at = int(at_raw)
         except ValueError:
             raise HttpError(
-                400, "bad_request", f"'at' must be an integer, got {at_raw!r}"
+                400, "bad_request", f"'at' must be an integer, got {at_raw[:40]!r}"
             ) from None
+        if not 0 <= at < 1 << 63:  # times are 64-bit (DESIGN §1), as SQLite stores them
+            raise HttpError(400, "bad_request", "'at' must be a time in [0, 2**63)")
         if consumer.frontier is None or at >= consumer.frontier:
             raise HttpError(
                 400,

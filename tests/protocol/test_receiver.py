@@ -69,6 +69,10 @@ async def test_push_in_each_format_acks_and_accumulates(receiver, fmt):
         async with s.get(f"{base}/v1/collections/f?at=2") as r:
             got = sorted(orjson.loads(x)["data"]["id"] for x in (await r.read()).splitlines())
         assert got == [0, 1]
+        # times out of the 64-bit range, or not numbers, are the client's mistake: 400
+        for at in ("-1", str(-(10**30)), str(10**30), "9" * 5000, "x"):
+            async with s.get(f"{base}/v1/collections/f", params={"at": at}) as r:
+                assert r.status == 400, (at[:20], r.status, await r.text())
 
 
 async def raw_post(base, body, *, ctype="application/x-ndjson", epoch="1", feed="f", headers=None):
