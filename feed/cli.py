@@ -307,6 +307,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         push_allow=allow,
         retain=args.retain,
         compact_seconds=args.compact_every,
+        max_streams=args.max_streams,
+        max_streams_per_client=args.max_streams_per_client,
+        stall_seconds=args.stall_timeout,
     )
     return _listening("serve", args.host, args.port, lambda: run_server(config))
 

@@ -30,6 +30,9 @@ from .settings import (
     DEFAULT_GRANULARITY,
     DEFAULT_MAX_FILES,
     DEFAULT_TRIGGER,
+    MAX_STREAMS,
+    MAX_STREAMS_PER_CLIENT,
+    STALL_SECONDS,
 )
 
 __all__ = ["build_parser"]
@@ -205,6 +208,24 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         type=positive_float,
         default=COMPACT_SECONDS,
         help="seconds between two retention passes (with --retain)",
+    )
+    p.option(
+        "--max-streams",
+        type=positive_int,
+        default=MAX_STREAMS,
+        help="pull streams open at a time, in all (past it: 503)",
+    )
+    p.option(
+        "--max-streams-per-client",
+        type=positive_int,
+        default=MAX_STREAMS_PER_CLIENT,
+        help="pull streams open at a time from one client address (past it: 429)",
+    )
+    p.option(
+        "--stall-timeout",
+        type=positive_float,
+        default=STALL_SECONDS,
+        help="close a pull stream whose consumer reads nothing for this many seconds",
     )
 
     p = command("compact", help="fold old times into one snapshot")

@@ -7,6 +7,7 @@ run in worker threads, a bounded chunk at a time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import time
@@ -111,9 +112,65 @@ async def changes(request: web.Request) -> web.StreamResponse:
             opening, lower = await asyncio.to_thread(reader.opening, after)
         except Compacted as e:
             raise HttpError(410, "compacted", str(e), extra={"since": e.since}) from None
+    peer = request.remote or "unknown"
+    _admit(st, peer)
+    st.streams[peer] += 1
+    try:
+        return await _stream(request, st, feed, reader, opening, lower, snapshot, follow, fmt)
+    finally:
+        st.streams[peer] -= 1
+        if st.streams[peer] <= 0:
+            del st.streams[peer]
+
+
+def _admit(st: ServerState, peer: str) -> None:
+    """Refuse a stream past the caps: 429 for a client with too many, 503 for a full
+    server (each stream holds a reader, open files and a batch in memory)."""
+    cfg = st.config
+    if st.streams[peer] >= cfg.max_streams_per_client:
+        raise HttpError(
+            429,
+            "too_many_streams",
+            f"{st.streams[peer]} streams from {peer} are open already, at most "
+            f"{cfg.max_streams_per_client} (serve --max-streams-per-client): close one first",
+            headers={"Retry-After": "5"},
+        )
+    if sum(st.streams.values()) >= cfg.max_streams:
+        raise HttpError(
+            503,
+            "too_many_streams",
+            f"the server has {cfg.max_streams} streams open, its limit (serve --max-streams)",
+            headers={"Retry-After": "5"},
+        )
+
+
+class _Stalled(Exception):
+    """A consumer took nothing of a write for ``--stall-timeout`` seconds."""
+
+
+async def _stream(
+    request: web.Request,
+    st: ServerState,
+    feed: str,
+    reader: FeedReader,
+    opening: list[Any],
+    lower: int,
+    snapshot: bool,
+    follow: bool,
+    fmt: str,
+) -> web.StreamResponse:
     codec = get_codec(fmt)
     resp = web.StreamResponse(headers={"Content-Type": codec.content_type})
     await resp.prepare(request)
+
+    async def write(data: bytes) -> None:
+        """One write, abandoned (and the connection dropped) when the consumer takes
+        none of it for ``stall_seconds``: its buffers, reader and files are released."""
+        try:
+            await asyncio.wait_for(resp.write(data), st.config.stall_seconds)
+        except TimeoutError:
+            raise _Stalled from None
+
     sink = io.BytesIO()
     encoder = codec.encoder(sink, schema=reader.info.schema)
     m = st.metrics
@@ -139,7 +196,7 @@ async def changes(request: web.Request) -> web.StreamResponse:
                 m.updates.labels(feed, "", "pull").inc(n)
             if data:
                 m.bytes.labels(feed, "", "pull").inc(len(data))
-                await resp.write(data)
+                await write(data)
 
     async def begin() -> None:
         nonlocal lower
@@ -174,12 +231,18 @@ async def changes(request: web.Request) -> web.StreamResponse:
                     raise
                 raise overtaken(t, since) from None
             n, held = 0, list[Updates]()  # the last batch goes out with the progress
-            while batch is not None:
-                n += len(batch)
-                if held:
-                    await send(held)
-                held = [batch]
-                batch = await asyncio.to_thread(next, batches, None)
+            try:
+                while batch is not None:
+                    n += len(batch)
+                    if held:
+                        await send(held)
+                    held = [batch]
+                    batch = await asyncio.to_thread(next, batches, None)
+            finally:  # the time's open files, at once, also when the consumer is gone
+                close = getattr(batches, "close", None)
+                with contextlib.suppress(ValueError):  # (still running in its thread)
+                    if close is not None:
+                        close()
             await send([*held, Progress(lower, t + 1, ((t, n),) if n else ())])
             lower = t + 1
         if lower < frontier:
@@ -199,14 +262,23 @@ async def changes(request: web.Request) -> web.StreamResponse:
             )
             if fmt == "ndjson":
                 line = {"error": "compacted", "detail": str(e), "since": e.since}
-                await resp.write(orjson.dumps(line) + b"\n")
+                await write(orjson.dumps(line) + b"\n")
         encoder.close()
         tail = sink.getvalue()
         if tail:
-            await resp.write(tail)
+            await write(tail)
         await resp.write_eof()
     except ConnectionResetError:
         log.info("feed %s: a consumer went away", feed)
+    except _Stalled:
+        log.warning(
+            "feed %s: the consumer at %s took nothing for %.0f s: stream closed",
+            feed,
+            request.remote,
+            st.config.stall_seconds,
+        )
+        if request.transport is not None:
+            request.transport.abort()
     return resp
 
 

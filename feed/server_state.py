@@ -4,6 +4,7 @@ and subscription stores every endpoint uses (``feed/server.py`` assembles the ap
 from __future__ import annotations
 
 import asyncio
+import collections
 from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
@@ -16,7 +17,7 @@ from protocol.destinations import DEFAULT_PUSH_ALLOW, Destinations
 
 from .log import log_root, valid_feed_name
 from .reader import FeedReader
-from .settings import COMPACT_SECONDS
+from .settings import COMPACT_SECONDS, MAX_STREAMS, MAX_STREAMS_PER_CLIENT, STALL_SECONDS
 from .subscriptions import SubscriptionStore
 
 __all__ = ["CONFIG", "STATE", "ServerConfig", "ServerState", "state_of"]
@@ -39,6 +40,11 @@ class ServerConfig:
     compact_seconds: float = COMPACT_SECONDS
     #: where push subscriptions may point (``--push-allow``; protocol/destinations.py)
     push_allow: Destinations = field(default_factory=lambda: Destinations.parse(DEFAULT_PUSH_ALLOW))
+    #: pull streams open at a time, in all and from one client address (429/503 past them)
+    max_streams: int = MAX_STREAMS
+    max_streams_per_client: int = MAX_STREAMS_PER_CLIENT
+    #: a pull stream whose consumer takes none of a write for this long is closed
+    stall_seconds: float = STALL_SECONDS
 
 
 class Metrics:
@@ -87,6 +93,7 @@ CONFIG = web.AppKey("config", ServerConfig)
 class ServerState:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        self.streams: collections.Counter[str] = collections.Counter()  # open, by client
         self.metrics = Metrics()
         self.readers: dict[str, FeedReader] = {}
         self.subs: dict[str, SubscriptionStore] = {}

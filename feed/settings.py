@@ -39,6 +39,11 @@ DEFAULT_MAX_FILES = 1000
 #: keyed Debezium input of at most this many bytes is computed on the driver
 #: (feed/driver_txn.py; ``--driver-txn-bytes``)
 DEFAULT_DRIVER_TXN_BYTES = 1 << 20
+#: serve: pull streams open at a time in all and from one client address, and how long a
+#: stream's consumer may take nothing of a write before the stream is closed
+MAX_STREAMS = 64
+MAX_STREAMS_PER_CLIENT = 16
+STALL_SECONDS = 60.0
 DEFAULT_CLOCK = "wallclock"  # a new feed's, when --clock is left out
 #: how often ``tidefeed serve`` compacts (``--compact-every``; feed/server_state.py)
 COMPACT_SECONDS = 60.0

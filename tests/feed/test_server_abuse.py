@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import stat
 
 import aiohttp
@@ -146,3 +147,101 @@ def test_an_empty_token_is_refused_at_start(tmp_path, command):
         out = tidefeed(command, *where, "--port", str(free_port()), *args, env=env, timeout=60)
         assert out.returncode != 0
         assert b"--token is empty" in out.stderr
+
+
+@pytest.fixture(scope="module")
+def big_log(spark, tmp_path_factory):
+    """A feed of 30,000 rows in one time: several MB in any format, more than the sockets
+    between a server and a consumer that reads nothing can hold."""
+    from .model import run_emitter
+
+    tmp = tmp_path_factory.mktemp("big")
+    src = tmp / "in"
+    src.mkdir()
+    lines = b"".join(
+        b'{"record":{"id":%d,"note":"%s"},"delta":1}\n' % (i, b"x" * 60) for i in range(30_000)
+    )
+    (src / "part-0.json").write_bytes(lines)
+    run_emitter(
+        spark,
+        source_kind="weighted",
+        source_path=str(src),
+        feed="big",
+        log=str(tmp / "log"),
+        clock="logical",
+    )
+    return tmp / "log"
+
+
+def _unread_stream(port: int, path: str) -> socket.socket:
+    """A client that asks for a stream and never reads a byte of it (a tiny receive
+    window, so the server's writes soon wait)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    return sock
+
+
+async def test_streams_are_capped_per_client_and_in_all(big_log):
+    config = ServerConfig(log=str(big_log), max_streams=3, max_streams_per_client=2)
+    app = make_server_app(config)
+    base, runner = await serve(app)
+    port = runner.addresses[0][1]
+    held: list[socket.socket] = []
+    try:
+        from feed.server_state import STATE
+
+        st = app[STATE]
+        for _ in range(2):
+            held.append(_unread_stream(port, "/v1/feeds/big/changes?follow=true"))
+        await _until(lambda: _value(sum(st.streams.values())), lambda n: n == 2, "2 streams")
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{base}/v1/feeds/big/changes") as r:
+                assert r.status == 429
+                assert r.headers["Retry-After"]
+                assert "--max-streams-per-client" in (await r.json())["detail"]
+            # the whole server's cap (3): this client's 1 and another client's 2
+            held.pop().close()
+            await _until(lambda: _value(sum(st.streams.values())), lambda n: n == 1, "1 left")
+            st.streams["192.0.2.1"] = 2
+            async with s.get(f"{base}/v1/feeds/big/changes") as r:
+                assert r.status == 503
+                assert "--max-streams" in (await r.json())["detail"]
+            del st.streams["192.0.2.1"]
+            for sock in held:
+                sock.close()
+            held.clear()
+            await _until(lambda: _value(sum(st.streams.values())), lambda n: n == 0, "released")
+            async with s.get(f"{base}/v1/feeds/big/changes?format=arrow") as r:
+                assert r.status == 200
+                assert len(await r.read()) > 1_000_000
+    finally:
+        for sock in held:
+            sock.close()
+        await runner.cleanup()
+
+
+async def test_a_stream_whose_consumer_reads_nothing_is_closed(big_log, caplog):
+    config = ServerConfig(log=str(big_log), stall_seconds=1.0)
+    app = make_server_app(config)
+    _, runner = await serve(app)
+    port = runner.addresses[0][1]
+    try:
+        from feed.server_state import STATE
+
+        st = app[STATE]
+        sock = _unread_stream(port, "/v1/feeds/big/changes")
+        try:
+            await _until(lambda: _value(sum(st.streams.values())), lambda n: n == 1, "open")
+            # it stalls on a write, and the server lets it go (its reader and files too)
+            await _until(lambda: _value(sum(st.streams.values())), lambda n: n == 0, "closed")
+            assert "took nothing for 1 s: stream closed" in caplog.text
+        finally:
+            sock.close()
+    finally:
+        await runner.cleanup()
+
+
+async def _value(v):
+    return v
