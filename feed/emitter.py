@@ -81,6 +81,29 @@ class Planned:
         )
 
 
+def widening(
+    pending: list[str],
+    files: list[str],
+    txn: Callable[..., Any],
+    progress: TxnProgress | None,
+) -> TxnReport | None:
+    """``txn(files, more=…)``, over twice as many of the ``pending`` files each time it
+    finds nothing complete (:data:`~feed.dataflow.NEED_MORE`: a source transaction is
+    longer than the window); ``None`` without input or when nothing is complete."""
+    if not files:
+        return None
+    while True:
+        try:
+            report = txn(files, more=len(files) < len(pending))
+        finally:
+            if progress is not None:
+                progress.done()
+        if report is not NEED_MORE:
+            assert report is None or isinstance(report, TxnReport)
+            return report
+        files = pending[: 2 * len(files)]
+
+
 class State(Enum):
     UNOPENED = "unopened"
     OPENED = "opened"
@@ -234,19 +257,7 @@ class Emitter:
         kind, limit = self.config.source_kind, self.config.max_files_per_txn
         whole = self.config.granularity == "transaction" or kind == "cdf"
         files = self.inputs.first(pending, limit, kind=kind, whole_txns=whole)
-        if not files:
-            return None
-        while True:
-            try:
-                report = self._txn(files, more=len(files) < len(pending))
-            finally:
-                if self.progress is not None:
-                    self.progress.done()
-            if report is not NEED_MORE:
-                assert report is None or isinstance(report, TxnReport)
-                return report
-            # nothing complete in this window: a source transaction is longer than it
-            files = pending[: 2 * len(files)]
+        return widening(pending, files, self._txn, self.progress)
 
     def _delta_step(self) -> TxnReport | None:
         """One transaction over the Delta versions after the committed one."""

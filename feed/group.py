@@ -47,7 +47,7 @@ from ._faults import maybe_die
 from .checkpoint import Checkpoint
 from .commits import Committer
 from .dataflow import NEED_MORE, GroupHold, ReadChanges, read_input
-from .emitter import Emitter, Planned, State, now_ms
+from .emitter import Emitter, Planned, State, now_ms, widening
 from .log import FeedLog
 from .manifest import Segment
 from .progress import TxnProgress, TxnReport
@@ -305,18 +305,7 @@ class GroupEmitter:
         files = first.inputs.first(
             pending, self.config.max_files_per_txn, kind="debezium", whole_txns=True
         )
-        if not files:
-            return None
-        while True:
-            try:
-                report = self._txn(files, more=len(files) < len(pending))
-            finally:
-                if self.progress is not None:
-                    self.progress.done()
-            if report is not NEED_MORE:
-                assert report is None or isinstance(report, TxnReport)
-                return report
-            files = pending[: 2 * len(files)]
+        return widening(pending, files, self._txn, self.progress)
 
     def _txn(self, files: list[str], *, more: bool) -> Any:
         first = self.members[0]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import orjson
 import pytest
@@ -15,6 +14,7 @@ from feed.group import GroupEmitter
 from feed.reader import FeedReader
 from protocol import CheckpointError, SourceError, check_messages
 
+from ..e2e.helpers import TIDEFEED
 from .model import as_multiset, collection_of
 from .test_debezium import SCHEMA, end, event, write
 
@@ -210,9 +210,7 @@ def test_cli_refuses_a_group_it_cannot_make(tmp_path):
     for extra, said in cases:
         out = subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "feed.cli",
+                *TIDEFEED,
                 "emit",
                 "--source",
                 f"debezium:{src}",
@@ -239,9 +237,7 @@ def test_sigkill_inside_the_group_commit_is_finished_at_the_next_start(tmp_path,
     bank_input(src)
     log = tmp_path / "log"
     cmd = [
-        sys.executable,
-        "-m",
-        "feed.cli",
+        *TIDEFEED,
         "emit",
         "--source",
         f"debezium:{src}",
