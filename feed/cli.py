@@ -310,6 +310,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_streams=args.max_streams,
         max_streams_per_client=args.max_streams_per_client,
         stall_seconds=args.stall_timeout,
+        idle_timeout=args.idle_timeout,
     )
     return _listening("serve", args.host, args.port, lambda: run_server(config))
 
@@ -325,7 +326,11 @@ def cmd_receive(args: argparse.Namespace) -> int:
     from protocol.receiver import ReceiverConfig, run_receiver
 
     config = ReceiverConfig(
-        db=args.db, host=args.host, port=args.port, token=_token(args.token, "receive")
+        db=args.db,
+        host=args.host,
+        port=args.port,
+        token=_token(args.token, "receive"),
+        idle_timeout=args.idle_timeout,
     )
     return _listening("receive", args.host, args.port, lambda: run_receiver(config))
 

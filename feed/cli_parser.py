@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from protocol import CODECS
+from protocol._http import IDLE_TIMEOUT
 from protocol.destinations import DEFAULT_PUSH_ALLOW
 
 from .cliopts import (
@@ -227,6 +228,12 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         default=STALL_SECONDS,
         help="close a pull stream whose consumer reads nothing for this many seconds",
     )
+    p.option(
+        "--idle-timeout",
+        type=positive_float,
+        default=IDLE_TIMEOUT,
+        help="close a connection that sends no whole request for this many seconds",
+    )
 
     p = command("compact", help="fold old times into one snapshot")
     p.option("--log", required=True, help="feed log: a local folder or s3://…")
@@ -238,6 +245,12 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.option("--host", default=DEFAULT_HOST, help="address to listen on")
     p.option("--port", type=port, default=DEFAULT_RECEIVE_PORT, help="port to listen on")
     p.option("--token", help="require this bearer token from every producer")
+    p.option(
+        "--idle-timeout",
+        type=positive_float,
+        default=IDLE_TIMEOUT,
+        help="close a connection that sends no whole request for this many seconds",
+    )
 
     p = command("capture", help="capture a database's changes into a source folder (Debezium)")
     p.add_argument("database", choices=("postgres",), help="the source database kind")

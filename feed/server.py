@@ -100,5 +100,6 @@ def run_server(config: ServerConfig) -> None:
         app,
         host=config.host,
         port=config.port,
+        keepalive_timeout=config.idle_timeout,
         print=lambda s: print(s, flush=True),
     )

@@ -12,7 +12,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from protocol import CheckpointError
-from protocol._http import HttpError
+from protocol._http import IDLE_TIMEOUT, HttpError
 from protocol.destinations import DEFAULT_PUSH_ALLOW, Destinations
 
 from .log import log_root, valid_feed_name
@@ -45,6 +45,8 @@ class ServerConfig:
     max_streams_per_client: int = MAX_STREAMS_PER_CLIENT
     #: a pull stream whose consumer takes none of a write for this long is closed
     stall_seconds: float = STALL_SECONDS
+    #: a connection that sends no whole request for this many seconds is closed
+    idle_timeout: float = IDLE_TIMEOUT
 
 
 class Metrics:

@@ -30,6 +30,7 @@ from .errors import (
 )
 
 __all__ = [
+    "IDLE_TIMEOUT",
     "HttpError",
     "encoding_middleware",
     "error_middleware",
@@ -86,6 +87,12 @@ def _error(
     extra: dict[str, Any] | None = None,
 ) -> web.Response:
     return json_response({"error": code, "detail": detail, **(extra or {})}, status, headers)
+
+
+#: both servers close a connection that sends no whole request for this many seconds: a
+#: client that never finishes its headers, or stays connected doing nothing between
+#: requests (aiohttp's keep-alive timeout, which runs from the connection's start)
+IDLE_TIMEOUT = 30.0
 
 
 @web.middleware

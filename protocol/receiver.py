@@ -35,6 +35,7 @@ import orjson
 from aiohttp import web
 
 from ._http import (
+    IDLE_TIMEOUT,
     HttpError,
     encoding_middleware,
     error_middleware,
@@ -70,6 +71,9 @@ class ReceiverConfig:
     retry_after_seconds: int = 1
     #: seconds a commit waits for a lock on the database before answering 503
     busy_timeout: float = 5.0
+    #: a connection that sends no whole request (its headers unfinished, or nothing after
+    #: the last answer) for this many seconds is closed
+    idle_timeout: float = IDLE_TIMEOUT
 
 
 DB = web.AppKey("db", SqliteDatabase)
@@ -373,5 +377,6 @@ def run_receiver(config: ReceiverConfig) -> None:
         app,
         host=config.host,
         port=config.port,
+        keepalive_timeout=config.idle_timeout,
         print=lambda s: print(s, flush=True),
     )

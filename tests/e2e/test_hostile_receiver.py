@@ -8,6 +8,8 @@ import gzip
 import http.client
 import io
 import signal
+import socket
+import time
 import zlib
 
 import fastavro
@@ -109,6 +111,57 @@ def test_crashers_get_a_4xx_and_the_receiver_lives_on(tmp_path):
         assert orjson.loads(conn.getresponse().read())["frontier"] is None
         conn.request("GET", "/healthz")
         assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def _closed_within(port: int, seconds: float) -> float:
+    """Open a connection that drips a request's headers a byte every 0.2 s and never ends
+    them; return how long the receiver took to close it."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=seconds)
+    began = time.monotonic()
+    try:
+        for byte in b"POST /v1/push/bank HTTP/1.1\r\nHost: a\r\nX-Slow: " + b"a" * 1000:
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:  # closed under us: a reset while sending
+                return time.monotonic() - began
+            sock.settimeout(0.2)
+            try:
+                if sock.recv(1024) == b"":
+                    return time.monotonic() - began
+            except TimeoutError:
+                pass
+            if time.monotonic() - began > seconds:
+                break
+    finally:
+        sock.close()
+    raise AssertionError(f"a connection with unfinished headers lived {seconds} s")
+
+
+@pytest.mark.slow
+def test_unfinished_headers_are_closed_after_the_idle_timeout(tmp_path):
+    port = free_port()
+    proc = start(
+        "receive",
+        "--db",
+        str(tmp_path / "r.db"),
+        "--port",
+        str(port),
+        "--idle-timeout",
+        "1",
+        log=tmp_path / "r.log",
+    )
+    try:
+        wait_up(port)
+        took = _closed_within(port, 20)
+        assert took < 10, took
+        assert proc.poll() is None
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/v1/push/bank")
+        assert orjson.loads(conn.getresponse().read())["frontier"] is None
         conn.close()
     finally:
         proc.send_signal(signal.SIGTERM)
