@@ -63,16 +63,22 @@ def _value_bytes(arr: pa.Array) -> np.ndarray:
     return np.frombuffer(data_buf, dtype=np.uint8)[lo:hi]
 
 
-def json_objects(arr: pa.Array | pa.ChunkedArray, *, sort_keys: bool = False) -> pa.Array | None:
+def json_objects(
+    arr: pa.Array | pa.ChunkedArray, *, sort_keys: bool = False, skip_nulls: bool = False
+) -> pa.Array | None:
     """The JSON object text of every record of a struct column (``null`` for a null
-    record), the fields in schema order or sorted by name; None for a type not taken."""
+    record), the fields in schema order or sorted by name; None for a type not taken.
+    ``skip_nulls`` leaves out a top-level field whose value is null (the record identity of
+    :func:`protocol.messages.record_key`)."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
     fields = list(arr.type)
     order = sorted(range(len(fields)), key=lambda i: fields[i].name) if sort_keys else None
+    children = arr.flatten()  # the parent's nulls folded into each child
+    if skip_nulls:
+        return _without_nulls(arr, fields, children, order, sort_keys=sort_keys)
     pieces: list[pa.Array | str] = []
     sep = "{"
-    children = arr.flatten()  # the parent's nulls folded into each child
     for i in order if order is not None else range(len(fields)):
         text = _text(children[i], sort_keys=sort_keys)
         if text is None:
@@ -84,6 +90,35 @@ def json_objects(arr: pa.Array | pa.ChunkedArray, *, sort_keys: bool = False) ->
         obj = pa.array(["{}"] * len(arr), pa.string())
     else:
         obj = pc.binary_join_element_wise(*pieces, "}", "")
+    if arr.null_count:
+        obj = pc.if_else(pc.is_valid(arr), obj, "null")
+    return obj
+
+
+def _without_nulls(
+    arr: pa.Array,
+    fields: list[pa.Field],
+    children: list[pa.Array],
+    order: list[int] | None,
+    *,
+    sort_keys: bool,
+) -> pa.Array | None:
+    """:func:`json_objects` with ``skip_nulls``: each field is ``,"name":value`` or
+    nothing, and the first comma becomes the brace."""
+    pieces: list[pa.Array] = []
+    for i in order if order is not None else range(len(fields)):
+        text = _text(children[i], sort_keys=sort_keys)
+        if text is None:
+            return None
+        named = pc.binary_join_element_wise(
+            "," + orjson.dumps(fields[i].name).decode() + ":", text, ""
+        )
+        pieces.append(pc.if_else(pc.is_valid(children[i]), named, ""))
+    if not pieces:
+        body = pa.array([""] * len(arr), pa.string())
+    else:
+        body = pc.utf8_slice_codeunits(pc.binary_join_element_wise(*pieces, ""), 1)
+    obj = pc.binary_join_element_wise("{", body, "}", "")
     if arr.null_count:
         obj = pc.if_else(pc.is_valid(arr), obj, "null")
     return obj

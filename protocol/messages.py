@@ -318,9 +318,14 @@ def _json_default(v: Any) -> Any:
 
 
 def record_key(record: Mapping[str, Any]) -> bytes:
-    """A canonical byte string identifying a record (column order does not matter)."""
+    """A canonical byte string identifying a record: column order does not matter, and a
+    top-level column that is null counts as absent. A feed's record schema grows (columns
+    added, dropped columns kept as null: docs/sources.md, "Schema changes"), so the same row
+    read before and after a change must be the same record."""
     return orjson.dumps(
-        record, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS, default=_json_default
+        {k: v for k, v in record.items() if v is not None},
+        option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS,
+        default=_json_default,
     )
 
 
@@ -328,4 +333,11 @@ def record_keys(records: Sequence[Mapping[str, Any]]) -> list[bytes]:
     """:func:`record_key` of every record."""
     opt = orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
     dumps = orjson.dumps
-    return [dumps(r, option=opt, default=_json_default) for r in records]
+    return [
+        dumps(
+            r if r is None else {k: v for k, v in r.items() if v is not None},
+            option=opt,
+            default=_json_default,
+        )
+        for r in records
+    ]

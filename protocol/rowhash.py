@@ -6,7 +6,8 @@ from each other and from what is pending without building a Python object per up
 
 The hash is a *filter*, never an identity: **equal records always get equal hashes** (a
 record's fields are taken in name order, integers of any width and integral floats hash
-alike, a null hashes the same whatever its column type), so distinct hashes prove distinct
+alike, a null hashes the same whatever its column type, and a null top-level column
+hashes as if it were absent), so distinct hashes prove distinct
 records. Equal hashes only say "maybe equal": the caller then compares the records exactly
 (:func:`protocol.messages.record_key`). Hashes are never stored or sent; they only have to
 agree within one process.
@@ -184,8 +185,9 @@ def _leaf_hash(col: pa.Array) -> np.ndarray:
     return _binary_leaf(pa.array(texts, pa.binary()))
 
 
-def _fold(h: np.ndarray, arr: pa.Array) -> np.ndarray:
-    """Fold every leaf of the struct ``arr`` into ``h``, fields in name order."""
+def _fold(h: np.ndarray, arr: pa.Array, *, top: bool = False) -> np.ndarray:
+    """Fold every leaf of the struct ``arr`` into ``h``, fields in name order; at the
+    ``top`` level a null field leaves ``h`` as it is (a null column counts as absent)."""
     children = arr.flatten()  # children with the struct's offset and nulls applied
     order = sorted(range(arr.type.num_fields), key=lambda i: arr.type.field(i).name)
     for i in order:
@@ -203,7 +205,11 @@ def _fold(h: np.ndarray, arr: pa.Array) -> np.ndarray:
             if child.null_count:
                 nulls = np.asarray(child.is_null().to_numpy(zero_copy_only=False))
                 col = np.where(nulls, np.uint64(_NULL), col)
-        h = (h ^ np.uint64(_name_hash(arr.type.field(i).name))) * np.uint64(_P) + col
+        folded = (h ^ np.uint64(_name_hash(arr.type.field(i).name))) * np.uint64(_P) + col
+        if top and child.null_count:
+            nulls = np.asarray(child.is_null().to_numpy(zero_copy_only=False))
+            folded = np.where(nulls, h, folded)
+        h = folded
     return h
 
 
@@ -213,4 +219,4 @@ def row_hashes(data: pa.Array | pa.ChunkedArray) -> np.ndarray:
         data = data.combine_chunks() if data.num_chunks != 1 else data.chunk(0)
     if not pa.types.is_struct(data.type):
         raise TypeError(f"records must be a struct column, got {data.type}")
-    return _mix(_fold(np.full(len(data), _SEED, dtype=np.uint64), data))
+    return _mix(_fold(np.full(len(data), _SEED, dtype=np.uint64), data, top=True))

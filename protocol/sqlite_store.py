@@ -76,6 +76,9 @@ _COMMITTED = "time < (SELECT frontier FROM feeds WHERE feeds.feed = ?)"
 GIVE_WAY_ROWS = 5_000
 #: SQLite's page cache for the receiver's connection, in KiB
 CACHE_KIB = 64 << 10
+#: how the collection's record keys are made (``PRAGMA user_version``): 1, a null column
+#: counts as absent (:func:`protocol.messages.record_key`)
+KEY_FORMAT = 1
 #: updates folded into the collection per SQLite transaction (whole parts; one part more
 #: if it alone is larger): each transaction rewrites the B-tree pages its records land on
 FOLD_ROWS = 50_000
@@ -103,7 +106,7 @@ def _record_keys(data: pa.ChunkedArray) -> pa.Array:
     """:func:`record_key` of every record of a ``data`` column (a binary array): built
     column-wise where :mod:`.jsontext` takes the record type (the same bytes), else one
     record at a time."""
-    text = json_objects(data, sort_keys=True)
+    text = json_objects(data, sort_keys=True, skip_nulls=True)
     if text is not None:
         return text.cast(pa.binary())
     return pa.array(record_keys(data.to_pylist(maps_as_pydicts="strict")), pa.binary())
@@ -218,6 +221,13 @@ class SqliteDatabase:
             columns = {r[1] for r in self._conn.execute("PRAGMA table_info(feeds)")}
             if "folded" not in columns:  # a database from before the kept collection
                 self._conn.execute("ALTER TABLE feeds ADD COLUMN folded INTEGER NOT NULL DEFAULT 0")
+            if self._conn.execute("PRAGMA user_version").fetchone()[0] < KEY_FORMAT:
+                # its collection is keyed with null columns in (before a feed's schema
+                # could grow): fold it again from the parts, which are all kept
+                with _immediate(self._conn):
+                    self._conn.execute("DELETE FROM collection")
+                    self._conn.execute("UPDATE feeds SET folded = 0")
+                    self._conn.execute(f"PRAGMA user_version = {KEY_FORMAT}")
         self.lock = threading.Lock()
         #: writes pending updates ahead of their commit (one thread: in the order asked)
         self.ahead = concurrent.futures.ThreadPoolExecutor(
