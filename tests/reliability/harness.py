@@ -210,6 +210,10 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
             str(profile.retain),
             "--compact-every",
             str(profile.compact_every),
+            # every follower runs on this one host: more streams from one address than
+            # the default cap (16) lets in
+            "--max-streams-per-client",
+            str(profile.followers + 8),
         ],
         logs / "serve.log",
     )
