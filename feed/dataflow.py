@@ -58,10 +58,14 @@ def _bad_sample(bad: Any, cached: Sequence[Any]) -> str:
     return "; ".join(f"{base_name(r['_file'])}: {r['_error']}" for r in sample)
 
 
-def _tally(grouped: Any, stale: Any) -> Any:
+def _tally(grouped: Any, stale: Any, fresh: Any = None) -> Any:
     """Input rows, TOAST placeholders, stale (already committed) rows, bad rows and deletes
-    per group."""
+    per group, and the table shapes of the ``fresh`` events (past the committed position:
+    an event read again, committed under an older shape, is no change of shape)."""
     from pyspark.sql import functions as F
+
+    if fresh is None:
+        fresh = F.lit(True)
 
     ok = F.col("_error").isNull()
     return grouped.agg(
@@ -70,7 +74,7 @@ def _tally(grouped: Any, stale: Any) -> Any:
         F.count(F.when(stale & ok, 1)).alias("stale"),
         F.count("_error").alias("errors"),
         F.count(F.when(ok & (F.col("op") == "d"), 1)).alias("deletes"),
-        F.collect_set("_shape").alias("shapes"),
+        F.collect_set(F.when(fresh, F.col("_shape"))).alias("shapes"),
     )
 
 
@@ -188,6 +192,7 @@ def unfit_shape(
         shapes=shapes,
         known=ctx.shapes,
         sample=sample_in(ctx.spark, files),
+        gone=ctx.info.dropped,
     )
 
 
@@ -256,9 +261,15 @@ def read_input(
     tally_rows: list[Any] | None = None
     snapshot_reads = True
     if cfg.source_kind == "debezium":
+        from .positions import committed_position
         from .state import bucket_of
 
         buckets = ctx.state.buckets(cp.state) if keyed else None
+        hi, lo, n = committed_position(cp.source.get("pos", [0, 0]))
+        past = (F.col("pos_hi") > hi) | (
+            (F.col("pos_hi") == hi)
+            & ((F.col("pos_lo") > lo) | ((F.col("pos_lo") == lo) & (F.col("pos_n") > n)))
+        )
 
         def assembled_with(hold_at: tuple[int, int] | None = None) -> Any:
             # the counts and the state buckets come with the transaction figures: one job
@@ -272,7 +283,7 @@ def read_input(
                 logger=ctx.log,
                 feed=cfg.feed,
                 bucket=bucket_of(image, ctx.info.key, buckets) if buckets else None,
-                also=_tally(changes.groupBy("_file", "_skip"), F.lit(False)),
+                also=_tally(changes.groupBy("_file", "_skip"), F.lit(False), past),
                 hold_at=hold_at,
                 hold_txns=group.txns if group is not None else frozenset(),
             )
@@ -283,7 +294,7 @@ def read_input(
         unfit = unfit_shape(ctx, files, (h for r in tally_rows for h in r["shapes"] or ()))
         if unfit is not None:
             # commit what was delivered before the table changed shape, then stop there
-            from .shapes import shape_error
+            from .shapes import next_version, shape_error
 
             first = _first_of_shape(changes, unfit[0])
             for df in assembled.cached:
@@ -291,15 +302,17 @@ def read_input(
             assembled = assembled_with((first["ord_file"], first["ord_row"]))
             touched, tally_rows = assembled.buckets, list(assembled.also)
             if not assembled.ready:
-                stop = shape_error(cfg.feed, ctx.info.table, unfit[1], base_name(first["_file"]))
+                where = base_name(first["_file"])
                 if group is None:
+                    # at the head of the input: the feed's next schema version, if any
                     for df in (changes, *assembled.cached):
                         df.unpersist()
-                    raise stop
-                shape_stop = stop
-            ctx.log.warning(
+                    raise next_version(cfg.feed, ctx.info.table, ctx.info, unfit[1], where)
+                # (a group's feeds do not evolve yet: the group stops there)
+                shape_stop = shape_error(cfg.feed, ctx.info.table, unfit[1], where)
+            ctx.log.info(
                 "feed %s: the source table changed shape in %s (%s): committing what came "
-                "before it",
+                "before it first",
                 cfg.feed,
                 base_name(first["_file"]),
                 unfit[1].describe(),

@@ -141,13 +141,16 @@ def run(
     why = _not_plain(t, key)
     if why is not None:
         return _to_spark(ctx, seq, why)
-    if unfit_shape(ctx, files, pc.unique(t.column("_shape")).to_pylist()) is not None:
+    committed = committed_position(cp.source.get("pos", [0, 0]))
+    # (an event read again, committed under an older shape, is no change of shape)
+    cols = [t.column(c).to_pylist() for c in ("_shape", "pos_hi", "pos_lo", "pos_n")]
+    shapes = {h for h, *pos in zip(*cols, strict=True) if h is not None and tuple(pos) > committed}
+    if unfit_shape(ctx, files, shapes) is not None:
         return _to_spark(ctx, seq, "the source table changed shape")
     record = pa.schema(list(t.schema.field("after").type))
     skipped = Counter(s for s in t.column("_skip").to_pylist() if s is not None)
     data = t.filter(pc.is_in(t.column("op"), pa.array(_DATA_OPS))).to_pylist()
 
-    committed = committed_position(cp.source.get("pos", [0, 0]))
     ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi", "tx_count"])
     ends_read = ends.to_pylist()
     why = complete(ends_read, data)

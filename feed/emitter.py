@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
-from protocol import CheckpointError, Progress
+from protocol import CheckpointError, Progress, SourceError
 
 from . import driver_txn, spark_txn
 from ._faults import maybe_die
@@ -60,6 +60,7 @@ from .settings import (
     load_schema_file,
     settle,
 )
+from .shapes import Evolve
 
 __all__ = ["Emitter", "EmitterConfig", "TxnReport", "load_schema_file"]
 
@@ -166,6 +167,8 @@ class Emitter:
         cfg = self.config
         self.info = self.feedlog.info()
         latest = self.commits.store.latest(repair=True)
+        if self.info is not None and latest is not None:
+            self.info = self.info.at(latest.frontier)  # the schema versions committed
         if self.info is not None and not fixed(latest):
             # an earlier run wrote the feed's settings but never committed a transaction
             # (it failed, was killed, or every row it read was bad): they are not the
@@ -333,18 +336,79 @@ class Emitter:
             if small is not None:
                 secs["driver"] = time.perf_counter() - t0
                 return self._finish(files, secs, small, tx_files=(), source_update=None)
-        written = spark_txn.run(
-            ctx,
-            files,
-            tx_files,
-            secs,
-            more=more,
-            reached=self._reached,
-            eager=self.eager,
-        )
+        try:
+            written = spark_txn.run(
+                ctx,
+                files,
+                tx_files,
+                secs,
+                more=more,
+                reached=self._reached,
+                eager=self.eager,
+            )
+        except Evolve as ev:
+            return self._evolve(ev, secs)
         if not isinstance(written, Written):
             return written  # None or NEED_MORE: nothing to commit
         return self._finish(files, secs, written, tx_files=tx_files, source_update=source_update)
+
+    def _evolve(self, ev: Evolve, secs: dict[str, float]) -> TxnReport:
+        """Commit the feed's next schema version at the next time, with the rows its
+        state holds rewritten into it (feed/evolve.py); the input stays pending."""
+        from protocol import fingerprint
+
+        from .evolve import rewrite
+        from .source_rows import spark_record_type
+
+        assert self.cp is not None
+        if self.eager is not None:
+            raise SourceError(
+                f"feed {self.config.feed!r}: {ev}. A feed emitted with --eager does not take "
+                "a new schema version yet: run this emit without --eager once (it commits "
+                "the version and goes on), then go back to --eager."
+            )
+        cp, start = self.cp, self.cp.next
+        self._stage("rewriting the state into a new schema version")
+        t0 = time.perf_counter()
+        version, segments, state_ref = rewrite(self.context(), ev, cp.seq + 1, start)
+        secs["rewrite"] = time.perf_counter() - t0
+        counts = tuple((s.time, s.count) for s in segments)
+        progress = Progress(cp.frontier, max(start + 1, cp.frontier), counts)
+        upper = progress.upper
+        nxt = max(self._clock(), upper) if self.info.clock == "wallclock" else upper
+        maybe_die("before_version_commit")
+        t1 = time.perf_counter()
+        new_cp = self._commit(
+            lambda base: base.successor(
+                progress=progress, next=nxt, state=state_ref, schema=fingerprint(version.schema)
+            ),
+            segments,
+        )
+        secs["commit"] = time.perf_counter() - t1
+        self.info = self.info.evolved(version)
+        self._record_type = spark_record_type(version.schema)
+        self._state.record_type = self._record_type
+        self._shapes.clear()
+        self.log.info(
+            "feed %s: the source table changed shape at %s (%s): schema version from time "
+            "%d committed, %d row(s) rewritten",
+            self.config.feed,
+            ev.where,
+            ev.change.describe(),
+            start,
+            sum(n for _, n in counts) // 2,
+        )
+        w = Written(
+            segments=segments,
+            state_ref=state_ref,
+            units=1,
+            position=None,
+            input_rows=0,
+            skipped={},
+            redelivered=0,
+            snapshot_lsn=None,
+        )
+        return self.committed(new_cp, [], secs, w)
 
     def context(self) -> TxnContext:
         """What a transaction's dataflow needs from this emitter, from its committed

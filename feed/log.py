@@ -3,6 +3,7 @@
 ::
 
     <log>/<feed>/feed.json               name, record schema (Avro), key, clock, created
+    <log>/<feed>/schemas/<from>.json     a later version of the record schema, from time <from>
     <log>/<feed>/_commits/<seq>.json     checkpoints (feed/checkpoint.py)
     <log>/<feed>/_manifests/…            what each checkpoint says the log holds (feed/manifest.py)
     <log>/<feed>/times/<time>/*.parquet  consolidated updates at <time>: record columns + diff
@@ -23,7 +24,7 @@ import datetime as dt
 import os
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -61,8 +62,56 @@ def valid_feed_name(name: str) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class SchemaVersion:
+    """A version of a feed's record schema (``schemas/<from>.json``): the schema every
+    record at ``start`` and later has, until the next version. Each version holds every
+    column of the one before (docs/sources.md, "Schema changes"): ``added`` columns are
+    nullable, ``dropped`` ones are kept and null from ``start`` on, ``widened`` ones took a
+    type that holds every old value."""
+
+    start: int
+    schema: dict[str, Any]
+    added: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+    widened: tuple[str, ...] = ()
+
+    def changes(self) -> dict[str, list[str]]:
+        """The columns this version added, dropped and widened."""
+        return {
+            "added": list(self.added),
+            "dropped": list(self.dropped),
+            "widened": list(self.widened),
+        }
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(
+            {
+                "from": self.start,
+                "schema": self.schema,
+                "fingerprint": fingerprint(self.schema),
+                "added": list(self.added),
+                "dropped": list(self.dropped),
+                "widened": list(self.widened),
+            },
+            option=orjson.OPT_INDENT_2,
+        )
+
+    @staticmethod
+    def from_json(data: bytes) -> SchemaVersion:
+        d = orjson.loads(data)
+        return SchemaVersion(
+            start=int(d["from"]),
+            schema=d["schema"],
+            added=tuple(d.get("added") or ()),
+            dropped=tuple(d.get("dropped") or ()),
+            widened=tuple(d.get("widened") or ()),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class FeedInfo:
-    """The contents of ``feed.json``."""
+    """The contents of ``feed.json``, with the later versions of its record schema:
+    ``schema`` is the newest one (see :meth:`at`)."""
 
     name: str
     schema: dict[str, Any]
@@ -77,16 +126,61 @@ class FeedInfo:
     #: the feeds of its group (one time domain over several tables: feed/group.py), in
     #: order; empty for a feed of its own
     group: tuple[str, ...] = ()
+    #: the record schema's later versions, oldest first (``schemas/``: not in feed.json)
+    versions: tuple[SchemaVersion, ...] = field(default=(), compare=False)
+    #: the schema feed.json names (the first version, from the feed's first time)
+    first_schema: dict[str, Any] | None = field(default=None, compare=False)
 
     @property
     def fingerprint(self) -> str:
         return fingerprint(self.schema)
 
+    @property
+    def version(self) -> int:
+        """The first time of the current schema version (0: the feed's first schema)."""
+        return self.versions[-1].start if self.versions else 0
+
+    @property
+    def dropped(self) -> frozenset[str]:
+        """Columns the source table no longer has (kept, null from their drop on)."""
+        out: set[str] = set()
+        for v in self.versions:
+            out = (out - set(v.added)) | set(v.dropped)
+        return frozenset(out)
+
+    def history(self) -> list[SchemaVersion]:
+        """Every version of the record schema, the feed's first (from time 0) first."""
+        first = self.first_schema if self.first_schema is not None else self.schema
+        return [SchemaVersion(0, first), *self.versions]
+
+    def at(self, frontier: int) -> FeedInfo:
+        """The feed as a reader at ``frontier`` sees it: only the versions of committed
+        times (a version file of a time not committed yet, or rolled back, is left out)."""
+        kept = tuple(v for v in self.versions if v.start < frontier)
+        if kept == self.versions:
+            return self
+        first = self.first_schema if self.first_schema is not None else self.schema
+        return replace(self, versions=kept, schema=kept[-1].schema if kept else first)
+
+    def evolved_to(self, versions: list[SchemaVersion]) -> FeedInfo:
+        """The feed of ``feed.json`` (this) with its later schema ``versions``."""
+        if not versions:
+            return self
+        return replace(
+            self, schema=versions[-1].schema, versions=tuple(versions), first_schema=self.schema
+        )
+
+    def evolved(self, version: SchemaVersion) -> FeedInfo:
+        """The feed with ``version`` as its newest schema."""
+        first = self.first_schema if self.first_schema is not None else self.schema
+        older = tuple(v for v in self.versions if v.start < version.start)
+        return replace(self, schema=version.schema, versions=(*older, version), first_schema=first)
+
     def to_json(self) -> bytes:
         return orjson.dumps(
             {
                 "name": self.name,
-                "schema": self.schema,
+                "schema": self.first_schema if self.first_schema is not None else self.schema,
                 "key": list(self.key),
                 "clock": self.clock,
                 "created": self.created,
@@ -260,7 +354,22 @@ class FeedLog:
             order=d.get("order"),
             deleted=d.get("deleted"),
             group=tuple(d.get("group") or ()),
-        )
+        ).evolved_to(self.schema_versions())
+
+    def schema_versions(self) -> list[SchemaVersion]:
+        """Every ``schemas/<from>.json`` in the log, oldest first (committed or not: see
+        :meth:`FeedInfo.at`)."""
+        out = []
+        for i in self.list_dir(self.path("schemas")):
+            name = i.base_name
+            if name.endswith(".json") and name[:-5].isdigit():
+                out.append(SchemaVersion.from_json(self.read_bytes(i.path)))
+        return sorted(out, key=lambda v: v.start)
+
+    def write_schema_version(self, version: SchemaVersion) -> None:
+        """Write a schema version before the commit of its first time (a redo of that
+        time writes it again)."""
+        self.write_bytes(self.path("schemas", f"{version.start:020d}.json"), version.to_json())
 
     def create(
         self,
@@ -270,8 +379,10 @@ class FeedLog:
         clock: str,
         table: str | None = None,
         group: tuple[str, ...] = (),
-        **settings: str | None,
+        **settings: Any,
     ) -> FeedInfo:
+        # (a version an earlier, never committed run of this feed left is not this feed's)
+        self.delete_dir(self.path("schemas"))
         info = FeedInfo(
             name=self.feed,
             schema=schema,

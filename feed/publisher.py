@@ -103,6 +103,9 @@ class Publisher:
 
     async def _session(self) -> SessionReport:
         self.reader.refresh()
+        # every time goes out through the feed's newest schema version (Avro and Arrow
+        # bodies carry it: a receiver meets a grown schema at the next body)
+        self.client.schema = self.reader.info.schema
         frontier, _ = await self.client.handshake()
         report = SessionReport(frontier=frontier)
         try:

@@ -16,7 +16,16 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from protocol import CODECS, CheckpointError, Compacted, Progress, Updates, announcement, get_codec
+from protocol import (
+    CODECS,
+    CheckpointError,
+    Compacted,
+    Progress,
+    Updates,
+    announcement,
+    fingerprint,
+    get_codec,
+)
 from protocol._http import HttpError, json_response
 
 from .reader import FeedReader
@@ -34,6 +43,11 @@ def _describe(r: FeedReader, *, counts: bool) -> dict[str, Any]:
     d: dict[str, Any] = {
         "name": r.name,
         "schema": r.info.schema,
+        # every version: a record at time t has the newest one from t or before
+        "schemas": [
+            {"from": v.start, "fingerprint": fingerprint(v.schema), **v.changes()}
+            for v in r.info.history()
+        ],
         "key": list(r.info.key),
         "clock": r.info.clock,
         "frontier": r.frontier,
@@ -144,6 +158,15 @@ def _admit(st: ServerState, peer: str) -> None:
         )
 
 
+class _SchemaMoved(Exception):
+    """An Avro or Arrow stream met a newer schema version: it ends after its last whole
+    time (``at``: where a resume with ``after`` goes on)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__(at)
+        self.at = at
+
+
 class _Stalled(Exception):
     """A consumer took nothing of a write for ``--stall-timeout`` seconds."""
 
@@ -173,6 +196,8 @@ async def _stream(
 
     sink = io.BytesIO()
     encoder = codec.encoder(sink, schema=reader.info.schema)
+    # an Avro or Arrow stream has one schema: it ends where a newer version is committed
+    schema = (reader.info.version, reader.info.fingerprint)
     m = st.metrics
 
     def encode(messages: list[Any]) -> bytes:
@@ -216,6 +241,8 @@ async def _stream(
 
     async def catch_up() -> None:
         nonlocal lower
+        if fmt != "ndjson" and (reader.info.version, reader.info.fingerprint) != schema:
+            raise _SchemaMoved(lower)
         frontier = reader.frontier  # one checkpoint for the times listed and the closing
         if reader.since > lower:
             raise overtaken(lower, reader.since)
@@ -263,6 +290,14 @@ async def _stream(
             if fmt == "ndjson":
                 line = {"error": "compacted", "detail": str(e), "since": e.since}
                 await write(orjson.dumps(line) + b"\n")
+        except _SchemaMoved as e:
+            log.info(
+                "feed %s: a %s stream ends at %d, where a new schema version begins: the "
+                "consumer resumes from there with the new schema",
+                feed,
+                fmt,
+                e.at,
+            )
         encoder.close()
         tail = sink.getvalue()
         if tail:

@@ -76,6 +76,16 @@ class Feed:
         return dict(self._r.counts())
 
     @property
+    def schema_versions(self) -> list[dict[str, Any]]:
+        """Every version of the record schema, oldest first: ``from`` (a record at time
+        ``t`` has the newest version from ``t`` or before), ``schema`` (Avro), and the
+        columns it ``added``, ``dropped`` and ``widened``. Every time is read through the
+        last one (docs/sources.md, "Schema changes")."""
+        return [
+            {"from": v.start, "schema": v.schema, **v.changes()} for v in self._r.info.history()
+        ]
+
+    @property
     def schema(self) -> pa.Schema:
         """The columns of :meth:`updates`: ``time``, ``diff``, then the record's."""
         record = [f.with_nullable(True) for f in self._r.record_type]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from functools import cached_property
 
 import numpy as np
 import pyarrow as pa
@@ -45,16 +44,28 @@ class FeedReader:
         info = self.log.info()
         if info is None:
             raise CheckpointError(f"no feed {feed!r} in log {log!r}")
+        #: the feed with every schema version in the log (committed or not)
+        self._all: FeedInfo = info
+        #: the feed as of the checkpoint read: ``schema`` is the newest committed version,
+        #: the one every time is read through (docs/sources.md, "Schema changes")
         self.info: FeedInfo = info
         self._manifests = ManifestStore(self.log)
+        self._record_type: tuple[str, int, pa.DataType] | None = None
+        self.checkpoint: Checkpoint | None = None
         self.refresh()
 
     def refresh(self) -> Checkpoint | None:
-        """Re-read the latest checkpoint (a running emitter may have committed more) and
-        its manifest."""
+        """Re-read the latest checkpoint (a running emitter may have committed more), its
+        manifest, and the schema versions when the frontier moved."""
+        before = self.frontier
         self.checkpoint = CheckpointStore(self.log).latest()
         self.manifest = self._manifests.of(self.checkpoint)
         self._since = self.manifest.since
+        if self.frontier != before:
+            if self.frontier > before:  # a version may have been committed since
+                first = self._all.at(0)
+                self._all = first.evolved_to(self.log.schema_versions())
+            self.info = self._all.at(self.frontier)
         return self.checkpoint
 
     @property
@@ -144,11 +155,17 @@ class FeedReader:
         """The updates at a committed ``time`` as a message (columns data, time, diff)."""
         return _as_updates(self.table(time), time, self.record_type)
 
-    @cached_property
+    @property
     def record_type(self) -> pa.DataType:
+        """The Arrow type of the current record schema (every time is read through it)."""
         from protocol import avro_to_arrow
 
-        return avro_to_arrow(self.info.schema)
+        info = self.info
+        cached = self._record_type
+        if cached is None or cached[:2] != (info.fingerprint, info.version):
+            cached = (info.fingerprint, info.version, avro_to_arrow(info.schema))
+            self._record_type = cached
+        return cached[2]
 
     def opening(self, after: int | None) -> tuple[list[Message], int]:
         """The first messages of a delivery to a consumer that holds every time below

@@ -152,11 +152,14 @@ def settle(cfg: EmitterConfig, info: FeedInfo) -> EmitterConfig:
     """This run's settings against the feed's (``feed.json``), before anything is read:
     a flag left out takes the feed's value, a flag that differs is refused. Settings a
     feed from an older tidefeed did not keep come from the flags (or the defaults)."""
-    if cfg.schema is not None and fingerprint(cfg.schema) != info.fingerprint:
+    known = {fingerprint(v.schema) for v in info.history()}
+    if cfg.schema is not None and fingerprint(cfg.schema) not in known:
         raise SourceError(
-            f"feed {cfg.feed!r}: --schema differs from the feed's record schema "
-            f"(fingerprint {info.fingerprint[:12]}…); a feed's schema is fixed when it "
-            "is created: leave --schema out, or emit into a new feed"
+            f"feed {cfg.feed!r}: --schema differs from every version of the feed's record "
+            f"schema (the current one: fingerprint {info.fingerprint[:12]}…). --schema "
+            "sets a new feed's first schema; after that the schema follows the source "
+            "table's changes (docs/sources.md, 'Schema changes'): leave --schema out, or "
+            "emit into a new feed"
         )
     if tuple(cfg.group) != tuple(info.group):
         raise SourceError(

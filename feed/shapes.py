@@ -29,7 +29,16 @@ from protocol import SourceError
 
 from .connect import CONNECT_NAME, connect_to_avro
 
-__all__ = ["ShapeChange", "first_unfit", "sample_in", "shape_change", "shape_error"]
+__all__ = [
+    "Evolve",
+    "ShapeChange",
+    "evolve",
+    "next_version",
+    "first_unfit",
+    "sample_in",
+    "shape_change",
+    "shape_error",
+]
 
 _WIDER = {"int": ("long", "float", "double"), "long": ("double",), "float": ("double",)}
 
@@ -41,6 +50,8 @@ class ShapeChange:
     added: tuple[str, ...]
     dropped: tuple[str, ...]
     changed: tuple[tuple[str, str, str], ...]  # (column, the feed's type, the new type)
+    #: the table's Kafka Connect columns as the first event of the new shape gives them
+    columns: tuple[dict[str, Any], ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.added or self.dropped or self.changed)
@@ -100,19 +111,104 @@ def _fits(new: Any, feed: Any) -> bool:
     return False
 
 
-def shape_change(feed_schema: dict[str, Any], columns: Sequence[dict[str, Any]]) -> ShapeChange:
-    """How the Connect ``columns`` of an event differ from ``feed_schema`` (Avro)."""
+def shape_change(
+    feed_schema: dict[str, Any],
+    columns: Sequence[dict[str, Any]],
+    gone: Collection[str] = frozenset(),
+) -> ShapeChange:
+    """How the Connect ``columns`` of an event differ from ``feed_schema`` (Avro), whose
+    columns ``gone`` were dropped from the table already (kept in the feed, null): one of
+    those that is back counts as added."""
     event = {f["name"]: f["type"] for f in connect_to_avro(list(columns), "record")["fields"]}
     feed = {f["name"]: f["type"] for f in feed_schema.get("fields", [])}
     return ShapeChange(
-        added=tuple(n for n in event if n not in feed),
-        dropped=tuple(n for n in feed if n not in event),
+        added=tuple(n for n in event if n not in feed or n in gone),
+        dropped=tuple(n for n in feed if n not in event and n not in gone),
         changed=tuple(
             (n, _name(feed[n]), _name(event[n]))
             for n in event
-            if n in feed and not _fits(event[n], feed[n])
+            if n in feed and n not in gone and not _fits(event[n], feed[n])
         ),
+        columns=tuple(columns),
     )
+
+
+def _nullable(t: Any) -> list[Any]:
+    """``t`` as a nullable union (a column absent from some of a feed's records)."""
+    if isinstance(t, list):
+        return t if "null" in t else ["null", *t]
+    return ["null", t]
+
+
+def _widened(old: Any, new: Any) -> Any | None:
+    """The type a column of type ``old`` takes when the table gives it type ``new``: one
+    that holds every value of both, and reads each old value as the same record (None
+    when there is none: a narrowing, a decimal's scale changed, another kind of value)."""
+    base_old, base_new = _base(old), _base(new)
+    if not _fits(base_old, base_new):
+        return None
+    if base_old in ("int", "long") and base_new in ("float", "double"):
+        return None  # 5 would read as 5.0: another record
+    if (
+        isinstance(base_old, dict)
+        and isinstance(base_new, dict)
+        and base_old.get("logicalType") == "decimal"
+        and base_old.get("scale") != base_new.get("scale")
+    ):
+        return None  # 1.5 would read as 1.50: another record
+    return _nullable(base_new) if isinstance(old, list) else base_new
+
+
+def evolve(
+    feed_schema: dict[str, Any], gone: Collection[str], change: ShapeChange
+) -> tuple[dict[str, Any], dict[str, Any], tuple[str, ...]] | str:
+    """The next version of ``feed_schema`` for a table that changed shape as ``change``
+    says (every old column kept: a dropped one nullable, an added one nullable at the end,
+    a widened one in its new type), the Connect default of each added column that has
+    one, and the widened columns; or why there is none (a type change no type of both
+    holds)."""
+    if change.added and change.dropped:
+        return (
+            "a column dropped and another added between two events of the table may be "
+            "a RENAME COLUMN, whose values a drop and an add would lose; tidefeed does "
+            "not guess which"
+        )
+    event = {
+        f["name"]: f["type"] for f in connect_to_avro(list(change.columns), "record")["fields"]
+    }
+    connect = {c.get("field"): c for c in change.columns}
+    fields: list[dict[str, Any]] = []
+    widened: list[str] = []
+    refused: list[str] = []
+    for f in feed_schema.get("fields", []):
+        name, t = f["name"], f["type"]
+        if name in change.dropped or (name in gone and name not in change.added):
+            fields.append({**f, "type": _nullable(t), "default": None})
+        elif name in event and not _fits(event[name], t):
+            wide = _widened(t, event[name])
+            if wide is None:
+                refused.append(f"{name} from {_name(t)} to {_name(event[name])}")
+                continue
+            fields.append({**f, "type": wide})
+            widened.append(name)
+        elif name in change.added:  # dropped before, back now: the table's type
+            fields.append({"name": name, "type": _nullable(event[name]), "default": None})
+        else:
+            fields.append(f)
+    if refused:
+        return "no type holds both the old and the new values of " + ", ".join(refused)
+    known = {f["name"] for f in fields}
+    defaults: dict[str, Any] = {}
+    for name, t in event.items():
+        if name in known:
+            continue
+        fields.append({"name": name, "type": _nullable(t), "default": None})
+        if connect.get(name, {}).get("default") is not None:
+            defaults[name] = connect[name]["default"]
+    for name in change.added:
+        if name in gone and connect.get(name, {}).get("default") is not None:
+            defaults[name] = connect[name]["default"]
+    return {**feed_schema, "fields": fields}, defaults, tuple(widened)
 
 
 def first_unfit(
@@ -121,6 +217,7 @@ def first_unfit(
     shapes: Iterable[int | None],
     known: set[int],
     sample: Any,
+    gone: Collection[str] = frozenset(),
 ) -> tuple[int, ShapeChange] | None:
     """The first shape hash in ``shapes`` (not ``known``) whose columns do not fit
     ``feed_schema``, with how (``sample(h)`` gives the Connect columns of one event of
@@ -129,11 +226,49 @@ def first_unfit(
         columns = sample(h)
         if not columns:
             continue  # not found again (a file gone): checked when it is read next
-        change = shape_change(feed_schema, columns)
+        change = shape_change(feed_schema, columns, gone)
         if change:
             return h, change
         known.add(h)
     return None
+
+
+class Evolve(Exception):
+    """Not a failure: the feed's table changed shape at the head of its pending input, in
+    a way the next schema version holds. The emitter commits that version at the next
+    time (feed/evolve.py) and reads the input again."""
+
+    def __init__(
+        self,
+        schema: dict[str, Any],
+        defaults: dict[str, Any],
+        change: ShapeChange,
+        widened: tuple[str, ...],
+        where: str,
+    ) -> None:
+        super().__init__(f"the table changed shape at {where}: {change.describe()}")
+        self.schema = schema
+        self.defaults = defaults
+        self.change = change
+        self.widened = widened
+        self.where = where
+
+
+def next_version(
+    feed: str, table: str | None, info: Any, change: ShapeChange, where: str
+) -> Exception:
+    """What to raise at a change of shape at the head of the input: :class:`Evolve`
+    when the next schema version holds it, else the error that stops the feed."""
+    found = evolve(info.schema, info.dropped, change)
+    if isinstance(found, str):
+        return SourceError(
+            f"feed {feed!r}: the source table {table or ''} changed shape at {where}: "
+            f"{change.describe()}; {found}. The feed is committed up to the change and "
+            "nothing after it: start a new feed (a new --feed, from a new snapshot of the "
+            "table) to take the new shape."
+        )
+    schema, defaults, widened = found
+    return Evolve(schema, defaults, change, widened, where)
 
 
 def shape_error(feed: str, table: str | None, change: ShapeChange, where: str) -> SourceError:

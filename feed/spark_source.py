@@ -199,6 +199,8 @@ class _UpdatesStreamReader(DataSourceStreamReader):
 
     def __init__(self, opts: _Options) -> None:
         self.opts = opts
+        # the schema the query was started with: a newer version ends what it can read
+        self.version = opts.open().schema_versions[-1]["from"]
 
     def initialOffset(self) -> dict[str, int]:
         return {"time": self.opts.starting or 0}
@@ -208,6 +210,17 @@ class _UpdatesStreamReader(DataSourceStreamReader):
     ) -> dict[str, int]:
         f = self.opts.open()
         end = f.frontier if self.opts.ending is None else min(self.opts.ending, f.frontier)
+        newer = [v["from"] for v in f.schema_versions if v["from"] > self.version]
+        if newer:
+            # times from there on have columns this query's schema lacks
+            if start is not None and int(start["time"]) >= newer[0]:
+                raise ValueError(
+                    f"tidefeed: feed {f.name!r} has a new record schema version from time "
+                    f"{newer[0]} (docs/sources.md, 'Schema changes'); this query read "
+                    "everything before it. Restart the query: it goes on from its "
+                    "checkpoint with the new schema"
+                )
+            end = min(end, newer[0])
         if start is not None:
             end = max(end, int(start["time"]))
         return {"time": end}

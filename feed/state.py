@@ -229,6 +229,19 @@ class BucketedState:
         rows = self.read((files[b] for b in sorted(touched) if b in files), with_pos=True)
         return LoadedState(rows, touched, buckets, files, counts)
 
+    def everything(self, ref: str | None) -> LoadedState:
+        """Every row of the state ``ref`` (with positions and tombstones), to be written
+        whole into the same bucket count (a new record schema: feed/evolve.py)."""
+        if not ref:
+            return LoadedState(None, frozenset(), MIN_BUCKETS, {}, {})
+        if not ref.endswith(".json"):
+            return LoadedState(
+                self.read([ref], with_pos=True), frozenset(range(BUCKETS)), BUCKETS, {}, {}
+            )
+        m = self._manifest(ref)
+        rows = self.read((m.files[b] for b in sorted(m.files)), with_pos=True)
+        return LoadedState(rows, frozenset(m.files), m.buckets, dict(m.files), dict(m.counts or {}))
+
     def committed(self, ref: str | None) -> LoadedState | None:
         """The committed bucketed state ``ref`` as it stands, no rows read (``touched`` is
         for the caller to fill in); None when the next transaction must go through

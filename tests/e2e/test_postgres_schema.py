@@ -1,8 +1,10 @@
-"""Schema changes while captured (real PostgreSQL, real Debezium): never a column dropped
-silently. The feed's record schema does not evolve yet (docs/sources.md): the emitter
-commits every PostgreSQL transaction before the change, each one time equal to the table,
-then stops with an error naming the change and commits nothing of the new shape. A change
-whose values still read as the feed's types (varchar(n) to text, a new default) goes on.
+"""Schema changes while captured (real PostgreSQL, real Debezium): the feed's record schema
+grows with the table (docs/sources.md, "Schema changes"). Each table gets DML before its
+ALTER, the ALTER, and DML after it (new rows and old rows changed); the feed holds one
+time per PostgreSQL transaction, the ALTER's own included, and at every one of them the
+collection equals the table (a null column counting as absent). A change no version
+holds (a column dropped and another added between two events: maybe a RENAME) stops the
+feed after everything before it.
 """
 
 from __future__ import annotations
@@ -12,27 +14,50 @@ from collections import Counter
 import pytest
 
 from feed.pgtemp import feed_multiset, table_multiset
+from feed.read import open_feed
 from feed.reader import FeedReader
-from protocol import SourceError, check_messages
+from protocol import SourceError, Updates, check_messages, get_codec, record_key
 
 from .test_postgres import cluster_and_capture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-# per table: its DDL, then the ALTER; each table also gets a change before and after it
+# per table: its DDL, the ALTER, and the DML after it (old-shape rows and new ones)
 TABLES = {
-    "add_col": ("id int PRIMARY KEY, name text", "ADD COLUMN qty integer NOT NULL DEFAULT 0"),
-    "drop_col": ("id int PRIMARY KEY, name text, note text", "DROP COLUMN note"),
-    "widen": ("id int PRIMARY KEY, name varchar(5), n integer", "ALTER COLUMN n TYPE bigint"),
-    "renamed": ("id int PRIMARY KEY, name text", "RENAME COLUMN name TO title"),
+    "add_col": (
+        "id int PRIMARY KEY, name text",
+        "ADD COLUMN qty integer NOT NULL DEFAULT 7",
+        ["INSERT INTO add_col VALUES (5, 'new', 3)", "UPDATE add_col SET qty = 9 WHERE id = 1"],
+    ),
+    "add_null": (
+        "id int PRIMARY KEY, name text",
+        "ADD COLUMN note text",
+        ["INSERT INTO add_null VALUES (5, 'new', 'n')", "UPDATE add_null SET name = 'x'"],
+    ),
+    "drop_col": (
+        "id int PRIMARY KEY, name text, note text",
+        "DROP COLUMN note",
+        ["INSERT INTO drop_col VALUES (5, 'new')", "DELETE FROM drop_col WHERE id = 1"],
+    ),
+    "widen": (
+        "id int PRIMARY KEY, name varchar(5), n integer",
+        "ALTER COLUMN n TYPE bigint",
+        [
+            "INSERT INTO widen VALUES (5, 'big', 1099511627776)",
+            "UPDATE widen SET n = -1099511627776 WHERE id = 1",
+        ],
+    ),
+    "renamed": (
+        "id int PRIMARY KEY, name text",
+        "RENAME COLUMN name TO title",
+        ["INSERT INTO renamed VALUES (5, 'new')"],
+    ),
 }
-#: what the error says for each table's change
-SAYS = {
-    "add_col": "added qty",
-    "drop_col": "dropped note",
-    "widen": "n changed from int to long",
-    "renamed": "added title; dropped name",
-}
+#: updates at the ALTER's time: the two rows then in the table, each -old +new, where
+#: the ALTER changes them (a default filled in, a column gone); none for the others
+REWRITTEN = {"add_col": 4, "add_null": 0, "drop_col": 4, "widen": 0}
+#: every table but this one evolves; this one stops, saying so
+STOPS = "renamed"
 
 
 def _row(table: str, i: int) -> str:
@@ -40,15 +65,22 @@ def _row(table: str, i: int) -> str:
     return f"({i}, 'r{i}'{more})"
 
 
+def _as_records(rows: Counter) -> Counter:
+    """Rows as records whose null columns are absent (the feed's record identity)."""
+    return Counter(
+        {tuple(sorted((c, v) for c, v in row if v is not None)): n for row, n in rows.items()}
+    )
+
+
 @pytest.fixture(scope="module")
 def altered(tmp_path_factory):
-    """Capture four tables through a change of each one's shape; the truths of each table
-    after each PostgreSQL transaction before its change."""
+    """Capture five tables through a change of each one's shape; the truth of each table
+    after each of its PostgreSQL transactions (the ALTER's too)."""
     tmp = tmp_path_factory.mktemp("pgschema")
     truths: dict[str, list[Counter]] = {t: [] for t in TABLES}
     tables = ",".join(f"public.{t}" for t in TABLES)
     with cluster_and_capture(tmp / "src", tmp, tables) as (capture, cur):
-        for t, (ddl, _) in TABLES.items():
+        for t, (ddl, _, _) in TABLES.items():
             cur.execute(f"CREATE TABLE {t} ({ddl})")
             cur.execute(f"INSERT INTO {t} VALUES {_row(t, 1)}, {_row(t, 2)}")
             truths[t].append(table_multiset(cur, t))
@@ -57,43 +89,81 @@ def altered(tmp_path_factory):
         for t in TABLES:
             cur.execute(f"UPDATE {t} SET id = 3 WHERE id = 2")  # a change before
             truths[t].append(table_multiset(cur, t))
-        # varchar(5) -> text keeps the feed's type: the widen feed goes on through it
+        # varchar(5) -> text keeps the feed's type: no new version
         cur.execute("ALTER TABLE widen ALTER COLUMN name TYPE text")
         cur.execute("INSERT INTO widen VALUES (4, 'longer than five', 8)")
         truths["widen"].append(table_multiset(cur, "widen"))
-        for t, (_, alter) in TABLES.items():
+        for t, (_, alter, after) in TABLES.items():
             cur.execute(f"ALTER TABLE {t} {alter}")
-        cur.execute("INSERT INTO add_col VALUES (5, 'new', 3)")
-        cur.execute("INSERT INTO drop_col VALUES (5, 'new')")
-        cur.execute("INSERT INTO widen VALUES (5, 'big', 1099511627776)")
-        cur.execute("INSERT INTO renamed VALUES (5, 'new')")
-        capture.wait_for('"id":5', times=4)
-        capture.finish(ends=4 + 1 + 4)
+            truths[t].append(table_multiset(cur, t))
+            for dml in after:
+                cur.execute(dml)
+                truths[t].append(table_multiset(cur, t))
+        ends = sum(len(after) for _, _, after in TABLES.values())
+        capture.wait_for('"id":5', times=len(TABLES))
+        capture.finish(ends=len(TABLES) + 1 + ends)
     return {"src": capture.out, "tmp": tmp, "truths": truths}
 
 
-@pytest.mark.parametrize("table", list(TABLES))
-def test_a_change_of_shape_stops_the_feed_after_everything_before_it(spark, altered, table):
+def _emit(spark, altered, table: str):
     from tests.feed.model import run_emitter
 
     log = altered["tmp"] / f"log-{table}"
-    with pytest.raises(SourceError, match="changed shape") as err:
-        run_emitter(
-            spark,
-            source_kind="debezium",
-            source_path=str(altered["src"]),
-            feed=table,
-            log=str(log),
-            key=("id",),
-            table=f"public.{table}",
-            granularity="transaction",
-            clock="logical",
-        )
-    assert SAYS[table] in str(err.value)
-    assert "nothing after it" in str(err.value)
-    reader = FeedReader(str(log), table)
+    run_emitter(
+        spark,
+        source_kind="debezium",
+        source_path=str(altered["src"]),
+        feed=table,
+        log=str(log),
+        key=("id",),
+        table=f"public.{table}",
+        granularity="transaction",
+        clock="logical",
+    )
+    return str(log)
+
+
+@pytest.mark.parametrize("table", [t for t in TABLES if t != STOPS])
+def test_the_feed_equals_the_table_at_every_time_across_a_change_of_shape(spark, altered, table):
+    log = _emit(spark, altered, table)
+    reader = FeedReader(log, table)
     truths = altered["truths"][table]
     assert check_messages(reader.messages(), non_negative=True, key=["id"]) == []
-    assert reader.frontier == 1 + len(truths), "every transaction before the change"
+    assert reader.frontier == 1 + len(truths), "one time per PostgreSQL transaction"
     for i, truth in enumerate(truths):
-        assert feed_multiset(reader, 1 + i) == truth, f"{table}: transaction {i}"
+        assert _as_records(feed_multiset(reader, 1 + i)) == _as_records(truth), (table, i)
+    # one version more, from the ALTER's time, telling what changed
+    history = reader.info.history()
+    assert len(history) == 2
+    alter_index = len(truths) - 1 - len(TABLES[table][2])
+    assert history[1].start == 1 + alter_index
+    # the ALTER's time rewrites the rows it changed: -old +new for each
+    assert reader.counts().get(1 + alter_index, 0) == REWRITTEN[table]
+    # every reader path reads the whole feed: feed.read, and each wire format
+    feed = open_feed(log, table)
+    last = feed.collection().to_pylist()
+    want = Counter(record_key({k: v for k, v in r.items() if k != "count"}) for r in last)
+    assert sum(want.values()) == sum(truths[-1].values())
+    for fmt in ("ndjson", "avro", "arrow"):
+        codec = get_codec(fmt)
+        body = codec.encode(reader.messages(), schema=reader.info.schema)
+        got: Counter = Counter()
+        for m in codec.decode(body, schema=reader.info.schema):
+            if isinstance(m, Updates):
+                for u in m.rows():
+                    got[record_key(u["data"])] += u["diff"]
+        assert +got == want, fmt
+
+
+def test_a_drop_and_an_add_between_two_events_stop_the_feed_after_everything_before(spark, altered):
+    with pytest.raises(SourceError, match="RENAME") as err:
+        _emit(spark, altered, STOPS)
+    assert "added title; dropped name" in str(err.value)
+    log = str(altered["tmp"] / f"log-{STOPS}")
+    reader = FeedReader(log, STOPS)
+    truths = altered["truths"][STOPS]
+    before = len(truths) - 1 - len(TABLES[STOPS][2])  # the times before the ALTER
+    assert check_messages(reader.messages(), non_negative=True, key=["id"]) == []
+    assert reader.frontier == 1 + before
+    for i in range(before):
+        assert feed_multiset(reader, 1 + i) == truths[i]

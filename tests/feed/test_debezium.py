@@ -544,11 +544,9 @@ def wrapped(ev, columns=CONNECT_COLUMNS):
     return {"schema": schema, "payload": ev}
 
 
-def test_a_new_column_stops_the_feed_after_what_came_before_it(spark, tmp_path):
-    """The first event of the new shape and its END in different files, the event not
-    fitting the old record: nothing of it is committed or quarantined, and the run stops
-    naming the column, every file from it read again."""
-    src = tmp_path / "in"
+def write_new_column(src) -> None:
+    """A snapshot, a transaction, then an event of a new shape (a column ``qty`` more, a
+    64-bit value in it) whose END is in the next file."""
     more = [*CONNECT_COLUMNS, {"field": "qty", "type": "int64", "optional": True}]
     write(
         src,
@@ -566,14 +564,79 @@ def test_a_new_column_stops_the_feed_after_what_came_before_it(spark, tmp_path):
         ],
     )
     write(src, "part-1.json", [end(8, 410, {"accounts": 1})])
+
+
+def test_a_new_column_is_a_new_schema_version_at_a_time_of_its_own(spark, tmp_path):
+    """The first event of the new shape and its END in different files, the event not
+    fitting the old record: what came before is committed, then the new version at a
+    time of its own, then the transaction through it; nothing quarantined."""
+    write_new_column(tmp_path / "in")
     e = open_emitter(spark, tmp_path)
-    with pytest.raises(SourceError, match="added qty") as err:
-        e.run()
-    assert "part-0.json" in str(err.value)
-    assert e.pending_files() == [str(src / "part-0.json"), str(src / "part-1.json")]
+    e.run()
+    assert e.pending_files() == []
     e.close()
     reader = FeedReader(str(tmp_path / "log"), "t")
-    assert reader.frontier == 3  # the snapshot and transaction 7
-    assert collection_of(reader) == rows((0, "o0", "d0"), (10, "a", None))
+    # the snapshot (1), transaction 7 (2), the new version (3), transaction 8 (4)
+    assert reader.frontier == 5
+    assert [(v.start, v.added) for v in reader.info.history()] == [(0, ()), (3, ("qty",))]
+    assert reader.counts() == {1: 1, 2: 1, 4: 1}  # a nullable column rewrites no row
+    got = {r["id"]: r for r in reader.snapshot().to_pylist()}
+    assert got[20]["qty"] == 2**40 and got[0]["qty"] is None and got[10]["qty"] is None
+    at2 = {r["id"]: r["owner"] for r in reader.snapshot(2).to_pylist()}
+    assert at2 == {0: "o0", 10: "a"}
     quarantine = tmp_path / "log" / "t" / "quarantine"
     assert not quarantine.exists() or not any(quarantine.rglob("*.json"))
+    # a new run of the feed carries on from the version committed
+    again = open_emitter(spark, tmp_path)
+    assert again.info.version == 3 and "qty" in again.info.schema["fields"][-1]["name"]
+    again.close()
+
+
+@pytest.mark.slow
+def test_a_sigkill_before_a_new_version_commits_leaves_it_unread_then_redone(tmp_path):
+    """A real emit killed after writing the version file and the rewritten state, before
+    its commit: no reader takes the version; the next run commits it at the same time."""
+    import os
+    import subprocess
+
+    from ..e2e.helpers import TIDEFEED
+
+    write_new_column(tmp_path / "in")
+    (tmp_path / "schema.avsc").write_bytes(orjson.dumps(SCHEMA))
+    log = tmp_path / "log"
+    cmd = [
+        *TIDEFEED,
+        "emit",
+        "--source",
+        f"debezium:{tmp_path / 'in'}",
+        "--log",
+        str(log),
+        "--feed",
+        "t",
+        "--table",
+        "public.accounts",
+        "--key",
+        "id",
+        "--clock",
+        "logical",
+        "--schema",
+        str(tmp_path / "schema.avsc"),
+    ]
+    env = {**os.environ, "TIDEFEED_TEST_KILL_AT": "before_version_commit:1"}
+    killed = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    written = sorted((log / "t" / "schemas").glob("*.json"))
+    assert written, "the version file was written"
+    reader = FeedReader(str(log), "t")
+    at = reader.frontier  # everything before the change is committed
+    assert int(written[0].stem) == at and len(reader.info.history()) == 1
+    assert "qty" not in {f.name for f in reader.record_type}
+    env.pop("TIDEFEED_TEST_KILL_AT")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reader = FeedReader(str(log), "t")
+    assert reader.frontier == at + 2  # the version's time, then the transaction
+    assert [v.start for v in reader.info.history()] == [0, at]
+    assert check_messages(reader.messages(), non_negative=True, key=["id"]) == []
+    got = {r["id"]: r["qty"] for r in reader.snapshot().to_pylist()}
+    assert got == {0: None, 10: None, 20: 2**40}

@@ -447,3 +447,98 @@ async def test_a_consumer_leaving_during_a_snapshot_is_one_log_line(feed_log, mo
         await runner.cleanup()
     assert sum("a consumer went away" in r.getMessage() for r in caplog.records) == 5
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_new_schema_version_reaches_pull_and_push_consumers_whole(spark, tmp_path):
+    """A feed whose table gains a column and then loses one (its rows rewritten at the
+    drop's time): a push subscriber's collection equals the feed's, an Avro follow stream
+    ends at the first new version (resumed from there with the new schema), an NDJSON one
+    goes on through both, and the feed's info lists every version."""
+    from .test_debezium import (
+        CONNECT_COLUMNS,
+        end,
+        event,
+        open_emitter,
+        snapshot,
+        wrapped,
+    )
+    from .test_debezium import write as write_lines
+
+    src = tmp_path / "in"
+    write_lines(src, "part-0.json", [*[wrapped(e) for e in snapshot(1)]])
+    e = open_emitter(spark, tmp_path)
+    e.run()
+    log = tmp_path / "log"
+    rbase, rrunner = await serve(make_receiver_app(ReceiverConfig(db=str(tmp_path / "r.db"))))
+    base, runner = await serve(make_server_app(ServerConfig(log=str(log), poll_seconds=0.1)))
+    try:
+        async with aiohttp.ClientSession() as s:
+            sub = {"url": f"{rbase}/v1/push/t", "format": "avro"}
+            async with s.put(f"{base}/v1/feeds/t/subscriptions/mv", json=sub) as r:
+                assert r.status == 201, await r.text()
+            avro = await s.get(f"{base}/v1/feeds/t/changes?format=avro&follow=true")
+            ndjson = await s.get(f"{base}/v1/feeds/t/changes?format=ndjson&follow=true")
+            # the new shapes: qty added, then doc dropped (a row that held a doc is
+            # rewritten at the drop's time)
+            more = [*CONNECT_COLUMNS, {"field": "qty", "type": "int64", "optional": True}]
+            gone = [c for c in more if c["field"] != "doc"]
+            add = event(
+                "c", {"id": 20, "owner": "b", "doc": None, "qty": 2**40}, 400, xid=8, order=1
+            )
+            upd = event("u", {"id": 10, "owner": "c", "qty": 5}, 500, xid=9, order=1)
+            write_lines(
+                src,
+                "part-1.json",
+                [
+                    wrapped(event("c", {"id": 10, "owner": "a", "doc": None}, 300, xid=7, order=1)),
+                    end(7, 310, {"accounts": 1}),
+                    wrapped(add, more),
+                ],
+            )
+            write_lines(src, "part-2.json", [end(8, 410, {"accounts": 1})])
+            write_lines(src, "part-3.json", [wrapped(upd, gone), end(9, 510, {"accounts": 1})])
+            await asyncio.get_running_loop().run_in_executor(None, e.run)
+            reader = FeedReader(str(log), "t")
+            want: Counter = Counter()
+            for r in reader.snapshot().to_pylist():
+                want[record_key({k: v for k, v in r.items() if k != "count"})] += r["count"]
+            # the snapshot (1), txn 7 (2), qty (3), txn 8 (4), doc gone (5), txn 9 (6)
+            assert [v.start for v in reader.info.history()] == [0, 3, 5]
+            assert reader.counts()[5] == 2  # -{id 0, doc d0} +{id 0}: the doc is gone
+            async with s.get(f"{base}/v1/feeds/t") as r:
+                info = await r.json()
+            assert [(v["from"], v["added"], v["dropped"]) for v in info["schemas"]] == [
+                (0, [], []),
+                (3, ["qty"], []),
+                (5, [], ["doc"]),
+            ]
+            for _ in range(300):  # the push subscriber ends equal to the feed
+                async with s.get(f"{rbase}/v1/collections/t") as r:
+                    if r.status == 200:
+                        rows = [orjson.loads(x) for x in (await r.read()).splitlines()]
+                        got = Counter({record_key(x["data"]): x["count"] for x in rows})
+                        if got == want:
+                            break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail(f"the receiver never caught up: {got} != {want}")
+            # the Avro stream ended where the first new version begins: whole times only
+            body = await asyncio.wait_for(avro.read(), 30)
+            msgs = get_codec("avro").decode(body)
+            assert check_messages(msgs) == [] and msgs[-1].upper == 3
+            async with s.get(f"{base}/v1/feeds/t/changes?format=avro&after=3") as r:
+                rest = get_codec("avro").decode(await r.read())
+            assert accumulate([*msgs, *rest]) == +want
+            # the NDJSON stream went on through both versions
+            lines: list = []
+            while not any(b'"upper":[7]' in x for x in lines):
+                line = await asyncio.wait_for(ndjson.content.readline(), 30)
+                assert line, b"".join(lines)  # (not the end of the stream)
+                lines.append(line)
+            ndjson.close()
+            decoded = get_codec("ndjson").decode(b"".join(lines))
+            assert accumulate(decoded) == +want
+    finally:
+        await runner.cleanup()
+        await rrunner.cleanup()
+        e.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from feed.connect import DECIMAL, connect_to_avro
-from feed.shapes import first_unfit, shape_change
+from feed.shapes import evolve, first_unfit, shape_change
 
 COLUMNS = [
     {"field": "id", "type": "int32", "optional": False},
@@ -91,3 +91,50 @@ def test_first_unfit_learns_the_shapes_that_fit_and_samples_each_once():
     assert found is not None and found[0] == 3
     assert found[1].describe() == "dropped name, amount"
     assert asked == [1, 2, 3] and known == {1, 2}
+
+
+def _fields(schema: dict) -> dict:
+    return {f["name"]: f["type"] for f in schema["fields"]}
+
+
+def test_the_next_version_keeps_every_column_and_takes_the_new_ones_nullable():
+    added = [*COLUMNS, {"field": "qty", "type": "int32", "optional": False, "default": 7}]
+    schema, defaults, widened = evolve(FEED, frozenset(), shape_change(FEED, added))
+    assert list(_fields(schema)) == ["id", "name", "amount", "qty"]
+    assert _fields(schema)["qty"] == ["null", "int"]
+    assert defaults == {"qty": 7} and widened == ()
+    # dropped: kept, nullable, and a later event without it is no change at all
+    schema, defaults, _ = evolve(FEED, frozenset(), shape_change(FEED, _with("id")[1:]))
+    assert _fields(schema)["id"] == ["null", "int"] and defaults == {}
+    assert not shape_change(schema, COLUMNS[1:], gone={"id"})
+    # back again (with a default): added once more, its default to fill in
+    back = shape_change(schema, _with("id", default=3), gone={"id"})
+    assert back.added == ("id",)
+    again, defaults, _ = evolve(schema, frozenset({"id"}), back)
+    assert _fields(again)["id"] == ["null", "int"] and defaults == {"id": 3}
+
+
+def test_widening_takes_the_wider_type_where_every_old_value_reads_the_same():
+    wide = _with("id", type="int64")
+    schema, _, widened = evolve(FEED, frozenset(), shape_change(FEED, wide))
+    assert _fields(schema)["id"] == "long" and widened == ("id",)
+    grown = _with("amount", parameters={"scale": "2", "connect.decimal.precision": "12"})
+    schema, _, widened = evolve(FEED, frozenset(), shape_change(FEED, grown))
+    assert _fields(schema)["amount"][1]["precision"] == 12 and widened == ("amount",)
+
+
+@pytest.mark.parametrize(
+    ("columns", "says"),
+    [
+        (_with("id", type="float64"), "id from int to double"),  # 5 would read as 5.0
+        (
+            _with("amount", parameters={"scale": "3", "connect.decimal.precision": "10"}),
+            "amount from decimal(10, 2) to decimal(10, 3)",
+        ),
+        (_with("name", type="int32"), "name from string to int"),
+        (_with("name", field="title"), "RENAME COLUMN"),
+    ],
+)
+def test_changes_no_version_holds_say_why(columns, says):
+    found = evolve(FEED, frozenset(), shape_change(FEED, columns))
+    assert isinstance(found, str) and says in found

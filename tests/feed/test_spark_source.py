@@ -173,3 +173,43 @@ def test_pyspark_finds_the_source_by_itself():
 
     assert pyspark_tidefeed.DefaultSource is TidefeedDataSource
     assert TidefeedDataSource.name() == "tidefeed"
+
+
+def test_a_new_schema_version_reads_whole_and_ends_a_running_stream_at_it(registered, tmp_path):
+    """spark.read reads every time through the newest version; a stream started on the
+    older schema reads up to the new version's time, then asks for a restart, and the
+    restarted query reads the rest with the new schema."""
+    from feed.reader import FeedReader
+    from feed.spark_source import TidefeedDataSource
+
+    from .test_debezium import CONNECT_COLUMNS, end, event, open_emitter, snapshot, wrapped
+    from .test_debezium import write as write_lines
+
+    spark = registered
+    src, log = tmp_path / "in", tmp_path / "log"
+    write_lines(src, "part-0.json", [wrapped(e) for e in snapshot(2)])
+    e = open_emitter(spark, tmp_path)
+    e.run()
+    source = TidefeedDataSource({"log": str(log), "path": "t"})
+    stream = source.streamReader(source.schema())
+    more = [*CONNECT_COLUMNS, {"field": "qty", "type": "int64", "optional": True}]
+    row = {"id": 5, "owner": "n", "doc": None, "qty": 2**40}
+    write_lines(src, "part-1.json", [wrapped(event("c", row, 400, xid=8, order=1), more)])
+    write_lines(src, "part-2.json", [end(8, 410, {"accounts": 1})])
+    e.run()
+    e.close()
+    feed = FeedReader(str(log), "t")
+    version = feed.info.history()[1].start
+    assert feed.frontier == version + 2
+    # a batch read: every record through the newest schema, the new column null before
+    got = {r["id"]: r["qty"] for r in reader(spark, log).option("at", "latest").load("t").collect()}
+    assert got == {0: None, 1: None, 5: 2**40}
+    # the stream on the older schema stops short of the version, then asks for a restart
+    assert stream.latestOffset({"time": 0}) == {"time": version}
+    with pytest.raises(ValueError, match="Restart the query"):
+        stream.latestOffset({"time": version})
+    restarted = TidefeedDataSource({"log": str(log), "path": "t"})
+    assert "qty" in restarted.schema().fieldNames()
+    assert restarted.streamReader(restarted.schema()).latestOffset({"time": version}) == {
+        "time": feed.frontier
+    }
