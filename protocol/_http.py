@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import gc
 import hmac
+import logging
+import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -95,6 +98,57 @@ def _error(
 IDLE_TIMEOUT = 30.0
 
 
+log = logging.getLogger("tidefeed.http")
+
+#: a refused malformed request is logged in one line, at most one line per client address
+#: in this many seconds (the ones held back are counted into its next line)
+REFUSAL_LOG_SECONDS = 10.0
+#: the statuses of a request that is malformed or not allowed (protocol answers such as
+#: 409 and 404 are part of normal work and not logged)
+_LOGGED = frozenset({400, 401, 403, 413, 415})
+
+
+class RefusalLog:
+    """One WARNING line per refused request, rate-limited per client address: a client
+    sending garbage in a loop costs a line every :data:`REFUSAL_LOG_SECONDS`."""
+
+    def __init__(
+        self, every: float = REFUSAL_LOG_SECONDS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.every = every
+        self.clock = clock
+        self.last: dict[str, float] = {}
+        self.held: Counter[str] = Counter()
+
+    def note(self, peer: str, line: str) -> bool:
+        """Log ``line`` for ``peer`` unless it had a line less than ``every`` ago (then
+        it is counted); return whether it was logged."""
+        now = self.clock()
+        if now - self.last.get(peer, -self.every) < self.every:
+            self.held[peer] += 1
+            return False
+        if len(self.last) > 10_000:  # forget addresses quiet for a while
+            self.last = {p: t for p, t in self.last.items() if now - t < self.every}
+        self.last[peer] = now
+        held = self.held.pop(peer, 0)
+        log.warning("%s%s", line, f" ({held} more refused from it since)" if held else "")
+        return True
+
+
+REFUSALS = RefusalLog()
+
+
+def _refused(request: web.Request, response: web.Response, detail: str) -> web.Response:
+    if response.status in _LOGGED:
+        peer = request.remote or "?"
+        REFUSALS.note(
+            peer,
+            f"refused {request.method} {request.path[:200]} from {peer}: {response.status} "
+            f"{detail[:200]}",
+        )
+    return response
+
+
 @web.middleware
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -102,18 +156,22 @@ async def error_middleware(
     try:
         return await handler(request)
     except HttpError as e:
-        return _error(e.status, e.code, str(e), e.headers, e.extra)
+        return _refused(request, _error(e.status, e.code, str(e), e.headers, e.extra), str(e))
     except web.HTTPRequestEntityTooLarge as e:
-        return _error(413, "body_too_large", f"the body is too large: {e.text}")
+        return _refused(
+            request, _error(413, "body_too_large", f"the body is too large: {e.text}"), e.text or ""
+        )
     except web.HTTPException as e:
         if e.status >= 400:
-            return _error(e.status, e.reason.lower().replace(" ", "_"), e.text or e.reason)
+            detail = e.text or e.reason
+            code = e.reason.lower().replace(" ", "_")
+            return _refused(request, _error(e.status, code, detail), detail)
         raise
     except TidefeedError as e:
         for cls, status, code in ERROR_TABLE:
             if isinstance(e, cls):
                 retry = {"Retry-After": "1"} if status == 503 else None
-                return _error(status, code, str(e), retry)
+                return _refused(request, _error(status, code, str(e), retry), str(e))
         return _error(500, "internal_error", str(e))
 
 

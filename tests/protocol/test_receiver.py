@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import aiohttp
 import orjson
 import pytest
@@ -284,3 +286,35 @@ async def test_background_folds_run_in_a_thread_of_lower_priority(tmp_path, monk
     kept = {orjson.loads(k)["id"]: n for k, n in again.current()}
     assert kept == {0: 1, 2: 2}
     assert sorted(orjson.loads(line)["data"]["id"] for line in coll.splitlines()) == [0, 2]
+
+
+async def test_refused_requests_are_logged_a_line_each_rate_limited_per_client(
+    receiver, caplog, monkeypatch
+):
+    import protocol._http as http
+
+    clock = [100.0]
+    monkeypatch.setattr(http, "REFUSALS", http.RefusalLog(every=10.0, clock=lambda: clock[0]))
+    base = await receiver()
+    caplog.set_level(logging.WARNING, "tidefeed.http")
+    headers = {"Content-Type": "application/x-ndjson", "Tidefeed-Epoch": "1"}
+    async with aiohttp.ClientSession() as s:
+        for _ in range(50):  # garbage in a loop: one line for all of it
+            async with s.post(f"{base}/v1/push/f", data=b"{nope\n", headers=headers) as r:
+                assert r.status == 400
+        lines = [r.getMessage() for r in caplog.records if r.name == "tidefeed.http"]
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("refused POST /v1/push/f from 127.0.0.1: 400")
+        clock[0] += 11  # later, the next refusal says how many were held back
+        gz = {**headers, "Content-Encoding": "gzip"}
+        async with s.post(f"{base}/v1/push/f", data=b"x", headers=gz) as r:
+            assert r.status == 415
+        lines = [r.getMessage() for r in caplog.records if r.name == "tidefeed.http"]
+        assert len(lines) == 2 and "415" in lines[1]
+        assert "(49 more refused from it since)" in lines[1]
+        # protocol answers (a gap, a stale epoch) are normal work: not logged
+        async with s.get(f"{base}/v1/push/nofeed") as r:
+            assert r.status in (200, 404)
+    assert len([r for r in caplog.records if r.name == "tidefeed.http"]) == 2
+    head, _ = await state(base)
+    assert head["frontier"] is None  # nothing refused changed the feed
