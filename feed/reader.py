@@ -53,6 +53,7 @@ class FeedReader:
         self._record_type: tuple[str, int, pa.DataType] | None = None
         self.checkpoint: Checkpoint | None = None
         self.refresh()
+        self.info = self._all.at(self.frontier)  # (also when nothing is committed)
 
     def refresh(self) -> Checkpoint | None:
         """Re-read the latest checkpoint (a running emitter may have committed more), its

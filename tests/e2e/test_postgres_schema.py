@@ -47,6 +47,14 @@ TABLES = {
             "UPDATE widen SET n = -1099511627776 WHERE id = 1",
         ],
     ),
+    "amounts": (
+        "id int PRIMARY KEY, name text, amount numeric(6, 2)",
+        "ALTER COLUMN amount TYPE numeric(12, 2)",
+        [
+            "INSERT INTO amounts VALUES (5, 'big', 1234567890.12)",
+            "UPDATE amounts SET amount = -9999.99 WHERE id = 1",
+        ],
+    ),
     "renamed": (
         "id int PRIMARY KEY, name text",
         "RENAME COLUMN name TO title",
@@ -55,13 +63,13 @@ TABLES = {
 }
 #: updates at the ALTER's time: the two rows then in the table, each -old +new, where
 #: the ALTER changes them (a default filled in, a column gone); none for the others
-REWRITTEN = {"add_col": 4, "add_null": 0, "drop_col": 4, "widen": 0}
+REWRITTEN = {"add_col": 4, "add_null": 0, "drop_col": 4, "widen": 0, "amounts": 0}
 #: every table but this one evolves; this one stops, saying so
 STOPS = "renamed"
 
 
 def _row(table: str, i: int) -> str:
-    more = {"drop_col": ", 'x'", "widen": ", 7"}.get(table, "")
+    more = {"drop_col": ", 'x'", "widen": ", 7", "amounts": ", 12.5"}.get(table, "")
     return f"({i}, 'r{i}'{more})"
 
 
