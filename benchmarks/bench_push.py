@@ -5,8 +5,9 @@ receive`` through a push subscription, and streams it to a pull client. Two feed
 (a server that only reads them), the feed server's ``/healthz`` answers while the work
 goes on (p99 and worst), and then ``GET /v1/collections`` on the receiver: its time and
 the receiver's peak-RSS growth. Last, a run under load: 50 ``follow=true`` pull streams,
-a push subscription and a pull of the 1M time at once (``/healthz`` p99, the server's
-peak RSS, every client checked). Before all that, each format pushes a feed of 10
+a push subscription, a pull of the 1M time and 50 more streams of it that never read a
+byte (``--unread``), all at once (``/healthz`` p99, the server's peak RSS, every client
+checked). Before all that, each format pushes a feed of 10
 updates once: a server's first push pays one-time costs, shown apart. Each feed is pushed
 ``--repeats`` times per format (into new receiver feeds): the median is the figure, the
 first push of each beside it.
@@ -193,7 +194,21 @@ async def raw_post(port: int, body: bytes) -> float:
         return time.monotonic() - t0
 
 
-async def under_load(serve: int, receive: int, followers: int, frontiers: dict[str, int]) -> str:
+async def unread_streams(serve: int, n: int) -> list[asyncio.StreamWriter]:
+    """``n`` connections that ask for the whole big time in NDJSON and never read a byte
+    of it: what a stuck or hostile consumer costs the server (each is closed by the
+    server's stall timeout, 60 s, after the run)."""
+    writers = []
+    for _ in range(n):
+        _, w = await asyncio.open_connection("127.0.0.1", serve)
+        w.write(b"GET /v1/feeds/one/changes?format=ndjson HTTP/1.1\r\nHost: b\r\n\r\n")
+        writers.append(w)
+    return writers
+
+
+async def under_load(
+    serve: int, receive: int, followers: int, frontiers: dict[str, int], unread: int = 0
+) -> str:
     """``followers`` ``follow=true`` NDJSON streams on feed ``many`` (each from its last
     time: 10k updates, then heartbeats), a push subscription of feed ``one`` and a pull
     of feed ``one`` in Arrow, all at once. Checks that every follower holds the last
@@ -227,6 +242,7 @@ async def under_load(serve: int, receive: int, followers: int, frontiers: dict[s
             timeout=timeout, connector=aiohttp.TCPConnector(limit=followers + 10)
         ) as s:
             streams = [asyncio.create_task(follow(i, s)) for i in range(followers)]
+            stuck = await unread_streams(serve, unread)
             await asyncio.sleep(1)  # the followers are connected and caught up
             t0 = time.monotonic()
             pushed = asyncio.to_thread(push, serve, receive, "one", "arrow", frontiers["one"])
@@ -236,6 +252,8 @@ async def under_load(serve: int, receive: int, followers: int, frontiers: dict[s
             open_streams = sum(not t.done() for t in streams)
             for t in streams:
                 t.cancel()
+            for w in stuck:
+                w.close()
     rss = peak_rss_mb(SERVER_PID[0])
     n = frontiers["updates"]
     if pulled != n or any(h != 10_000 for h in held) or open_streams != followers:
@@ -244,7 +262,8 @@ async def under_load(serve: int, receive: int, followers: int, frontiers: dict[s
             f"{open_streams} of {followers} streams still open"
         )
     return (
-        f"{followers} followers + push + a 1M pull: /healthz p99/worst {probe.p99_and_worst()}, "
+        f"{followers} followers + {unread} unread 1M streams + push + a 1M pull: "
+        f"/healthz p99/worst {probe.p99_and_worst()}, "
         f"push {n / took / 1e6:.2f}M u/s, all done in {whole:.1f}s, server peak RSS {rss:.0f} MB"
     )
 
@@ -258,6 +277,9 @@ def main() -> None:
     ap.add_argument("--formats", default="ndjson,avro,arrow")
     ap.add_argument("--shapes", default="one,many", help="one: 1 time of --updates; many: 100x10k")
     ap.add_argument("--followers", type=int, default=50, help="pull followers in the load run")
+    ap.add_argument(
+        "--unread", type=int, default=50, help="streams of the big time never read, in the load run"
+    )
     ap.add_argument("--work", default="/tmp/tidefeed-bench-push")
     ap.add_argument(
         "--repeats", type=int, default=3, help="pushes per feed and format (median shown)"
@@ -276,7 +298,21 @@ def main() -> None:
     quiet = ["--log-level", "warning"]
     procs = [
         subprocess.Popen(
-            [*TIDEFEED, "serve", "--log", str(log), "--port", str(sp), *quiet], env=env
+            [
+                *TIDEFEED,
+                "serve",
+                "--log",
+                str(log),
+                "--port",
+                str(sp),
+                # every client of the run is on this host: room for all of its streams
+                "--max-streams",
+                str(args.followers + args.unread + 16),
+                "--max-streams-per-client",
+                str(args.followers + args.unread + 16),
+                *quiet,
+            ],
+            env=env,
         ),
         subprocess.Popen(
             [*TIDEFEED, "receive", "--db", str(work / "r.db"), "--port", str(rp), *quiet],
@@ -329,7 +365,7 @@ def main() -> None:
                 f: get(f"http://127.0.0.1:{sp}/v1/feeds/{f}")["frontier"] for f in ("one", "many")
             }
             frontiers["updates"] = args.updates
-            print(asyncio.run(under_load(sp, rp, args.followers, frontiers)))
+            print(asyncio.run(under_load(sp, rp, args.followers, frontiers, args.unread)))
     finally:
         for p in procs:
             p.terminate()

@@ -36,7 +36,7 @@ from protocol import CheckpointError, fingerprint
 
 from ._faults import maybe_die
 
-__all__ = ["FeedInfo", "FeedLog", "log_root", "valid_feed_name"]
+__all__ = ["FeedInfo", "FeedLog", "SchemaVersion", "log_root", "valid_feed_name"]
 
 _FEED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _PART = re.compile(r"^part-e(\d+)-(\d+)\.parquet$")
