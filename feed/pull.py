@@ -303,7 +303,7 @@ async def _stream(
         if tail:
             await write(tail)
         await resp.write_eof()
-    except ConnectionResetError:
+    except ConnectionError:  # reset, broken pipe, or aiohttp's "Connection lost" in a drain
         log.info("feed %s: a consumer went away", feed)
     except _Stalled:
         log.warning(
