@@ -261,14 +261,13 @@ def read_input(
     tally_rows: list[Any] | None = None
     snapshot_reads = True
     if cfg.source_kind == "debezium":
-        from .positions import committed_position
+        from .positions import committed_position, position_filter
         from .state import bucket_of
 
         buckets = ctx.state.buckets(cp.state) if keyed else None
-        hi, lo, n = committed_position(cp.source.get("pos", [0, 0]))
-        past = (F.col("pos_hi") > hi) | (
-            (F.col("pos_hi") == hi)
-            & ((F.col("pos_lo") > lo) | ((F.col("pos_lo") == lo) & (F.col("pos_n") > n)))
+        # the events assemble keeps (an event read again, committed already, is not)
+        fresh, _ = position_filter(
+            committed_position(cp.source.get("pos", [0, 0])), cp.source.get("snapshot_lsn")
         )
 
         def assembled_with(hold_at: tuple[int, int] | None = None) -> Any:
@@ -283,7 +282,7 @@ def read_input(
                 logger=ctx.log,
                 feed=cfg.feed,
                 bucket=bucket_of(image, ctx.info.key, buckets) if buckets else None,
-                also=_tally(changes.groupBy("_file", "_skip"), F.lit(False), past),
+                also=_tally(changes.groupBy("_file", "_skip"), F.lit(False), fresh),
                 hold_at=hold_at,
                 hold_txns=group.txns if group is not None else frozenset(),
             )
@@ -308,8 +307,13 @@ def read_input(
                     for df in (changes, *assembled.cached):
                         df.unpersist()
                     raise next_version(cfg.feed, ctx.info.table, ctx.info, unfit[1], where)
-                # (a group's feeds do not evolve yet: the group stops there)
-                shape_stop = shape_error(cfg.feed, ctx.info.table, unfit[1], where)
+                shape_stop = shape_error(
+                    cfg.feed,
+                    ctx.info.table,
+                    unfit[1],
+                    where,
+                    "the feeds of a group do not take a new schema version yet",
+                )
             ctx.log.info(
                 "feed %s: the source table changed shape in %s (%s): committing what came "
                 "before it first",

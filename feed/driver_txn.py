@@ -142,9 +142,14 @@ def run(
     if why is not None:
         return _to_spark(ctx, seq, why)
     committed = committed_position(cp.source.get("pos", [0, 0]))
-    # (an event read again, committed under an older shape, is no change of shape)
+    # (an event read again, committed under an older shape, is no change of shape; one
+    # without a commit position yet is not committed, as position_filter has it)
     cols = [t.column(c).to_pylist() for c in ("_shape", "pos_hi", "pos_lo", "pos_n")]
-    shapes = {h for h, *pos in zip(*cols, strict=True) if h is not None and tuple(pos) > committed}
+    shapes = {
+        h
+        for h, *pos in zip(*cols, strict=True)
+        if h is not None and (pos[0] is None or tuple(pos) > committed)
+    }
     if unfit_shape(ctx, files, shapes) is not None:
         return _to_spark(ctx, seq, "the source table changed shape")
     record = pa.schema(list(t.schema.field("after").type))

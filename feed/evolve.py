@@ -63,8 +63,7 @@ def rewrite(
     state reference the commit names."""
     from pyspark.sql import functions as F
 
-    from .grouped import write_groups
-    from .segments import install_segments, staging_folder
+    from .segments import write_updates
     from .source_rows import spark_record_type
     from .state import GONE_COLUMN, POS_COLUMN
 
@@ -128,12 +127,7 @@ def rewrite(
                 F.lit(1).cast("long").alias("diff"),
             )
         )
-        staging = staging_folder(fl, seq)
-        staged = write_groups(
-            updates.select("time", "data.*", "diff"), "time", fl.store, staging, "time="
-        )
-        segments = install_segments(ctx, staged, cp.epoch)
-        fl.delete_dir(staging)
+        segments = write_updates(ctx, seq, updates)
         state_ref = ctx.state.write(
             seq, both.select(F.col("new").alias("data"), POS_COLUMN, GONE_COLUMN), loaded
         )

@@ -89,9 +89,7 @@ class SchemaVersion:
                 "from": self.start,
                 "schema": self.schema,
                 "fingerprint": fingerprint(self.schema),
-                "added": list(self.added),
-                "dropped": list(self.dropped),
-                "widened": list(self.widened),
+                **self.changes(),
             },
             option=orjson.OPT_INDENT_2,
         )
@@ -136,6 +134,11 @@ class FeedInfo:
         return fingerprint(self.schema)
 
     @property
+    def original(self) -> dict[str, Any]:
+        """The schema feed.json names: the first version, from the feed's first time."""
+        return self.first_schema if self.first_schema is not None else self.schema
+
+    @property
     def version(self) -> int:
         """The first time of the current schema version (0: the feed's first schema)."""
         return self.versions[-1].start if self.versions else 0
@@ -150,8 +153,7 @@ class FeedInfo:
 
     def history(self) -> list[SchemaVersion]:
         """Every version of the record schema, the feed's first (from time 0) first."""
-        first = self.first_schema if self.first_schema is not None else self.schema
-        return [SchemaVersion(0, first), *self.versions]
+        return [SchemaVersion(0, self.original), *self.versions]
 
     def at(self, frontier: int) -> FeedInfo:
         """The feed as a reader at ``frontier`` sees it: only the versions of committed
@@ -159,8 +161,7 @@ class FeedInfo:
         kept = tuple(v for v in self.versions if v.start < frontier)
         if kept == self.versions:
             return self
-        first = self.first_schema if self.first_schema is not None else self.schema
-        return replace(self, versions=kept, schema=kept[-1].schema if kept else first)
+        return replace(self, versions=kept, schema=kept[-1].schema if kept else self.original)
 
     def evolved_to(self, versions: list[SchemaVersion]) -> FeedInfo:
         """The feed of ``feed.json`` (this) with its later schema ``versions``."""
@@ -172,15 +173,16 @@ class FeedInfo:
 
     def evolved(self, version: SchemaVersion) -> FeedInfo:
         """The feed with ``version`` as its newest schema."""
-        first = self.first_schema if self.first_schema is not None else self.schema
         older = tuple(v for v in self.versions if v.start < version.start)
-        return replace(self, schema=version.schema, versions=(*older, version), first_schema=first)
+        return replace(
+            self, schema=version.schema, versions=(*older, version), first_schema=self.original
+        )
 
     def to_json(self) -> bytes:
         return orjson.dumps(
             {
                 "name": self.name,
-                "schema": self.first_schema if self.first_schema is not None else self.schema,
+                "schema": self.original,
                 "key": list(self.key),
                 "clock": self.clock,
                 "created": self.created,

@@ -197,7 +197,7 @@ async def _stream(
     sink = io.BytesIO()
     encoder = codec.encoder(sink, schema=reader.info.schema)
     # an Avro or Arrow stream has one schema: it ends where a newer version is committed
-    schema = (reader.info.version, reader.info.fingerprint)
+    schema = reader.info.schema
     m = st.metrics
 
     def encode(messages: list[Any]) -> bytes:
@@ -241,7 +241,7 @@ async def _stream(
 
     async def catch_up() -> None:
         nonlocal lower
-        if fmt != "ndjson" and (reader.info.version, reader.info.fingerprint) != schema:
+        if fmt != "ndjson" and reader.info.schema != schema:
             raise _SchemaMoved(lower)
         frontier = reader.frontier  # one checkpoint for the times listed and the closing
         if reader.since > lower:

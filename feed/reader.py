@@ -50,7 +50,7 @@ class FeedReader:
         #: the one every time is read through (docs/sources.md, "Schema changes")
         self.info: FeedInfo = info
         self._manifests = ManifestStore(self.log)
-        self._record_type: tuple[str, int, pa.DataType] | None = None
+        self._record_type: tuple[FeedInfo, pa.DataType] | None = None
         self.checkpoint: Checkpoint | None = None
         self.refresh()
         self.info = self._all.at(self.frontier)  # (also when nothing is committed)
@@ -161,12 +161,12 @@ class FeedReader:
         """The Arrow type of the current record schema (every time is read through it)."""
         from protocol import avro_to_arrow
 
-        info = self.info
+        # (``info`` is replaced only when a refresh finds another schema version)
         cached = self._record_type
-        if cached is None or cached[:2] != (info.fingerprint, info.version):
-            cached = (info.fingerprint, info.version, avro_to_arrow(info.schema))
+        if cached is None or cached[0] is not self.info:
+            cached = (self.info, avro_to_arrow(self.info.schema))
             self._record_type = cached
-        return cached[2]
+        return cached[1]
 
     def opening(self, after: int | None) -> tuple[list[Message], int]:
         """The first messages of a delivery to a consumer that holds every time below

@@ -20,7 +20,13 @@ from .grouped import by_group, write_groups
 from .log import FeedLog
 from .manifest import Segment
 
-__all__ = ["Written", "install_segments", "staging_folder", "write_transaction"]
+__all__ = [
+    "Written",
+    "install_segments",
+    "staging_folder",
+    "write_transaction",
+    "write_updates",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,10 +55,7 @@ def write_transaction(
     from pyspark.sql import functions as F
 
     fl, cp = ctx.feedlog, ctx.cp
-    staging = staging_folder(fl, seq)
-    flat = done.updates.select("time", "data.*", "diff")
-    staged = write_groups(flat, "time", fl.store, staging, "time=")
-    segments = install_segments(ctx, staged, cp.epoch)
+    segments = write_updates(ctx, seq, done.updates)
     state_ref = cp.state
     if done.new_state is not None and done.loaded is not None:
         state_ref = ctx.state.write(seq, done.new_state, done.loaded)
@@ -65,8 +68,18 @@ def write_transaction(
             F.col("_raw").alias("raw"),
             F.col("_error").alias("reason"),
         ).write.mode("overwrite").json(ctx.spark_path(fl.path("quarantine", str(seq))))
-    fl.delete_dir(staging)
     return segments, state_ref
+
+
+def write_updates(ctx: TxnContext, seq: int, updates: Any) -> list[Segment]:
+    """Write transaction ``seq``'s ``updates`` (columns time, data, diff) as each time's
+    segment files, staged and then moved into place; return the segments by time."""
+    staging = staging_folder(ctx.feedlog, seq)
+    flat = updates.select("time", "data.*", "diff")
+    staged = write_groups(flat, "time", ctx.feedlog.store, staging, "time=")
+    segments = install_segments(ctx, staged, ctx.cp.epoch)
+    ctx.feedlog.delete_dir(staging)
+    return segments
 
 
 def staging_folder(fl: FeedLog, seq: int) -> str:

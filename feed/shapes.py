@@ -8,15 +8,12 @@ distinct hashes of what a transaction read. A hash this process has not seen is 
 once: one event of that shape is read again (:func:`feed.debezium.shape_sample`) and its
 columns compared with the feed's record schema. The same shape (or one whose columns all
 fit the feed's: an ``int`` column in a feed that holds ``long``, a default changed, a
-decimal narrowed) is
-accepted. At the first event of any other shape the emitter commits what was delivered
-before it and then stops with :class:`~protocol.SourceError`, naming each column added,
-dropped or changed.
-
-The feed's record schema does not evolve yet (docs/sources.md, "Schema changes"): this
-check makes a schema change a loud stop, where before its columns were dropped, turned
-into nulls, or its rows quarantined or held back without end. Bare events (no wrapper)
-carry no schema and are not checked.
+decimal narrowed) is accepted. At the first event of any other shape the emitter commits
+what was delivered before it; then :func:`evolve` gives the feed's next schema version
+(committed by feed/evolve.py), or, for a change no version holds, the emitter stops with
+:class:`~protocol.SourceError` naming each column added, dropped or changed
+(docs/sources.md, "Schema changes"). Bare events (no wrapper) carry no schema and are not
+checked.
 """
 
 from __future__ import annotations
@@ -198,16 +195,16 @@ def evolve(
     if refused:
         return "no type holds both the old and the new values of " + ", ".join(refused)
     known = {f["name"] for f in fields}
-    defaults: dict[str, Any] = {}
-    for name, t in event.items():
-        if name in known:
-            continue
-        fields.append({"name": name, "type": _nullable(t), "default": None})
-        if connect.get(name, {}).get("default") is not None:
-            defaults[name] = connect[name]["default"]
-    for name in change.added:
-        if name in gone and connect.get(name, {}).get("default") is not None:
-            defaults[name] = connect[name]["default"]
+    fields += [
+        {"name": n, "type": _nullable(t), "default": None}
+        for n, t in event.items()
+        if n not in known
+    ]
+    defaults = {
+        n: connect[n]["default"]
+        for n in change.added
+        if connect.get(n, {}).get("default") is not None
+    }
     return {**feed_schema, "fields": fields}, defaults, tuple(widened)
 
 
@@ -261,23 +258,19 @@ def next_version(
     when the next schema version holds it, else the error that stops the feed."""
     found = evolve(info.schema, info.dropped, change)
     if isinstance(found, str):
-        return SourceError(
-            f"feed {feed!r}: the source table {table or ''} changed shape at {where}: "
-            f"{change.describe()}; {found}. The feed is committed up to the change and "
-            "nothing after it: start a new feed (a new --feed, from a new snapshot of the "
-            "table) to take the new shape."
-        )
+        return shape_error(feed, table, change, where, found)
     schema, defaults, widened = found
     return Evolve(schema, defaults, change, widened, where)
 
 
-def shape_error(feed: str, table: str | None, change: ShapeChange, where: str) -> SourceError:
-    """The error that stops a feed at a table shape it cannot hold."""
+def shape_error(
+    feed: str, table: str | None, change: ShapeChange, where: str, why: str
+) -> SourceError:
+    """The error that stops a feed at a table shape it cannot take, saying ``why``."""
     return SourceError(
         f"feed {feed!r}: the source table {table or ''} changed shape at {where}: "
-        f"{change.describe()}. tidefeed does not evolve a feed's record schema yet "
-        "(docs/sources.md, 'Schema changes') and drops no column silently: the feed is "
-        "committed up to the change, nothing after it. Start a new feed (a new --feed, "
+        f"{change.describe()}; {why}. The feed is committed up to the change and nothing "
+        "after it (docs/sources.md, 'Schema changes'): start a new feed (a new --feed, "
         "from a new snapshot of the table) to take the new shape."
     )
 
