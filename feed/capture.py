@@ -20,6 +20,16 @@ then lost as separate times).
 PostgreSQL must run with ``wal_level=logical``; the user needs the REPLICATION attribute
 (or to own the tables) and the connector creates a publication and a replication slot
 (``--slot``, default ``tidefeed``). See docs/sources.md.
+
+**Column numbers.** Debezium's events name a table's columns but not the catalog's
+attribute numbers, so a ``RENAME COLUMN`` looks like a column dropped and another added.
+The capture installs (once, as a superuser may) an event trigger that, inside every
+``ALTER TABLE``'s own transaction, inserts the table's columns with their attribute
+numbers into :data:`COLUMNS_TABLE`, which it captures with the tables; it also records
+each captured table's columns when it first captures it. The emitter reads those rows
+(in the stream's order: exactly the catalog each event was written under) to tell a
+rename from a drop and an add (feed/shapes.py). Without the rights to install it, the
+capture warns and goes on: a rename then stops the feed, as for a foreign folder.
 """
 
 from __future__ import annotations
@@ -36,11 +46,50 @@ from typing import Any
 
 from protocol import SourceError
 
-__all__ = ["CaptureConfig", "parse_dsn", "run_capture"]
+__all__ = ["COLUMNS_TABLE", "CaptureConfig", "parse_dsn", "run_capture", "track_columns"]
 
 log = logging.getLogger("tidefeed.capture")
 
 DEFAULT_SLOT = "tidefeed"
+#: where the column-number trigger records each table's columns (see the module docstring)
+COLUMNS_TABLE = "public.tidefeed_columns"
+_TRACK_SQL = f"""
+CREATE TABLE IF NOT EXISTS {COLUMNS_TABLE} (
+    id bigserial PRIMARY KEY,
+    tbl text NOT NULL,
+    columns text NOT NULL
+);
+CREATE OR REPLACE FUNCTION {COLUMNS_TABLE}_record() RETURNS event_trigger
+LANGUAGE plpgsql AS $$
+DECLARE r record;
+BEGIN
+    FOR r IN SELECT DISTINCT objid FROM pg_event_trigger_ddl_commands()
+             WHERE classid = 'pg_class'::regclass LOOP
+        INSERT INTO {COLUMNS_TABLE} (tbl, columns)
+        SELECT n.nspname || '.' || k.relname,
+               (SELECT json_object_agg(a.attname, a.attnum ORDER BY a.attnum)::text
+                FROM pg_attribute a
+                WHERE a.attrelid = k.oid AND a.attnum > 0 AND NOT a.attisdropped)
+        FROM pg_class k JOIN pg_namespace n ON n.oid = k.relnamespace
+        WHERE k.oid = r.objid AND k.relkind IN ('r', 'p')
+          AND k.oid <> '{COLUMNS_TABLE}'::regclass;
+    END LOOP;
+END $$;
+DO $$ BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_event_trigger WHERE evtname = 'tidefeed_columns') THEN
+        CREATE EVENT TRIGGER tidefeed_columns ON ddl_command_end WHEN TAG IN ('ALTER TABLE')
+            EXECUTE FUNCTION {COLUMNS_TABLE}_record();
+    END IF;
+END $$;
+"""
+_BASELINE_SQL = f"""
+INSERT INTO {COLUMNS_TABLE} (tbl, columns)
+SELECT %(table)s,
+       (SELECT json_object_agg(a.attname, a.attnum ORDER BY a.attnum)::text
+        FROM pg_attribute a
+        WHERE a.attrelid = %(table)s::regclass AND a.attnum > 0 AND NOT a.attisdropped)
+WHERE NOT EXISTS (SELECT 1 FROM {COLUMNS_TABLE} WHERE tbl = %(table)s)
+"""
 OFFSETS_FILE = "_offsets.dat"
 _EVENTS = re.compile(r"^events-(\d{12})\.json$")
 _LOG4J2 = """\
@@ -62,6 +111,8 @@ class CaptureConfig:
     slot: str = DEFAULT_SLOT
     # Debezium settings to add or override (``--debezium KEY=VALUE``)
     extra: dict[str, str] = field(default_factory=dict)
+    # record the catalog's column numbers (see the module docstring)
+    track_columns: bool = True
 
 
 def parse_dsn(dsn: str) -> dict[str, str]:
@@ -91,8 +142,38 @@ def parse_dsn(dsn: str) -> dict[str, str]:
     return out
 
 
-def debezium_properties(cfg: CaptureConfig) -> dict[str, str]:
-    """The embedded engine's settings for this capture."""
+def track_columns(cfg: CaptureConfig) -> bool:
+    """Install the column-number trigger and record each captured table's columns once;
+    False (with a warning saying what it costs) when the database does not allow it."""
+    import psycopg2
+
+    db = parse_dsn(cfg.dsn)
+    try:
+        conn = psycopg2.connect(**db)
+    except psycopg2.Error as e:
+        raise SourceError(f"capture: cannot connect to {db['dbname']!r}: {e}") from e
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute(_TRACK_SQL)
+            for table in cfg.tables:
+                cur.execute(_BASELINE_SQL, {"table": table})
+        return True
+    except psycopg2.Error as e:
+        log.warning(
+            "capture: could not record column numbers (%s): a RENAME COLUMN will then stop "
+            "the feed instead of renaming its column (docs/sources.md, 'Schema changes'); "
+            "a superuser may run the capture once to install it, or give "
+            "--no-column-tracking to silence this",
+            str(e).strip().splitlines()[0],
+        )
+        return False
+    finally:
+        conn.close()
+
+
+def debezium_properties(cfg: CaptureConfig, *, columns: bool = False) -> dict[str, str]:
+    """The embedded engine's settings for this capture (``columns``: capture
+    :data:`COLUMNS_TABLE` too)."""
     db = parse_dsn(cfg.dsn)
     props = {
         "name": f"tidefeed-{cfg.slot}",
@@ -110,7 +191,7 @@ def debezium_properties(cfg: CaptureConfig) -> dict[str, str]:
         "slot.name": cfg.slot,
         "publication.name": f"{cfg.slot}_publication",
         "publication.autocreate.mode": "filtered",
-        "table.include.list": ",".join(cfg.tables),
+        "table.include.list": ",".join((*cfg.tables, COLUMNS_TABLE) if columns else cfg.tables),
         "provide.transaction.metadata": "true",
         "snapshot.mode": "initial",
         "key.converter.schemas.enable": "true",
@@ -168,6 +249,7 @@ def run_capture(cfg: CaptureConfig) -> int:
             f"tidefeed capture needs the postgres extra: pip install 'tidefeed[postgres]' ({e})"
         ) from e
     sink = FileSink(cfg.out)
+    columns = cfg.track_columns and track_columns(cfg)
 
     class Handler(BasePythonChangeHandler):
         def handleJsonBatch(self, records: list[Any]) -> None:
@@ -181,7 +263,7 @@ def run_capture(cfg: CaptureConfig) -> int:
     with open(log_config, "w", encoding="utf-8") as f:
         f.write(_LOG4J2)
     engine = DebeziumJsonEngine(
-        properties=debezium_properties(cfg),
+        properties=debezium_properties(cfg, columns=columns),
         handler=Handler(),
         jvm_opts=[f"-Dlog4j2.configurationFile={log_config}"],
     )

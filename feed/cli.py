@@ -364,6 +364,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
             out=args.out,
             slot=args.slot or DEFAULT_SLOT,
             extra=extra,
+            track_columns=not args.no_column_tracking,
         )
     )
 

@@ -264,6 +264,12 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         metavar="KEY=VALUE",
         help="a Debezium connector setting to add or override (repeatable)",
     )
+    p.add_argument(
+        "--no-column-tracking",
+        action="store_true",
+        help="do not install the trigger that records column numbers (then a RENAME COLUMN "
+        "stops the feed instead of renaming its column)",
+    )
 
     p = command("demo", help="run the demo end to end")
     p.option(

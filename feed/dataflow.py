@@ -196,10 +196,10 @@ def unfit_shape(
     )
 
 
-def _first_of_shape(changes: Any, shape: int) -> Any:
+def _first_of_shape(changes: Any, shape: int) -> tuple[Any, str]:
     """Where the source transaction of the first event of table shape ``shape`` begins
     (``ord_file``, ``ord_row``, ``_file``): from there on, everything is held back (DDL may
-    sit between two changes of one PostgreSQL transaction)."""
+    sit between two changes of one PostgreSQL transaction); and the file of that event."""
     from pyspark.sql import functions as F
 
     at = F.struct("ord_file", "ord_row", "_file")
@@ -208,9 +208,10 @@ def _first_of_shape(changes: Any, shape: int) -> Any:
         .agg(F.min(F.struct(at.alias("at"), F.col("txn"))).alias("m"))
         .collect()[0]["m"]
     )
-    return (
+    start = (
         changes.where(F.col("txn") == F.lit(txn["txn"])).agg(F.min(at).alias("m")).collect()[0]["m"]
     )
+    return start, base_name(txn["at"]["_file"])
 
 
 def read_input(
@@ -293,9 +294,10 @@ def read_input(
         unfit = unfit_shape(ctx, files, (h for r in tally_rows for h in r["shapes"] or ()))
         if unfit is not None:
             # commit what was delivered before the table changed shape, then stop there
-            from .shapes import next_version, shape_error
+            from .inputs import list_files
+            from .shapes import next_version, shape_error, with_renames
 
-            first = _first_of_shape(changes, unfit[0])
+            first, shape_file = _first_of_shape(changes, unfit[0])
             for df in assembled.cached:
                 df.unpersist()
             assembled = assembled_with((first["ord_file"], first["ord_row"]))
@@ -306,7 +308,10 @@ def read_input(
                     # at the head of the input: the feed's next schema version, if any
                     for df in (changes, *assembled.cached):
                         df.unpersist()
-                    raise next_version(cfg.feed, ctx.info.table, ctx.info, unfit[1], where)
+                    change = with_renames(
+                        unfit[1], list_files(cfg.source_path), ctx.info.table, shape_file
+                    )
+                    raise next_version(cfg.feed, ctx.info.table, ctx.info, change, where)
                 shape_stop = shape_error(
                     cfg.feed,
                     ctx.info.table,

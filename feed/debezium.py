@@ -92,9 +92,14 @@ def _table_of(payload: dict[str, Any]) -> str | None:
 
 
 def debezium_table(files: Sequence[str]) -> str | None:
-    """The ``schema.table`` of the first Debezium data event in ``files``, if any."""
+    """The ``schema.table`` of the first Debezium data event in ``files``, if any (not the
+    capture's own column-number table: feed/capture.py)."""
+    from .capture import COLUMNS_TABLE
+
     for _, payload in _debezium_events(files):
-        return _table_of(payload)
+        table = _table_of(payload)
+        if table != COLUMNS_TABLE:
+            return table
     return None
 
 

@@ -9,9 +9,10 @@ this step at the next time ``T``:
    type);
 2. every row the keyed state holds is rewritten into it, as PostgreSQL rewrites the table:
    an added column takes its default (the Connect schema's ``default``: a constant
-   ``DEFAULT``; null without one), a dropped one becomes null. Each row that changes is an
-   update at ``T``: ``-old`` (the old row read through the new schema: absent columns
-   null) and ``+new``. A widened column changes no row;
+   ``DEFAULT``; null without one), a dropped one becomes null, a renamed one (the
+   capture's column numbers tell it: feed/shapes.py) moves its values to its new name.
+   Each row that changes is an update at ``T``: ``-old`` (the old row read through the
+   new schema: absent columns null) and ``+new``. A widened column changes no row;
 3. the commit of ``T`` names the new state and the new schema's fingerprint; no input is
    consumed, so the next step reads the held input again through the new schema.
 
@@ -74,6 +75,7 @@ def rewrite(
         added=change.added,
         dropped=change.dropped,
         widened=ev.widened,
+        renamed=change.renamed,
     )
     fl, cp = ctx.feedlog, ctx.cp
     fl.write_schema_version(version)
@@ -94,6 +96,7 @@ def rewrite(
     rows = loaded.rows
     if ev.defaults:
         rows = rows.crossJoin(F.broadcast(_defaults(ctx, new_type, ev.schema, ev.defaults)))
+    carried = {new: old for old, new in change.renamed}
     old_cols, new_cols = [], []
     for f in new_type.fields:
         was = (
@@ -102,7 +105,9 @@ def rewrite(
             else F.lit(None).cast(f.dataType)
         )
         now = was
-        if f.name in ev.defaults:
+        if f.name in carried:
+            now = F.col("data")[carried[f.name]].cast(f.dataType)
+        elif f.name in ev.defaults:
             now = F.col("_defaults")[f.name]
         elif f.name in change.dropped:
             now = F.lit(None).cast(f.dataType)

@@ -57,8 +57,7 @@ def inspect_feed(
     if fmt == "table":
         print(f"feed {feed}: since {reader.since}, frontier {reader.frontier}", file=out)
         for v in reader.info.history()[1:]:
-            what = "; ".join(f"{k} {', '.join(c)}" for k, c in v.changes().items() if c)
-            print(f"-- schema version from time {v.start}: {what}", file=out)
+            print(f"-- schema version from time {v.start}: {v.describe()}", file=out)
         for m in messages:
             if isinstance(m, Updates):
                 t = m.table(reader.record_type)

@@ -74,14 +74,24 @@ class SchemaVersion:
     added: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
     widened: tuple[str, ...] = ()
+    #: (old name, new name): a column renamed (also listed as dropped and added: the old
+    #: column is null from ``start`` on, the new one holds its values)
+    renamed: tuple[tuple[str, str], ...] = ()
 
-    def changes(self) -> dict[str, list[str]]:
-        """The columns this version added, dropped and widened."""
+    def changes(self) -> dict[str, Any]:
+        """The columns this version added, dropped, widened and renamed (old: new)."""
         return {
             "added": list(self.added),
             "dropped": list(self.dropped),
             "widened": list(self.widened),
+            "renamed": dict(self.renamed),
         }
+
+    def describe(self) -> str:
+        """What this version changed, in words."""
+        parts = [f"{k} {', '.join(c)}" for k, c in self.changes().items() if c and k != "renamed"]
+        parts += [f"renamed {old} to {new}" for old, new in self.renamed]
+        return "; ".join(parts)
 
     def to_json(self) -> bytes:
         return orjson.dumps(
@@ -103,6 +113,7 @@ class SchemaVersion:
             added=tuple(d.get("added") or ()),
             dropped=tuple(d.get("dropped") or ()),
             widened=tuple(d.get("widened") or ()),
+            renamed=tuple((str(k), str(v)) for k, v in (d.get("renamed") or {}).items()),
         )
 
 

@@ -19,8 +19,10 @@ checked.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import orjson
 
 from protocol import SourceError
 
@@ -35,6 +37,7 @@ __all__ = [
     "sample_in",
     "shape_change",
     "shape_error",
+    "with_renames",
 ]
 
 _WIDER = {"int": ("long", "float", "double"), "long": ("double",), "float": ("double",)}
@@ -49,16 +52,24 @@ class ShapeChange:
     changed: tuple[tuple[str, str, str], ...]  # (column, the feed's type, the new type)
     #: the table's Kafka Connect columns as the first event of the new shape gives them
     columns: tuple[dict[str, Any], ...] = ()
+    #: (old name, new name) of each column renamed, as the capture's column numbers say
+    renamed: tuple[tuple[str, str], ...] = ()
+    #: whether the capture's column numbers tell the adds and drops apart from renames
+    numbered: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.added or self.dropped or self.changed)
 
     def describe(self) -> str:
         parts = []
-        if self.added:
-            parts.append("added " + ", ".join(self.added))
-        if self.dropped:
-            parts.append("dropped " + ", ".join(self.dropped))
+        olds = {old for old, _ in self.renamed}
+        news = {new for _, new in self.renamed}
+        for old, new in self.renamed:
+            parts.append(f"renamed {old} to {new}")
+        if set(self.added) - news:
+            parts.append("added " + ", ".join(n for n in self.added if n not in news))
+        if set(self.dropped) - olds:
+            parts.append("dropped " + ", ".join(n for n in self.dropped if n not in olds))
         for name, was, now in self.changed:
             parts.append(f"{name} changed from {was} to {now}")
         return "; ".join(parts)
@@ -164,15 +175,27 @@ def evolve(
     a widened one in its new type), the Connect default of each added column that has
     one, and the widened columns; or why there is none (a type change no type of both
     holds)."""
-    if change.added and change.dropped:
+    if change.added and change.dropped and not change.numbered:
         return (
             "a column dropped and another added between two events of the table may be "
             "a RENAME COLUMN, whose values a drop and an add would lose; tidefeed does "
-            "not guess which"
+            "not guess which, and no column numbers were recorded for the table (tidefeed "
+            "capture postgres records them)"
         )
     event = {
         f["name"]: f["type"] for f in connect_to_avro(list(change.columns), "record")["fields"]
     }
+    feed = {f["name"]: f["type"] for f in feed_schema.get("fields", [])}
+    carried: dict[str, Any] = {}  # a renamed column's type: holds its old and new values
+    for old, new in change.renamed:
+        carried[new] = (
+            feed[old] if _fits(event[new], feed[old]) else _widened(feed[old], event[new])
+        )
+        if carried[new] is None:
+            return (
+                f"{old} was renamed to {new} and changed from {_name(feed[old])} to "
+                f"{_name(event[new])}, and no type reads each old value as the same record"
+            )
     connect = {c.get("field"): c for c in change.columns}
     fields: list[dict[str, Any]] = []
     widened: list[str] = []
@@ -196,16 +219,99 @@ def evolve(
         return "no type holds both the old and the new values of " + ", ".join(refused)
     known = {f["name"] for f in fields}
     fields += [
-        {"name": n, "type": _nullable(t), "default": None}
+        {"name": n, "type": _nullable(carried.get(n, t)), "default": None}
         for n, t in event.items()
         if n not in known
     ]
     defaults = {
         n: connect[n]["default"]
         for n in change.added
-        if connect.get(n, {}).get("default") is not None
+        if n not in carried and connect.get(n, {}).get("default") is not None
     }
     return {**feed_schema, "fields": fields}, defaults, tuple(widened)
+
+
+def _columns_of(wrapper: dict[str, Any]) -> frozenset[str] | None:
+    """The column names a wrapped event's Connect schema gives its table."""
+    for f in (wrapper.get("schema") or {}).get("fields") or ():
+        if f.get("field") == "after":
+            return frozenset(str(c.get("field")) for c in f.get("fields") or ())
+    return None
+
+
+def column_numbers(
+    files: Sequence[str], table: str, new: frozenset[str], upto: str
+) -> list[dict[str, int]]:
+    """The column numbers the capture recorded for ``table`` (``COLUMNS_TABLE`` rows: one
+    at the start of the capture, one in each ``ALTER TABLE``'s transaction), in stream
+    order, up to the first event of ``table`` in ``upto`` (a file name) whose columns are
+    ``new``: the catalog's story up to the change of shape."""
+    from .capture import COLUMNS_TABLE
+    from .debezium import _table_of, debezium_event
+    from .inputs import input_lines
+
+    marker = COLUMNS_TABLE.rsplit(".", 1)[-1].encode()
+    ours = f'"{table.rsplit(".", 1)[-1]}"'.encode()
+    maps: list[dict[str, int]] = []
+    for path in files:
+        last = path.rsplit("/", 1)[-1] == upto
+        for line in input_lines(path):
+            if marker not in line and not (last and ours in line):
+                continue
+            found = debezium_event(line)
+            if found is None:
+                continue
+            wrapper, payload = found
+            of = _table_of(payload)
+            if of == COLUMNS_TABLE and payload.get("op") in ("c", "r"):
+                row = payload.get("after") or {}
+                if row.get("tbl") == table:
+                    try:
+                        maps.append(
+                            {str(k): int(v) for k, v in orjson.loads(row["columns"]).items()}
+                        )
+                    except (
+                        orjson.JSONDecodeError,
+                        KeyError,
+                        TypeError,
+                        ValueError,
+                        AttributeError,
+                    ):
+                        continue  # not a row this capture wrote: no numbers from it
+            elif last and of == table and _columns_of(wrapper) == new:
+                return maps
+        if last:
+            break
+    return maps
+
+
+def with_renames(
+    change: ShapeChange, files: Sequence[str], table: str | None, upto: str
+) -> ShapeChange:
+    """``change`` (a column dropped and another added) told apart by the column numbers
+    the capture recorded (:func:`column_numbers`): a column whose number stays under a new
+    name is renamed; the others are truly dropped or added. Unchanged when no numbers of
+    both shapes were recorded (a folder not written by ``tidefeed capture postgres``)."""
+    if not table or not (change.added and change.dropped):
+        return change
+    new = frozenset(str(c.get("field")) for c in change.columns)
+    old = (new - set(change.added)) | set(change.dropped)
+    maps = column_numbers(files, table, new, upto)
+    at_new = next((i for i in range(len(maps) - 1, -1, -1) if set(maps[i]) == new), None)
+    if at_new is None:
+        return change
+    at_old = next((i for i in range(at_new - 1, -1, -1) if set(maps[i]) == old), None)
+    if at_old is None:
+        return change
+    name_of = {n: name for name, n in maps[at_old].items()}
+    renamed = tuple(
+        (name_of[n], name)
+        for name, n in maps[at_new].items()
+        if n in name_of and name_of[n] != name
+    )
+    if any(o not in change.dropped or n not in change.added for o, n in renamed):
+        return change  # names traded between columns: not told apart here
+    return replace(change, renamed=renamed, numbered=True)
 
 
 def first_unfit(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
+from feed.capture import COLUMNS_TABLE
 from feed.connect import DECIMAL, connect_to_avro
-from feed.shapes import evolve, first_unfit, shape_change
+from feed.shapes import evolve, first_unfit, shape_change, with_renames
 
 COLUMNS = [
     {"field": "id", "type": "int32", "optional": False},
@@ -138,3 +140,76 @@ def test_widening_takes_the_wider_type_where_every_old_value_reads_the_same():
 def test_changes_no_version_holds_say_why(columns, says):
     found = evolve(FEED, frozenset(), shape_change(FEED, columns))
     assert isinstance(found, str) and says in found
+
+
+def _event(table: str, columns: list[dict], after: dict) -> str:
+    schema = {"fields": [{"field": "after", "fields": columns}]}
+    schema_name, _, name = table.rpartition(".")
+    src = {"schema": schema_name, "table": name, "lsn": 1}
+    return orjson.dumps(
+        {"schema": schema, "payload": {"op": "c", "source": src, "after": after}}
+    ).decode()
+
+
+def _numbers(table: str, columns: dict[str, int]) -> str:
+    row = {"id": 1, "tbl": table, "columns": orjson.dumps(columns).decode()}
+    return _event(COLUMNS_TABLE, [], row)
+
+
+def _folder(tmp_path, *files: list[str]) -> list[str]:
+    tmp_path.mkdir(exist_ok=True)
+    paths = []
+    for i, lines in enumerate(files, 1):
+        p = tmp_path / f"events-{i:012d}.json"
+        p.write_text("\n".join(lines) + "\n")
+        paths.append(str(p))
+    return paths
+
+
+RENAMED = _with("name", field="title")
+
+
+def test_column_numbers_tell_a_rename_from_a_drop_and_an_add(tmp_path):
+    t = "public.items"
+    change = shape_change(FEED, RENAMED)
+    files = _folder(
+        tmp_path,
+        [_numbers(t, {"id": 1, "name": 2, "amount": 3}), _event(t, COLUMNS, {"id": 1})],
+        # the ALTER's own row, then the first event of the new shape, then a later ALTER
+        # (not the catalog that event was written under)
+        [
+            _numbers(t, {"id": 1, "title": 2, "amount": 3}),
+            _event(t, RENAMED, {"id": 2}),
+            _numbers(t, {"id": 1, "title": 4, "amount": 3}),
+        ],
+    )
+    found = with_renames(change, files, t, "events-000000000002.json")
+    assert found.renamed == (("name", "title"),) and found.numbered
+    assert found.describe() == "renamed name to title"
+    schema, defaults, _ = evolve(FEED, frozenset(), found)
+    assert list(_fields(schema)) == ["id", "name", "amount", "title"]
+    assert _fields(schema)["name"] == ["null", "string"] and defaults == {}
+    # another number under the new name: a drop and an add, which a version holds too
+    files = _folder(
+        tmp_path / "b",
+        [_numbers(t, {"id": 1, "name": 2, "amount": 3})],
+        [_numbers(t, {"id": 1, "amount": 3, "title": 4}), _event(t, RENAMED, {"id": 2})],
+    )
+    dropped = with_renames(change, files, t, "events-000000000002.json")
+    assert dropped.renamed == () and dropped.numbered
+    assert not isinstance(evolve(FEED, frozenset(), dropped), str)
+
+
+def test_without_the_numbers_of_both_shapes_a_drop_and_an_add_stay_refused(tmp_path):
+    t = "public.items"
+    change = shape_change(FEED, RENAMED)
+    only_new = _folder(tmp_path, [_numbers(t, {"id": 1, "title": 2, "amount": 3})])
+    other_table = _folder(
+        tmp_path / "b",
+        [_numbers("public.other", {"id": 1, "name": 2, "amount": 3})],
+        [_numbers(t, {"id": 1, "title": 2, "amount": 3})],
+    )
+    for files in (only_new, other_table, []):
+        found = with_renames(change, files, t, "events-000000000002.json")
+        assert not found.numbered
+        assert "RENAME COLUMN" in evolve(FEED, frozenset(), found)
