@@ -66,6 +66,9 @@ class Subscription:
         token = body.get("token")
         if token is not None and not isinstance(token, str):
             raise ValueError("'token' must be a string")
+        if token is not None and not token.strip():
+            # an empty bearer token is no token: leave it out for a receiver without one
+            raise ValueError("'token' is empty: leave it out, or give the receiver's token")
         return cls(name=name, feed=feed, url=url, format=fmt, token=token)
 
 

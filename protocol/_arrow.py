@@ -16,7 +16,7 @@ import pyarrow as pa
 from .codecs import MAX_UPDATES_PER_MESSAGE, Codec, Decoder, Encoder, check_field_names
 from .errors import CodecError
 from .messages import Message, Progress, Updates, columns_problem, update_schema
-from .schema import arrow_to_avro
+from .schema import arrow_to_avro, avro_to_arrow
 
 __all__ = ["PROGRESS_KEY", "ArrowCodec"]
 
@@ -90,7 +90,18 @@ class ArrowDecoder(Decoder):
                 fmt="arrow",
                 position=self.position,
             )
-        self._data_type = schema.field("data").type
+        sent = schema.field("data").type
+        try:
+            # the record type every reader of the feed will use (an Arrow type each Avro
+            # type reads back as): a large_string column becomes string, a timestamp in
+            # any zone an instant in UTC. Kept as sent, parts of two pushes would not
+            # concatenate, and the receiver's collection read failed from then on. (A
+            # type with no such round trip, an all-null column, is kept as sent.)
+            self._data_type = avro_to_arrow(arrow_to_avro(sent))
+        except CodecError:
+            self._data_type = sent
+        cast = None if self._data_type == sent else self._data_type
+        maps = [f.name for f in self._data_type if pa.types.is_map(f.type)]
         columns = [(name, names.index(name)) for name in ("data", "time", "diff")]
         index = 0
         while True:
@@ -114,6 +125,10 @@ class ArrowDecoder(Decoder):
                 why = columns_problem(batch)
                 if why is not None:
                     raise CodecError(why, fmt="arrow", position=self.position)
+                if cast is not None:
+                    batch = _with_data(batch, columns[0][1], cast, self.position)
+                for name in maps:
+                    _unique_keys(batch.column(columns[0][1]).field(name), name, self.position)
                 for name, i in columns:
                     if batch.column(i).null_count:
                         raise CodecError(
@@ -129,6 +144,35 @@ class ArrowDecoder(Decoder):
                         f"progress metadata is not JSON: {e}", fmt="arrow", position=self.position
                     ) from e
                 yield Progress.from_wire(obj, fmt="arrow", position=self.position)
+
+
+def _with_data(batch: pa.RecordBatch, at: int, to: pa.DataType, position: str) -> pa.RecordBatch:
+    """``batch`` with its ``data`` column cast to ``to``."""
+    try:
+        data = batch.column(at).cast(to)
+    except (pa.ArrowException, ValueError) as e:
+        raise CodecError(f"data does not read as {to}: {e}", fmt="arrow", position=position) from e
+    arrays = list(batch.columns)
+    arrays[at] = data
+    return pa.RecordBatch.from_arrays(arrays, names=batch.schema.names)
+
+
+def _unique_keys(col: pa.MapArray, name: str, position: str) -> None:
+    """Refuse a map column with a key twice in one value (no record can hold that: JSON
+    and Avro readers keep one of them, so two readers would see two records)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    keys = pa.ListArray.from_arrays(col.offsets, col.keys)  # (a slice's own maps)
+    lengths = pc.list_value_length(keys).to_numpy(zero_copy_only=False)
+    if not lengths.sum():
+        return
+    rows = pa.array(np.repeat(np.arange(len(col)), lengths))
+    pairs = pa.table({"row": rows, "key": pc.list_flatten(keys)})
+    if pairs.group_by(["row", "key"]).aggregate([]).num_rows != len(pairs):
+        raise CodecError(
+            f"map '{name}' holds a key twice in one record", fmt="arrow", position=position
+        )
 
 
 class ArrowCodec(Codec):

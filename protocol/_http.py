@@ -154,6 +154,16 @@ async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     try:
+        declared = request.content_length
+        if declared is not None and declared > request.client_max_size:
+            # refused before a byte of the body is read: a client declaring 1 TB would
+            # otherwise hold the connection until the idle timeout
+            raise HttpError(
+                413,
+                "body_too_large",
+                f"the body is too large: {declared} bytes declared, at most "
+                f"{request.client_max_size} accepted",
+            )
         return await handler(request)
     except HttpError as e:
         return _refused(request, _error(e.status, e.code, str(e), e.headers, e.extra), str(e))

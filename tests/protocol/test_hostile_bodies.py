@@ -121,6 +121,43 @@ def test_a_valid_arrow_body_still_decodes():
     ]
 
 
+def test_arrow_record_types_are_read_as_the_feed_will_read_them():
+    """A large_string, a timestamp in a zone no database knows, a small int: each arrives
+    as the type its Avro type reads back as (string, an instant in UTC, int), so parts of
+    two pushes always concatenate (kept as sent, the receiver's collection read failed)."""
+    ts = (
+        pa.array([1_000], pa.int64()).cast(pa.timestamp("s")).cast(pa.timestamp("s", "Mars/Phobos"))
+    )
+    data = pa.StructArray.from_arrays(
+        [pa.array(["x"], pa.large_string()), ts, pa.array([7], pa.int8())], ["s", "ts", "n"]
+    )
+    one = pa.array([1], pa.int64())
+    (m,) = get_codec("arrow").decode(_arrow(one, one, data))
+    got = m.table().column("data").type
+    assert got == pa.struct(
+        [("s", pa.string()), ("ts", pa.timestamp("ms", "UTC")), ("n", pa.int32())]
+    ), got
+    assert m.rows()[0]["data"]["s"] == "x" and m.rows()[0]["data"]["n"] == 7
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (
+            pa.array(
+                [{"m": [("a", 1), ("a", 2)]}], pa.struct([("m", pa.map_(pa.string(), pa.int64()))])
+            ),
+            "key twice",
+        ),
+        (pa.array([{"n": 1 << 63}], pa.struct([("n", pa.uint64())])), "does not read as"),
+    ],
+)
+def test_arrow_records_no_reader_would_read_the_same_are_refused(data, says):
+    one = pa.array([1], pa.int64())
+    with pytest.raises(CodecError, match=says):
+        get_codec("arrow").decode(_arrow(one, one, data))
+
+
 def test_ndjson_nested_too_deep_is_refused_before_any_parser_sees_it():
     deep = (
         b'{"updates": [{"data": {"a": '

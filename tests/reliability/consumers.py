@@ -169,10 +169,14 @@ class Followers:
         return [+c for c in self.collections]
 
 
+#: the harness's phases: recovery from kills, steady load, hostile clients
+PHASES = ("crash", "load", "abuse")
+
+
 class Monitor:
     """Samples, every 0.2 s: each process's RSS (peak kept per role) and, for every new
     committed frontier, how long until every receiver ACKs it and every follower holds it.
-    Latencies are kept per phase (``crash``: recovery from kills; ``load``: steady)."""
+    Latencies are kept per phase (:data:`PHASES`)."""
 
     def __init__(
         self,
@@ -184,8 +188,8 @@ class Monitor:
         self.procs, self.store, self.receivers, self.followers = procs, store, receivers, followers
         self.phase = "crash"
         self.peak_rss: Counter = Counter()
-        self.ack_latency: dict[str, list[float]] = {"crash": [], "load": []}
-        self.follow_latency: dict[str, list[float]] = {"crash": [], "load": []}
+        self.ack_latency: dict[str, list[float]] = {p: [] for p in PHASES}
+        self.follow_latency: dict[str, list[float]] = {p: [] for p in PHASES}
         self._committed: dict[int, tuple[float, str]] = {}  # frontier -> (seen at, phase)
         self._acked: set[int] = set()
         self._stop = threading.Event()
@@ -231,7 +235,7 @@ class Monitor:
         """Per phase: for every committed frontier, how long until the slowest follower
         held it (a follower that restarted from a snapshot may skip it: the time it first
         held anything at or above it counts). The wanderer, away on purpose, is left out."""
-        out: dict[str, list[float]] = {"crash": [], "load": []}
+        out: dict[str, list[float]] = {p: [] for p in PHASES}
         steady = [r for i, r in enumerate(self.followers.reached) if i != self.followers.wanderer]
         for f, (t0, phase) in self._committed.items():
             worst = 0.0
@@ -247,7 +251,7 @@ class Monitor:
     def figures(self) -> dict[str, Any]:
         lags = self.follower_lags()
         out: dict[str, Any] = {}
-        for phase in ("crash", "load"):
+        for phase in PHASES:
             acks = self.ack_latency[phase]
             out[phase] = {
                 "commits_acked_by_every_receiver": len(acks),

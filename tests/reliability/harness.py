@@ -43,6 +43,8 @@ from protocol import record_key
 
 from ..e2e.helpers import free_port, start, write_parts, write_parts_at_transactions
 from ..feed.model import debezium_truth
+from .abuse import TARGET as ABUSE_TARGET
+from .abuse import Abuse
 from .consumers import Followers, Monitor, get, put_json, receiver_frontier
 from .fuzz import fuzz_all
 from .proxy import FaultProxy
@@ -61,6 +63,11 @@ class Profile:
     fuzz_examples: int
     retain: int = 8  # serve --retain (logical times)
     compact_every: float = 2.0
+    # the abuse phase (tests/reliability/abuse.py): one transaction a second meanwhile;
+    # longer than the servers' idle timeout (30 s), which must close the slow headers
+    abuse_seconds: int = 40
+    unread_followers: int = 50
+    slow_headers: int = 6
 
 
 FORMATS = ("ndjson", "avro", "arrow")  # the load phase's subscriptions take turns
@@ -68,7 +75,8 @@ FORMATS = ("ndjson", "avro", "arrow")  # the load phase's subscriptions take tur
 PROFILES = {
     "quick": Profile(120, 24, 30, 20, 5, (1.0, 4.0), 120, 4, 150),
     "long": Profile(1200, 240, 300, 50, 10, (1.0, 4.0), 600, 10, 2000),
-    "smoke": Profile(30, 6, 8, 6, 2, (1.0, 3.0), 20, 2, 20),  # a minute: for changing it
+    # two minutes: for changing it
+    "smoke": Profile(30, 6, 8, 6, 2, (1.0, 3.0), 20, 2, 20, abuse_seconds=35, unread_followers=10),
 }
 
 
@@ -182,9 +190,13 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
     logging.getLogger("tidefeed").setLevel(logging.ERROR)
     rnd = random.Random(seed)
     tally = Tally()
-    bank = generate_bank(transactions=profile.transactions + profile.load_seconds, seed=seed)
+    bank = generate_bank(
+        transactions=profile.transactions + profile.load_seconds + profile.abuse_seconds,
+        seed=seed,
+    )
     truth = Counter({record_key(r): 1 for r in debezium_truth(bank.events)[0].values()})
     staged, load_files = _stage(work, profile, bank.events)
+    load_files, abuse_files = load_files[: profile.load_seconds], load_files[profile.load_seconds :]
     src, log, logs = work / "in", work / "log", work / "logs"
     src.mkdir()
     logs.mkdir()
@@ -382,6 +394,36 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
     final = _settle(store, last, {**procs}, followers, [pa_, pb, *extra_ports], tally)
     load_settled = final is not None
 
+    # ---- abuse: hostile clients while transactions still flow ------------------------
+    monitor.phase = "abuse"
+    watched = {"server": server, "receiver A": ra, "receiver B": rb}
+    abuse = Abuse(
+        server=ps,
+        receivers=[pa_, pb],
+        feed="bank",
+        unread=profile.unread_followers,
+        slow=profile.slow_headers,
+        pids=lambda: {r: p.p.pid for r, p in watched.items() if p.alive() and p.p is not None},
+    )
+    abuse.start()
+    abuse_started = time.monotonic()
+    for n, f in enumerate(abuse_files):
+        time.sleep(max(0.0, abuse_started + n + 1 - time.monotonic()))
+        f.rename(src / f.name)
+        _restart_dead([*procs.values(), *extra], tally)
+    abused = abuse.finish()
+    tally.notes += abused.notes
+    tally.notes += [
+        f"abuse: receiver :{port} holds feed {ABUSE_TARGET!r} after refusing every body"
+        for port in (pa_, pb)
+        if receiver_frontier(port, ABUSE_TARGET) is not None
+    ]
+    if abuse_files:
+        final = _settle(
+            store, abuse_files[-1].name, {**procs}, followers, [pa_, pb, *extra_ports], tally
+        )
+        load_settled = load_settled and final is not None
+
     followers.stop()
     monitor.stop()
     tally.faults += proxy.faults
@@ -438,6 +480,7 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
                 "followers_restarted_from_snapshot": followers.overtaken,
                 "load_transactions": len(load_files),
                 "load_seconds": round(load_took),
+                "abuse": abused.__dict__,
                 "figures": figures,
                 "notes": tally.notes,
             },
@@ -446,6 +489,7 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
     )
     for note in fuzz.notes + followers.errors:
         print(f"reliability: note: {note}", file=sys.stderr)
+    print(f"reliability: {abused.line()}; lost={lost} duplicated={dup}", file=sys.stderr)
     crash, steady = figures["crash"], figures["load"]
     print(
         f"reliability: {dict(tally.kinds)}; emitter killed {dict(emit_eager)}; "
@@ -468,7 +512,14 @@ def run(profile: Profile, work: Path, seed: int = 1) -> int:
         f"duplicated={dup} bad_inputs={fuzz.bad_inputs} rejected={fuzz.rejected} "
         f"load_ok={'yes' if load_ok else 'no'}"
     )
-    ok = lost == 0 and dup == 0 and fuzz.rejected == fuzz.bad_inputs and load_ok
+    ok = (
+        lost == 0
+        and dup == 0
+        and fuzz.rejected == fuzz.bad_inputs
+        and load_ok
+        and abused.ok()
+        and not abused.notes
+    )
     return 0 if ok else 1
 
 
