@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck pytest bench java-check clean reliability notebook
+.PHONY: test test-fast demo lint typecheck pytest bench java-check clean reliability notebook
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,12 @@ pytest: $(STAMP) java-check
 	$(BIN)/python -m pytest
 
 test: lint typecheck pytest
+
+# the inner loop: lint, types and every test that needs neither Spark nor a tidefeed
+# process (the codecs, the consumer state machine, the receiver, the HTTP servers in
+# process, the model checks); `make test` runs everything
+test-fast: lint typecheck
+	$(BIN)/python -m pytest -m "not slow and not spark and not process" -q
 
 # JupyterLab on the notebooks, from the project's venv (installed on first use); on
 # 127.0.0.1, and as root too (containers, CI machines), which Jupyter refuses by default

@@ -1,4 +1,6 @@
-"""Shared test settings: hypothesis profiles (CI runs more examples than a laptop)."""
+"""Shared test settings: hypothesis profiles (CI runs more examples than a laptop), the
+shared SparkSession, and the markers ``make test-fast`` leaves out: ``spark`` (a test that
+uses the SparkSession) and ``process`` (a test that runs ``tidefeed`` processes)."""
 
 import os
 
@@ -28,3 +30,17 @@ def spark():
     session = get_spark("local[2]", app="tidefeed-tests")
     yield session
     session.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    from tests.e2e import helpers
+
+    runs_processes = (helpers.start, helpers.tidefeed)
+    for item in items:
+        if "spark" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.spark)
+        module = getattr(item, "module", None)
+        if module is not None and any(
+            v is f for v in vars(module).values() for f in runs_processes
+        ):
+            item.add_marker(pytest.mark.process)

@@ -194,6 +194,7 @@ def test_environment_variables_are_scoped_and_checked(feed_files):
     assert b"'abc' is not a TCP port (1-65535) (from $TIDEFEED_SERVE_PORT)" in out.stderr
 
 
+@pytest.mark.process  # a tidefeed process with its own JVM
 def test_demo_runs_the_emitter_and_verifies(tmp_path):
     (tmp_path / "run-001").mkdir()  # an earlier run's folder is kept
     (tmp_path / "run-001" / "mine").write_text("kept")

@@ -487,6 +487,7 @@ def test_transaction_blocks_without_any_end_record_fail_at_once_naming_tx_metada
     assert collection_of(reader) == rows((0, "o0", "d0"), (10, "c", None), (11, "b", None))
 
 
+@pytest.mark.process  # a tidefeed process with its own JVM
 def test_a_batch_run_that_ends_inside_a_transaction_says_so_and_exits_3(tmp_path):
     from feed.cliopts import EXIT_INCOMPLETE
     from tests.e2e.helpers import tidefeed

@@ -108,6 +108,7 @@ def test_a_missing_prefix_is_an_error_naming_it(bucket):
         list_files(missing)
 
 
+@pytest.mark.process  # a tidefeed process with its own JVM
 def test_emit_from_s3_without_hadoop_aws_says_so_and_commits_nothing(bucket, tmp_path):
     uri, env = bucket
     schema = tmp_path / "schema.avsc"

@@ -26,6 +26,7 @@ def _run(*conf: str, env: dict[str, str]) -> str:
     return p.stdout.decode().strip()
 
 
+@pytest.mark.process  # a tidefeed process with its own JVM
 def test_conf_wins_over_spark_defaults_which_win_over_tidefeeds(tmp_path):
     conf_dir = tmp_path / "conf"
     conf_dir.mkdir()
