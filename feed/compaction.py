@@ -33,7 +33,7 @@ from protocol import CheckpointError, CommitConflict
 
 from ._faults import maybe_die
 from .checkpoint import Checkpoint, CheckpointStore
-from .log import FeedLog
+from .log import PARQUET_PAGES, FeedLog
 from .manifest import ManifestStore
 from .reader import FeedReader
 from .subscriptions import SubscriptionStore
@@ -103,7 +103,7 @@ def compact(log_uri: str, feed: str, to: int) -> CompactResult:
     flog.fs.create_dir(folder, recursive=True)
     part = f"{folder}/part-00000.parquet"
     with flog.fs.open_output_stream(part) as f:
-        pq.write_table(table, f)
+        pq.write_table(table, f, **PARQUET_PAGES)
     flog.sync(part)
     maybe_die("compact_before_commit")
     _commit(reader, to, (part[len(flog.root) + 1 :],), table.num_rows)

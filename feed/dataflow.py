@@ -228,7 +228,9 @@ def read_input(
 
     A feed of a group (``group``: feed/group.py) also holds back what the group holds,
     and always gets its :class:`ReadChanges` (``ready`` 0 when nothing is released, and a
-    table's change of shape in ``shape_error`` instead of raised): the group decides."""
+    table's change of shape in ``shape_error`` instead of raised: the next schema version
+    as an :class:`~feed.shapes.Evolve`, or the error that stops the feed): the group
+    decides."""
     from pyspark.sql import functions as F
 
     from .transactions import assemble
@@ -295,7 +297,7 @@ def read_input(
         if unfit is not None:
             # commit what was delivered before the table changed shape, then stop there
             from .inputs import list_files
-            from .shapes import next_version, shape_error, with_renames
+            from .shapes import next_version, with_renames
 
             first, shape_file = _first_of_shape(changes, unfit[0])
             for df in assembled.cached:
@@ -303,22 +305,17 @@ def read_input(
             assembled = assembled_with((first["ord_file"], first["ord_row"]))
             touched, tally_rows = assembled.buckets, list(assembled.also)
             if not assembled.ready:
+                # at the head of the input: the feed's next schema version, if any
                 where = base_name(first["_file"])
+                change = with_renames(
+                    unfit[1], list_files(cfg.source_path), ctx.info.table, shape_file
+                )
+                found = next_version(cfg.feed, ctx.info.table, ctx.info, change, where)
                 if group is None:
-                    # at the head of the input: the feed's next schema version, if any
                     for df in (changes, *assembled.cached):
                         df.unpersist()
-                    change = with_renames(
-                        unfit[1], list_files(cfg.source_path), ctx.info.table, shape_file
-                    )
-                    raise next_version(cfg.feed, ctx.info.table, ctx.info, change, where)
-                shape_stop = shape_error(
-                    cfg.feed,
-                    ctx.info.table,
-                    unfit[1],
-                    where,
-                    "the feeds of a group do not take a new schema version yet",
-                )
+                    raise found
+                shape_stop = found  # the group commits it with its other feeds
             ctx.log.info(
                 "feed %s: the source table changed shape in %s (%s): committing what came "
                 "before it first",

@@ -52,6 +52,7 @@ from .driver_diffs import (
     keyed_diffs,
     once,
 )
+from .log import PARQUET_PAGES
 from .manifest import Segment
 from .positions import committed_position
 from .segments import Written, install_segments, staging_folder
@@ -297,5 +298,5 @@ def _write_state(
 def _write(fs: Any, path: str, table: pa.Table) -> int:
     """Write one Parquet file (its folder made first); return its rows."""
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    pq.write_table(table, path, filesystem=fs)
+    pq.write_table(table, path, filesystem=fs, **PARQUET_PAGES)
     return int(table.num_rows)

@@ -46,7 +46,7 @@ from .commits import Committer
 from .dataflow import NEED_MORE, TxnContext
 from .eager import EagerPusher
 from .inputs import InputWindow, next_source
-from .log import FeedLog
+from .log import FeedLog, SchemaVersion
 from .manifest import Segment
 from .progress import TxnProgress, TxnReport
 from .segments import Written
@@ -75,10 +75,12 @@ class Planned:
     next: int
     source: dict[str, Any]
     state: str | None
+    schema: str | None = None  # a new schema version's fingerprint (None: unchanged)
 
     def build(self, base: Checkpoint) -> Checkpoint:
+        more = {"schema": self.schema} if self.schema is not None else {}
         return base.successor(
-            progress=self.progress, next=self.next, source=self.source, state=self.state
+            progress=self.progress, next=self.next, source=self.source, state=self.state, **more
         )
 
 
@@ -357,9 +359,6 @@ class Emitter:
         state holds rewritten into it (feed/evolve.py); the input stays pending."""
         from protocol import fingerprint
 
-        from .evolve import rewrite
-        from .source_rows import spark_record_type
-
         assert self.cp is not None
         if self.eager is not None:
             raise SourceError(
@@ -368,11 +367,10 @@ class Emitter:
                 "the version and goes on), then go back to --eager."
             )
         cp, start = self.cp, self.cp.next
-        self._stage("rewriting the state into a new schema version")
         t0 = time.perf_counter()
-        version, segments, state_ref = rewrite(self.context(), ev, cp.seq + 1, start)
+        version, w = self.new_version(ev, start)
         secs["rewrite"] = time.perf_counter() - t0
-        counts = tuple((s.time, s.count) for s in segments)
+        counts = tuple((s.time, s.count) for s in w.segments)
         progress = Progress(cp.frontier, max(start + 1, cp.frontier), counts)
         upper = progress.upper
         nxt = max(self._clock(), upper) if self.info.clock == "wallclock" else upper
@@ -380,25 +378,24 @@ class Emitter:
         t1 = time.perf_counter()
         new_cp = self._commit(
             lambda base: base.successor(
-                progress=progress, next=nxt, state=state_ref, schema=fingerprint(version.schema)
+                progress=progress, next=nxt, state=w.state_ref, schema=fingerprint(version.schema)
             ),
-            segments,
+            w.segments,
         )
         secs["commit"] = time.perf_counter() - t1
-        self.info = self.info.evolved(version)
-        self._record_type = spark_record_type(version.schema)
-        self._state.record_type = self._record_type
-        self._shapes.clear()
-        self.log.info(
-            "feed %s: the source table changed shape at %s (%s): schema version from time "
-            "%d committed, %d row(s) rewritten",
-            self.config.feed,
-            ev.where,
-            ev.change.describe(),
-            start,
-            sum(n for _, n in counts) // 2,
-        )
-        w = Written(
+        self.adopt_version(version, ev)
+        return self.committed(new_cp, [], secs, w)
+
+    def new_version(self, ev: Evolve, start: int) -> tuple[SchemaVersion, Written]:
+        """The schema version ``ev`` describes, from time ``start``, written with the
+        state rewritten into it and the updates that makes at ``start``: all but the
+        commit (feed/evolve.py)."""
+        from .evolve import rewrite
+
+        assert self.cp is not None
+        self._stage("rewriting the state into a new schema version")
+        version, segments, state_ref = rewrite(self.context(), ev, self.cp.seq + 1, start)
+        return version, Written(
             segments=segments,
             state_ref=state_ref,
             units=1,
@@ -408,7 +405,23 @@ class Emitter:
             redelivered=0,
             snapshot_lsn=None,
         )
-        return self.committed(new_cp, [], secs, w)
+
+    def adopt_version(self, version: SchemaVersion, ev: Evolve) -> None:
+        """After the commit of ``version``: read from now on through it."""
+        from .source_rows import spark_record_type
+
+        self.info = self.info.evolved(version)
+        self._record_type = spark_record_type(version.schema)
+        self._state.record_type = self._record_type
+        self._shapes.clear()
+        self.log.info(
+            "feed %s: the source table changed shape at %s (%s): schema version from time "
+            "%d committed",
+            self.config.feed,
+            ev.where,
+            ev.change.describe(),
+            version.start,
+        )
 
     def context(self) -> TxnContext:
         """What a transaction's dataflow needs from this emitter, from its committed

@@ -54,6 +54,7 @@ from .progress import TxnProgress, TxnReport
 from .segments import Written
 from .session import small_shuffles
 from .settings import EmitterConfig
+from .shapes import Evolve
 
 __all__ = ["GROUPS_DIR", "GroupCommits", "GroupEmitter", "group_name"]
 
@@ -130,6 +131,7 @@ def _entry(plan: Planned, segments: Sequence[Segment]) -> dict[str, Any]:
         "source": plan.source,
         "state": plan.state,
         "segments": [[s.time, s.epoch, s.count, list(s.files)] for s in segments],
+        **({"schema": plan.schema} if plan.schema is not None else {}),
     }
 
 
@@ -139,6 +141,7 @@ def _from_entry(e: dict[str, Any]) -> tuple[Planned, list[Segment]]:
         next=e["next"],
         source=e["source"],
         state=e["state"],
+        schema=e.get("schema"),
     )
     return plan, [Segment(t, ep, n, tuple(f)) for t, ep, n, f in e["segments"]]
 
@@ -370,8 +373,13 @@ class GroupEmitter:
             if all(r.ready == 0 for r in reads) and (hold.txns or stopped):
                 for r in reads:
                     r.release()
+                for e in stopped:
+                    if not isinstance(e, Evolve):
+                        raise e
                 if stopped:
-                    raise stopped[0]
+                    return self._evolve(
+                        {i: r.shape_error for i, r in enumerate(reads) if r.shape_error}, secs
+                    )
                 if more:
                     return NEED_MORE
                 self.log.info(
@@ -439,6 +447,71 @@ class GroupEmitter:
             held=len(hold.txns),
         )
         self.log.info("group %s: %s", self.name, report.line())
+        return report
+
+    def _evolve(self, evolving: dict[int, Any], secs: dict[str, float]) -> TxnReport:
+        """The next schema version of each feed whose table changed shape at the head of
+        the input (``evolving``: member index -> :class:`~feed.shapes.Evolve`), committed
+        at the next time with every feed of the group: one time that stands for the
+        ``ALTER TABLE``, empty in the feeds whose tables it did not change."""
+        from protocol import fingerprint
+
+        first = self.members[0]
+        cp = _cp(first)
+        start = cp.next
+        upper = max(start + 1, cp.frontier)
+        nxt = max(self._clock(), upper) if first.info.clock == "wallclock" else upper
+        t0 = time.perf_counter()
+        plans: list[Planned] = []
+        writes: list[Written | None] = []
+        versions = {}
+        for i, m in enumerate(self.members):
+            mcp = _cp(m)
+            ev = evolving.get(i)
+            if ev is None:
+                plans.append(
+                    Planned(
+                        progress=Progress(mcp.frontier, upper, ()),
+                        next=nxt,
+                        source=mcp.source,
+                        state=mcp.state,
+                    )
+                )
+                writes.append(None)
+                continue
+            version, w = m.new_version(ev, start)
+            versions[i] = version
+            plans.append(
+                Planned(
+                    progress=Progress(
+                        mcp.frontier, upper, tuple((s.time, s.count) for s in w.segments)
+                    ),
+                    next=nxt,
+                    source=mcp.source,
+                    state=w.state_ref,
+                    schema=fingerprint(version.schema),
+                )
+            )
+            writes.append(w)
+        secs["rewrite"] = time.perf_counter() - t0
+        maybe_die("before_version_commit")
+        t1 = time.perf_counter()
+        cps = self._commit(plans, [w.segments if w is not None else [] for w in writes])
+        secs["commit"] = time.perf_counter() - t1
+        for i, (m, c) in enumerate(zip(self.members, cps, strict=True)):
+            if i in versions:
+                m.adopt_version(versions[i], evolving[i])
+            m.cp = c
+        report = TxnReport(
+            seq=self.seq,
+            progress=Progress(cp.frontier, upper, ()),
+            files=0,
+            input_rows=0,
+            updates=sum(s.count for w in writes if w is not None for s in w.segments),
+            bad_rows=0,
+            seconds=secs,
+        )
+        self.log.info("group %s: a new schema version: %s", self.name, report.line())
         return report
 
     def _commit(self, plans: Sequence[Planned], segments: Sequence[Sequence[Segment]]) -> list[Any]:

@@ -56,6 +56,8 @@ def _write_task(
         import pyarrow.fs as pafs
         import pyarrow.parquet as pq
 
+        from .log import PARQUET_PAGES
+
         fs = pafs.FileSystem.from_uri(store)[0] if store else pafs.LocalFileSystem()
         groups: list[int] = []
         files: list[str] = []
@@ -76,7 +78,9 @@ def _write_task(
                         folder = f"{root}/{prefix}{g}"
                         fs.create_dir(folder, recursive=True)
                         files.append(f"{folder}/part-{uuid.uuid4().hex}.parquet")
-                        writer = pq.ParquetWriter(files[-1], record.schema, filesystem=fs)
+                        writer = pq.ParquetWriter(
+                            files[-1], record.schema, filesystem=fs, **PARQUET_PAGES
+                        )
                         groups.append(g)
                         rows.append(0)
                     assert writer is not None

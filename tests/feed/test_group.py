@@ -16,7 +16,7 @@ from protocol import CheckpointError, SourceError, check_messages
 
 from ..e2e.helpers import TIDEFEED
 from .model import as_multiset, collection_of
-from .test_debezium import SCHEMA, end, event, write
+from .test_debezium import CONNECT_COLUMNS, SCHEMA, end, event, wrapped, write
 
 FEEDS = ("accounts", "transfers")
 
@@ -177,6 +177,49 @@ def test_a_group_gives_each_source_transaction_one_time_in_every_feed(spark, tmp
     last = orjson.loads(sorted(group_dir.glob("*.json"))[-1].read_bytes())
     assert sorted(last["members"]) == list(FEEDS)
     assert {m["upper"] for m in last["members"].values()} == {8}
+
+
+def test_a_table_of_a_group_that_changes_shape_takes_a_version_at_a_time_of_its_own(
+    spark, tmp_path
+):
+    """accounts gains a column with a default between two transactions that touch both
+    tables: the transaction before is committed, then one time in both feeds for the
+    ALTER (accounts' rows rewritten with the default, transfers empty), then the
+    transaction after through the new version; the feeds keep one time domain."""
+    more = [*CONNECT_COLUMNS, {"field": "qty", "type": "int64", "optional": True, "default": 7}]
+    src = tmp_path / "in"
+    write(
+        src,
+        "part-0.json",
+        [
+            wrapped(event("r", row(1, "a1"), 100, xid=1)),
+            wrapped(event("r", row(1, "t1"), 100, xid=1, table="transfers")),
+            wrapped(
+                event("u", row(1, "a1+"), 200, xid=11, order=1, commit=150, before=row(1, "a1"))
+            ),
+            wrapped(event("c", row(2, "t2"), 201, xid=11, order=2, commit=150, table="transfers")),
+            end(11, 205, {"accounts": 1, "transfers": 1}),
+            wrapped(event("c", {**row(2, "a2"), "qty": 3}, 300, xid=12, order=1, commit=205), more),
+            wrapped(event("c", row(3, "t3"), 301, xid=12, order=2, commit=205, table="transfers")),
+            end(12, 305, {"accounts": 1, "transfers": 1}),
+        ],
+    )
+    g = open_group(spark, tmp_path)
+    g.run()
+    g.close()
+    accounts = FeedReader(str(tmp_path / "log"), "accounts")
+    transfers = FeedReader(str(tmp_path / "log"), "transfers")
+    # the snapshot (1), transaction 11 (2), the ALTER (3), transaction 12 (4)
+    assert accounts.frontier == transfers.frontier == 5
+    assert [(v.start, v.added) for v in accounts.info.history()] == [(0, ()), (3, ("qty",))]
+    assert len(transfers.info.history()) == 1
+    assert accounts.counts() == {1: 1, 2: 2, 3: 2, 4: 1}  # at 3: -a1+ +a1+ with qty 7
+    assert transfers.counts() == {1: 1, 2: 1, 4: 1}
+    for reader in (accounts, transfers):
+        assert check_messages(reader.messages(), non_negative=True, key=["id"]) == []
+    at = {t: {r["id"]: r.get("qty") for r in accounts.snapshot(t).to_pylist()} for t in (2, 3, 4)}
+    assert at == {2: {1: None}, 3: {1: 7}, 4: {1: 7, 2: 3}}
+    assert sorted(r["id"] for r in transfers.snapshot(4).to_pylist()) == [1, 2, 3]
 
 
 def test_a_feed_of_a_group_is_not_emitted_alone(spark, tmp_path):
