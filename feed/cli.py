@@ -28,7 +28,9 @@ from .cliopts import (
     EXIT_FAILED,
     EXIT_INCOMPLETE,
     EXIT_OK,
+    EXIT_USAGE,
     OptionParser,
+    UsageError,
     configure_logging,
     exit_code_for_signal,
     with_env,
@@ -42,9 +44,9 @@ def _parse_source(spec: str) -> tuple[str, str]:
 
     kind, sep, path = spec.partition(":")
     if not sep or not path:
-        raise SystemExit(f"tidefeed emit: --source must be KIND:PATH, got {spec!r}")
+        raise UsageError(f"tidefeed emit: --source must be KIND:PATH, got {spec!r}")
     if kind not in SOURCE_KINDS:
-        raise SystemExit(
+        raise UsageError(
             f"tidefeed emit: unknown source kind {kind!r}; known kinds: {', '.join(SOURCE_KINDS)}"
         )
     return kind, path
@@ -63,7 +65,7 @@ def cmd_emit(args: argparse.Namespace) -> int:
     kind, path = _parse_source(args.source)
     _token(args.token, "emit")
     if args.eager and not args.push:
-        raise SystemExit("tidefeed emit: --eager pushes to a receiver: give --push URL too")
+        raise UsageError("tidefeed emit: --eager pushes to a receiver: give --push URL too")
     tables = [t.strip() for t in (args.table or "").split(",")] if args.table else []
     feeds = [f.strip() for f in args.feed.split(",")]
     grouped = len(feeds) > 1 or len(tables) > 1
@@ -172,25 +174,25 @@ def _check_group(args: argparse.Namespace, kind: str, tables: list[str], feeds: 
     make one (before Spark starts)."""
     where = "see docs/sources.md, 'Several tables'"
     if kind != "debezium":
-        raise SystemExit(
+        raise UsageError(
             f"tidefeed emit: a group of feeds (--feed {args.feed}) reads the tables of one "
             f"Debezium folder; --source {kind}: holds one table: give one --feed ({where})"
         )
     if len(tables) != len(feeds):
-        raise SystemExit(
+        raise UsageError(
             f"tidefeed emit: --table lists {len(tables)} table(s) and --feed {len(feeds)} "
             f"feed(s): a group needs one feed name per table, in the same order ({where})"
         )
     for what, names in (("--table", tables), ("--feed", feeds)):
         if any(not n for n in names) or len(set(names)) != len(names):
-            raise SystemExit(f"tidefeed emit: {what} {','.join(names)}: each name once, none empty")
+            raise UsageError(f"tidefeed emit: {what} {','.join(names)}: each name once, none empty")
     if args.granularity == "batch":
-        raise SystemExit(
+        raise UsageError(
             "tidefeed emit: a group gives each source transaction its own time, the same "
             f"in every feed: leave out --granularity batch ({where})"
         )
     if args.push or args.eager:
-        raise SystemExit(
+        raise UsageError(
             "tidefeed emit: --push delivers one feed; for a group, serve the log "
             "(tidefeed serve) and subscribe to each feed, or run one tidefeed receive "
             f"subscription per feed ({where})"
@@ -298,7 +300,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         allow = Destinations.parse(args.push_allow)
     except ValueError as e:
-        raise SystemExit(f"tidefeed serve: {e}") from None
+        raise UsageError(f"tidefeed serve: {e}") from None
     config = ServerConfig(
         log=args.log,
         host=args.host,
@@ -355,7 +357,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
     for kv in args.debezium or []:
         k, sep, v = kv.partition("=")
         if not sep:
-            raise SystemExit(f"tidefeed capture: --debezium takes KEY=VALUE, got {kv!r}")
+            raise UsageError(f"tidefeed capture: --debezium takes KEY=VALUE, got {kv!r}")
         extra[k] = v
     return run_capture(
         CaptureConfig(
@@ -403,11 +405,17 @@ def build_parser() -> OptionParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     raw = list(sys.argv[1:] if argv is None else argv)
+    if not raw:  # the commands, not an error about a missing one
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
     args = parser.parse_args(with_env(raw, parser.get_default("_parsers")))
     configure_logging(args.log_level, args.log_format)
     try:
         command: Callable[[argparse.Namespace], int] = args._commands[args.command]
         return command(args)
+    except UsageError as e:
+        print(e.message, file=sys.stderr)
+        return EXIT_USAGE
     except BrokenPipeError:  # a reader of our output went away (| head)
         return EXIT_OK
     except (TidefeedError, OSError) as e:

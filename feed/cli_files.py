@@ -77,6 +77,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     if violations:
         print(f"{summary}: INVALID ({len(violations)} violation(s))", file=sys.stderr)
         return 1
+    if not checker.messages:
+        # nothing read is not a valid feed: a wrong file, or a producer that wrote nothing
+        print(f"{name}: no messages at all: nothing to check (empty input)", file=sys.stderr)
+        return 1
     print(f"{summary}: valid", file=sys.stderr)
     return 0
 

@@ -45,6 +45,18 @@ DEFAULT_RECEIVE_PORT = 9090
 DEFAULT_PUSH_TIMEOUT = 300.0
 
 
+def time_or_latest(value: str) -> int | str:
+    """A time (a non-negative integer), or ``latest``."""
+    if value == "latest":
+        return value
+    try:
+        return non_negative_int(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a time (a whole number >= 0) or latest"
+        ) from None
+
+
 def _common(p: OptionParser) -> None:
     """Options every command has: logging and tracebacks."""
     p.option(
@@ -184,7 +196,12 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.option("--log", required=True, help="feed log: a local folder or s3://…")
     p.option("--feed", required=True, help="feed name")
     p.option("--after", type=int, help="only times >= T")
-    p.option("--at", type=int, help="the collection at complete time T")
+    p.option(
+        "--at",
+        type=time_or_latest,
+        metavar="T|latest",
+        help="the collection at complete time T (latest: the newest complete time)",
+    )
     p.option("--format", choices=("table", *FORMATS), default="table", help="output format")
 
     p = command("serve", help="serve feeds over HTTP (pull and push subscriptions)")

@@ -37,6 +37,7 @@ __all__ = [
     "OptionParser",
     "configure_logging",
     "env_names",
+    "UsageError",
     "exit_code_for_signal",
     "non_negative_float",
     "port",
@@ -55,6 +56,18 @@ EXIT_INCOMPLETE = 3
 SHARED = ("--log", "--feed", "--token", "--key", "--log-level", "--log-format", "--debug")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_LOG_LEVEL = "info"
+
+
+class UsageError(SystemExit):
+    """A usage mistake found after parsing (a flag's value, flags that do not go
+    together): ``tidefeed`` prints its message and exits 2, as for argparse's own."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(EXIT_USAGE)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def exit_code_for_signal(signum: int) -> int:
@@ -148,9 +161,43 @@ class OptionParser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         kw.setdefault("formatter_class", _HelpFormatter)
+        # no abbreviations: --sourc would be --source today and ambiguous tomorrow
+        kw.setdefault("allow_abbrev", False)
         super().__init__(*args, **kw)
         self.env_options: list[argparse.Action] = []
         self._from_env: dict[str, str] = {}  # flag -> variable, for error messages
+        self._raw: list[str] = []  # what this (sub)command was given, for error messages
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._raw = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def _meant(self, flag: str) -> str:
+        """ " (did you mean --x?)" for a flag the command given does not know."""
+        import difflib
+
+        known: list[str] = list(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and self._raw:
+                command = action.choices.get(self._raw[0])
+                if command is not None:
+                    known = list(command._option_string_actions)
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+        return f" (did you mean {close[0]}?)" if close else ""
+
+    def _unknown_flag(self) -> str | None:
+        """The first flag given that this parser does not know, with the one meant."""
+        import difflib
+
+        known = list(self._option_string_actions)
+        for arg in self._raw:
+            if arg == "--":
+                break
+            flag = arg.split("=", 1)[0]
+            if flag.startswith("-") and len(flag) > 1 and flag not in known:
+                close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+                return f"unknown option {flag}" + (f" (did you mean {close[0]}?)" if close else "")
+        return None
 
     def option(self, *flags: str, **kw: Any) -> argparse.Action:
         """Add an option that also reads its environment variables (set later by
@@ -178,6 +225,13 @@ class OptionParser(argparse.ArgumentParser):
         return out
 
     def error(self, message: str) -> NoReturn:
+        # a mistyped flag first: "--souce" is the mistake, not the --source it left out
+        if message.startswith("the following arguments are required"):
+            unknown = self._unknown_flag()
+            if unknown is not None:
+                message = unknown
+        elif message.startswith("unrecognized arguments: "):
+            message += self._meant(message.split(": ", 1)[1].split()[0].split("=", 1)[0])
         for flag, name in self._from_env.items():
             if message.startswith("argument ") and flag in message.split(":", 1)[0]:
                 message += f" (from ${name})"

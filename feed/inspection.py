@@ -6,7 +6,7 @@ from typing import IO, Any
 
 import pyarrow as pa
 
-from protocol import Progress, Updates, get_codec
+from protocol import CheckpointError, Progress, Updates, get_codec
 
 from .reader import FeedReader
 
@@ -36,10 +36,15 @@ def _cell(v: Any) -> str:
 
 
 def inspect_feed(
-    *, log: str, feed: str, after: int | None, at: int | None, fmt: str, out: IO[str]
+    *, log: str, feed: str, after: int | None, at: int | str | None, fmt: str, out: IO[str]
 ) -> int:
     reader = FeedReader(log, feed)
+    if at == "latest":  # the newest complete time
+        if reader.frontier == 0:
+            raise CheckpointError(f"feed {feed!r} has no complete time yet (frontier 0)")
+        at = reader.frontier - 1
     if at is not None:
+        assert isinstance(at, int)
         snap = reader.snapshot(at)
         if fmt == "table":
             print(f"feed {feed} at time {at}: {snap.num_rows} record(s)", file=out)

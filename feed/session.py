@@ -123,11 +123,13 @@ def get_spark(
 
 def parse_conf(pairs: list[str] | None, *, command: str = "emit") -> dict[str, str]:
     """``--conf KEY=VALUE`` flags as a dict; a malformed one is a clear usage error."""
+    from .cliopts import UsageError
+
     out: dict[str, str] = {}
     for kv in pairs or []:
         k, sep, v = kv.partition("=")
         if not sep or not k.strip():
-            raise SystemExit(f"tidefeed {command}: --conf takes KEY=VALUE, got {kv!r}")
+            raise UsageError(f"tidefeed {command}: --conf takes KEY=VALUE, got {kv!r}")
         out[k.strip()] = v
     return out
 

@@ -141,6 +141,36 @@ def test_unknown_option_value_is_a_usage_error():
     assert out.returncode == 2 and b"invalid choice" in out.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ((), b"COMMAND"),  # no command: the commands, and exit 2
+        (("emit", "--sourc", "debezium:x", "--feed", "f", "--log", "l"), b"did you mean --source?"),
+        (("emit", "--souce", "debezium:x", "--feed", "f", "--log", "l"), b"unknown option --souce"),
+        (("inspect", "--log", "l", "--feed", "f", "--fromat", "x"), b"did you mean --format?"),
+        (("inspect", "--log", "l", "--feed", "f", "--at", "soon"), b"or latest"),
+        (("emit", "--source", "nope:x", "--feed", "f", "--log", "l"), b"unknown source kind"),
+        (("emit", "--source", "x", "--feed", "f", "--log", "l"), b"KIND:PATH"),
+        (("emit", "--source", "debezium:.", "--feed", "f", "--log", "l", "--eager"), b"--push"),
+        (("emit", "--source", "debezium:.", "--feed", "a,b", "--log", "l"), b"--table lists"),
+        (
+            ("capture", "postgres", "--dsn", "d", "--table", "t", "--out", "o", "--debezium", "x"),
+            b"KEY=VALUE",
+        ),
+    ],
+)
+def test_usage_mistakes_are_one_clear_line_and_exit_2(args, says):
+    out = run(*args)
+    assert out.returncode == 2, out.stderr
+    assert says in out.stderr
+    assert b"Traceback" not in out.stderr
+
+
+def test_check_of_empty_input_is_not_valid():
+    out = run("check", "-", stdin=b"")
+    assert out.returncode == 1 and b"no messages" in out.stderr
+
+
 def test_version_and_help_with_defaults_and_variables():
     from feed.cliopts import version
 
@@ -210,6 +240,16 @@ def test_demo_runs_the_emitter_and_verifies(tmp_path):
     )
     assert inspected.returncode == 0
     assert run("check", "--key", "id", "-", stdin=inspected.stdout).returncode == 0
+    # --at latest: the newest complete time, the same as --at with its number
+    latest = run("inspect", "--log", str(tmp_path / "log"), "--feed", "accounts", "--at", "latest")
+    assert latest.returncode == 0, latest.stderr
+    frontier = orjson.loads([x for x in inspected.stdout.splitlines() if b'"progress"' in x][-1])[
+        "progress"
+    ]["upper"][0]
+    numbered = run(
+        "inspect", "--log", str(tmp_path / "log"), "--feed", "accounts", "--at", str(frontier - 1)
+    )
+    assert latest.stdout == numbered.stdout and b"record(s)" in latest.stdout
     avro = (tmp_path / "accounts.cdcv2.avro").read_bytes()
     assert run("check", "--key", "id", "-", stdin=avro).returncode == 0
 
