@@ -181,6 +181,7 @@ async def delete_subscription(request: web.Request) -> web.Response:
         task.cancel()
     if not await asyncio.to_thread(store.delete, name):
         raise HttpError(404, "unknown_subscription", f"no subscription {name!r} on {feed!r}")
+    st.metrics.forget(feed, name)
     return json_response({"deleted": name})
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
@@ -87,6 +88,19 @@ class Metrics:
             ["feed"],
             registry=r,
         )
+
+    def forget(self, feed: str, subscription: str) -> None:
+        """Drop every series of a deleted subscription (a lag left behind would keep
+        growing, and an alert on it would never clear)."""
+        for metric in (self.updates, self.bytes):
+            for via in ("push", "pull"):
+                with contextlib.suppress(KeyError):
+                    metric.remove(feed, subscription, via)
+        for gauge in (self.lag_times, self.lag_seconds):
+            with contextlib.suppress(KeyError):
+                gauge.remove(feed, subscription)
+        with contextlib.suppress(KeyError):
+            self.push_errors.remove(feed, subscription)
 
 
 CONFIG = web.AppKey("config", ServerConfig)

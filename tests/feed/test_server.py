@@ -371,6 +371,13 @@ async def test_a_failing_push_is_shown_retried_and_recovers(feed_log, tmp_path):
                 await asyncio.sleep(0.1)
             assert await _lag(s, base) == (0, 0)
             assert await _collection_at(rbase, "bank") == as_multiset(TRUTH_2.values())
+            # deleted: its series go with it (a lag left behind would grow for ever)
+            async with s.delete(f"{base}/v1/feeds/bank/subscriptions/down") as r:
+                assert r.status == 200
+            async with s.get(f"{base}/metrics") as r:
+                text = await r.text()
+            assert 'subscription="down"' not in text, text
+            assert "tidefeed_subscriber_lag_seconds" in text  # the metric itself stays
     finally:
         await runner.cleanup()
         if rrunner is not None:
