@@ -301,6 +301,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow = Destinations.parse(args.push_allow)
     except ValueError as e:
         raise UsageError(f"tidefeed serve: {e}") from None
+    if "://" not in args.log and not os.path.isdir(args.log):
+        # a mistyped --log served nothing, with no word why
+        raise SystemExit(
+            f"tidefeed serve: no feed log at {args.log!r} (the folder tidefeed emit --log "
+            "writes); create it, or start an emitter first"
+        )
     config = ServerConfig(
         log=args.log,
         host=args.host,

@@ -166,6 +166,11 @@ def test_usage_mistakes_are_one_clear_line_and_exit_2(args, says):
     assert b"Traceback" not in out.stderr
 
 
+def test_serve_on_a_log_that_is_not_there_says_so(tmp_path):
+    out = run("serve", "--log", str(tmp_path / "typo"), "--port", "1")
+    assert out.returncode == 1 and b"no feed log at" in out.stderr
+
+
 def test_check_of_empty_input_is_not_valid():
     out = run("check", "-", stdin=b"")
     assert out.returncode == 1 and b"no messages" in out.stderr
