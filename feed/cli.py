@@ -72,9 +72,10 @@ def cmd_emit(args: argparse.Namespace) -> int:
     if grouped:
         _check_group(args, kind, tables, feeds)
     _local_path_exists(path, "source path")
-    for value, what in ((args.schema, "--schema file"), (args.tx_metadata, "--tx-metadata path")):
-        if value:
-            _local_path_exists(value, what)
+    if args.schema:
+        _local_path_exists(args.schema, "--schema file")
+    if args.tx_metadata and not args.follow:  # a follower waits for it to appear
+        _local_path_exists(args.tx_metadata, "--tx-metadata path")
     config = EmitterConfig(
         source_kind=kind,
         source_path=path,

@@ -309,6 +309,11 @@ class InputWindow:
         they are small and say which transactions are complete."""
         if not self.tx_metadata:
             return []
+        if not _is_remote(self.tx_metadata) and not os.path.exists(_local(self.tx_metadata)):
+            # not there yet: a capture makes the folder with its first transaction (emit
+            # --follow may start first; a batch emit is refused before this, in the CLI)
+            self.tx_listed = []
+            return []
         listed = list_files(self.tx_metadata, what="--tx-metadata path")
         self.tx_listed = [os.path.basename(f) for f in listed]
         return FilePosition.from_source(source, "tx_file").pending(listed)

@@ -171,6 +171,22 @@ def test_serve_on_a_log_that_is_not_there_says_so(tmp_path):
     assert out.returncode == 1 and b"no feed log at" in out.stderr
 
 
+def test_a_batch_emit_needs_its_tx_metadata_folder(tmp_path):
+    (tmp_path / "in").mkdir()
+    out = run(
+        "emit",
+        "--source",
+        f"debezium:{tmp_path / 'in'}",
+        "--feed",
+        "f",
+        "--log",
+        str(tmp_path / "log"),
+        "--tx-metadata",
+        str(tmp_path / "tx"),
+    )
+    assert out.returncode == 1 and b"--tx-metadata path" in out.stderr
+
+
 def test_check_of_empty_input_is_not_valid():
     out = run("check", "-", stdin=b"")
     assert out.returncode == 1 and b"no messages" in out.stderr

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from feed.inputs import FilePosition
+from feed.inputs import FilePosition, InputWindow
 
 
 def test_the_high_water_passes_every_consumed_name_up_to_the_first_pending_one():
@@ -39,3 +39,13 @@ def test_files_deleted_after_they_were_consumed_do_not_matter():
     p = FilePosition().advance(["a", "b"], ["a", "b"])
     assert p.pending(["c"]) == ["c"]  # a and b were deleted by the connector's retention
     assert p.advance(["c"], ["c"]).last == "c"
+
+
+def test_a_tx_metadata_folder_not_made_yet_has_no_files_until_it_appears(tmp_path):
+    """emit --follow may start before the capture writes its first transaction (which
+    makes the --tx-metadata folder): nothing pending until then, then its files."""
+    window = InputWindow(str(tmp_path / "in"), str(tmp_path / "tx"))
+    assert window.pending_tx({}) == []
+    (tmp_path / "tx").mkdir()
+    (tmp_path / "tx" / "tx-1.json").write_text("{}\n")
+    assert [p.rsplit("/", 1)[-1] for p in window.pending_tx({})] == ["tx-1.json"]
