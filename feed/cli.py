@@ -96,6 +96,7 @@ def cmd_emit(args: argparse.Namespace) -> int:
         tx_metadata=args.tx_metadata or None,
         conf=tuple(parse_conf(args.conf).items()),
         driver_txn_bytes=args.driver_txn_bytes,
+        take_over=args.take_over,
     )
     if grouped:
         configs = [

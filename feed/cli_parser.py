@@ -141,6 +141,12 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         default=DEFAULT_TRIGGER,
         help="seconds between polls for new files with --follow",
     )
+    p.option(
+        "--take-over",
+        action="store_true",
+        help="take the feed from an emitter that holds it (it stops at its next commit); "
+        "without it, a second emitter of a feed is refused",
+    )
     p.option("--push", metavar="URL", help="push each commit to this receiver")
     p.option("--eager", action="store_true", help="push updates before the commit (with --push)")
     p.option("--format", choices=FORMATS, default="ndjson", help="push format")

@@ -136,6 +136,7 @@ class Emitter:
         self.log = logger or log
         self.on_commit = on_commit
         self.eager = eager
+        self._lease: Any = None  # feed/lease.py, held from open to close
         self._clock = clock
         self.progress = progress
         self.feedlog = FeedLog(config.log, config.feed)
@@ -164,9 +165,14 @@ class Emitter:
             )
 
     def open(self) -> Checkpoint:
-        """Load or create the feed, claim a new epoch, roll back uncommitted work."""
+        """Take the feed's lease (feed/lease.py), load or create the feed, claim a new
+        epoch, roll back uncommitted work."""
+        from .lease import Lease
+
         self._require(State.UNOPENED)
         cfg = self.config
+        self._lease = Lease(self.feedlog, take_over=cfg.take_over, log=self.log)
+        self._lease.acquire()
         self.info = self.feedlog.info()
         latest = self.commits.store.latest(repair=True)
         if self.info is not None and latest is not None:
@@ -228,6 +234,9 @@ class Emitter:
         return claimed
 
     def close(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
         self.state = State.CLOSED
 
     # ---- input -----------------------------------------------------------------------

@@ -80,6 +80,8 @@ class EmitterConfig:
     held_warning: float = HELD_WARNING_SECONDS
     #: the feeds of the group this feed is emitted in (feed/group.py); () alone
     group: tuple[str, ...] = ()
+    #: take the feed from an emitter that holds its lease (feed/lease.py)
+    take_over: bool = False
 
 
 def fixed(cp: Checkpoint | None) -> bool:
