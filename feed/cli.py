@@ -358,6 +358,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from .status import print_status
+
+    return print_status(args.log, args.format, sys.stdout)
+
+
 def cmd_capture(args: argparse.Namespace) -> int:
     from .capture import DEFAULT_SLOT, CaptureConfig, run_capture
 
@@ -403,6 +409,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "receive": cmd_receive,
     "demo": cmd_demo,
     "capture": cmd_capture,
+    "status": cmd_status,
 }
 
 

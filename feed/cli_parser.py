@@ -275,6 +275,12 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         help="close a connection that sends no whole request for this many seconds",
     )
 
+    p = command(
+        "status", help="every feed of a log: frontier, last commit, emitter, subscriptions and lag"
+    )
+    p.option("--log", required=True, help="feed log: a local folder or s3://…")
+    p.option("--format", choices=("table", "json"), default="table", help="output format")
+
     p = command("capture", help="capture a database's changes into a source folder (Debezium)")
     p.add_argument("database", choices=("postgres",), help="the source database kind")
     p.option("--dsn", required=True, help="postgresql://USER:PASSWORD@HOST:PORT/DBNAME")

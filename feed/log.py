@@ -47,6 +47,19 @@ _FEED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _PART = re.compile(r"^part-e(\d+)-(\d+)\.parquet$")
 
 
+def feed_names(uri: str) -> list[str]:
+    """The feeds of the log at ``uri`` (folders with a ``feed.json``), in name order."""
+    fs, root = log_root(uri)
+    infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    return sorted(
+        i.base_name
+        for i in infos
+        if i.type == pafs.FileType.Directory
+        and valid_feed_name(i.base_name)
+        and fs.get_file_info(f"{i.path}/feed.json").type == pafs.FileType.File
+    )
+
+
 def log_root(uri: str) -> tuple[pafs.FileSystem, str]:
     """The filesystem and root folder of a log URI (a local path or ``scheme://…``)."""
     try:

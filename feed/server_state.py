@@ -8,7 +8,6 @@ import collections
 import contextlib
 from dataclasses import dataclass, field
 
-import pyarrow.fs as pafs
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -16,7 +15,7 @@ from protocol import CheckpointError
 from protocol._http import IDLE_TIMEOUT, HttpError
 from protocol.destinations import DEFAULT_PUSH_ALLOW, Destinations
 
-from .log import log_root, valid_feed_name
+from .log import feed_names, valid_feed_name
 from .reader import FeedReader
 from .settings import COMPACT_SECONDS, MAX_STREAMS, MAX_STREAMS_PER_CLIENT, STALL_SECONDS
 from .subscriptions import SubscriptionStore
@@ -117,15 +116,7 @@ class ServerState:
         self._quarantine: dict[str, dict[int, int]] = {}  # feed -> quarantine folder -> rows
 
     def feed_names(self) -> list[str]:
-        fs, root = log_root(self.config.log)
-        infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
-        return sorted(
-            i.base_name
-            for i in infos
-            if i.type == pafs.FileType.Directory
-            and valid_feed_name(i.base_name)
-            and fs.get_file_info(f"{i.path}/feed.json").type == pafs.FileType.File
-        )
+        return feed_names(self.config.log)
 
     def reader(self, feed: str) -> FeedReader:
         if not valid_feed_name(feed):

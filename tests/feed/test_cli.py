@@ -271,6 +271,12 @@ def test_demo_runs_the_emitter_and_verifies(tmp_path):
         "inspect", "--log", str(tmp_path / "log"), "--feed", "accounts", "--at", str(frontier - 1)
     )
     assert latest.stdout == numbered.stdout and b"record(s)" in latest.stdout
+    status = run("status", "--log", str(tmp_path / "log"))
+    assert status.returncode == 0, status.stderr
+    assert f"feed accounts: frontier {frontier}".encode() in status.stdout
+    assert b"emitter: none running" in status.stdout
+    as_json = orjson.loads(run("status", "--log", str(tmp_path / "log"), "--format", "json").stdout)
+    assert [(f["feed"], f["frontier"]) for f in as_json] == [("accounts", frontier)]
     avro = (tmp_path / "accounts.cdcv2.avro").read_bytes()
     assert run("check", "--key", "id", "-", stdin=avro).returncode == 0
 

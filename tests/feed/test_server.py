@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 from collections import Counter
 
 import aiohttp
@@ -261,6 +262,18 @@ async def test_push_subscription_into_a_receiver_and_pull_acks(feed_log, tmp_pat
     # the subscription and its position were kept in the log
     saved = orjson.loads((log / "bank" / "_subscriptions" / "mv.json").read_bytes())
     assert saved["url"].endswith("/v1/push/bank") and saved["acked"] is not None
+    # tidefeed status reads the same from the log alone
+    from feed.status import log_status
+
+    (bank,) = log_status(str(log))
+    frontier = FeedReader(str(log), "bank").frontier
+    assert (bank["feed"], bank["frontier"]) == ("bank", frontier)
+    assert [(s["name"], s["kind"], s["acked"], s["lag_times"]) for s in bank["subscriptions"]] == [
+        ("mv", "push", saved["acked"], frontier - saved["acked"])
+    ]
+    # the fixture's emitter is still open in this process: it holds the feed
+    assert bank["emitter"]["pid"] == os.getpid() and bank["emitter"]["live"]
+    assert bank["last_commit"] is not None
 
 
 async def test_the_documented_pull_consumer_runs_and_resumes(feed_log, tmp_path):
