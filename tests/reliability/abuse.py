@@ -95,6 +95,9 @@ class AbuseFigures:
     notes: list[str] = field(default_factory=list)
     #: per role: RSS before the phase, its peak during it, and after the streams closed
     rss_mb: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: the server's /healthz answer times during the phase (ms): p99 and worst
+    healthz_ms: dict[str, float] = field(default_factory=dict)
+    healthz_failed: int = 0
 
     def ok(self) -> bool:
         return self.bombs_refused == self.bombs and self.slow_closed == self.slow_connections
@@ -108,7 +111,10 @@ class AbuseFigures:
             f"abuse phase: {self.unread_streams} unread followers ({self.unread_refused} "
             f"refused by a cap), {self.slow_connections} slow-header connections "
             f"({self.slow_closed} closed by the idle timeout), {self.bombs} bombs "
-            f"({self.bombs_refused} refused 4xx); RSS MB {rss}"
+            f"({self.bombs_refused} refused 4xx); server /healthz p99 "
+            f"{self.healthz_ms.get('p99')} ms, worst {self.healthz_ms.get('worst')} ms "
+            f"({self.healthz_failed} failed); "
+            f"RSS MB {rss}"
         )
 
 
@@ -137,6 +143,7 @@ class Abuse:
         self._threads: list[threading.Thread] = []
         self._peak: Counter[str] = Counter()
         self._idle: dict[str, int] = {}
+        self._health: list[float] = []
 
     # ---- the attacks ----------------------------------------------------------------
     def _open_unread(self) -> None:
@@ -215,6 +222,15 @@ class Abuse:
         while not self._stop.wait(0.2):
             for role, pid in self.pids().items():
                 self._peak[role] = max(self._peak[role], _rss(pid))
+            began = time.monotonic()
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.server, timeout=10)
+                conn.request("GET", "/healthz")
+                conn.getresponse().read()
+                conn.close()
+                self._health.append((time.monotonic() - began) * 1000)
+            except OSError:
+                self.figures.healthz_failed += 1
 
     # ---- the phase --------------------------------------------------------------------
     def start(self) -> None:
@@ -242,6 +258,12 @@ class Abuse:
         for s in [*self._socks, *self._slow]:
             with contextlib.suppress(OSError):
                 s.close()
+        if self._health:
+            ranked = sorted(self._health)
+            self.figures.healthz_ms = {
+                "p99": round(ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))], 1),
+                "worst": round(ranked[-1], 1),
+            }
         time.sleep(settle)
         after = {role: _rss(pid) for role, pid in self.pids().items()}
         self.figures.rss_mb = {
