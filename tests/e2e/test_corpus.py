@@ -71,11 +71,12 @@ def _receiver_state(db: Path, port: int) -> list:
 
 
 def _files(root: Path) -> dict[str, str]:
-    """Every file under ``root`` with a hash of its bytes (the server's whole log)."""
+    """Every file under ``root`` with a hash of its bytes (the server's whole log; not the
+    emitter's lease, which its holder renews)."""
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(root.rglob("*"))
-        if p.is_file()
+        if p.is_file() and p.name != "_lease.json"
     }
 
 

@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import gzip
 import http.client
-import io
 import signal
 import socket
 import time
-import zlib
 
-import fastavro
 import orjson
 import pyarrow as pa
 import pytest
 
 from protocol import cdcv2_schema
-from protocol._avro_columns import avro_long
 
+from ..corpus.make_corpus import avro_container, deflate
 from .helpers import free_port, start, wait_up
 
 RECORD = {"type": "record", "name": "data", "fields": [{"name": "id", "type": "long"}]}
@@ -40,17 +37,8 @@ def _peak_rss(pid: int) -> int:
 
 def _avro_deflate_bomb() -> bytes:
     """One deflate block of zeros, 160 KB on the wire, 160 MiB inflated."""
-    buf = io.BytesIO()
-    fastavro.writer(buf, fastavro.parse_schema(cdcv2_schema(RECORD)), [], codec="null")
-    sync = buf.getvalue()[-16:]
-    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
-    data = packer.compress(b"\x00" * (160 << 20)) + packer.flush()
-    meta = {"avro.schema": orjson.dumps(cdcv2_schema(RECORD)), "avro.codec": b"deflate"}
-    out = bytearray(b"Obj\x01") + avro_long(len(meta))
-    for k, v in meta.items():
-        out += avro_long(len(k)) + k.encode() + avro_long(len(v)) + v
-    out += avro_long(0) + sync + avro_long(1000) + avro_long(len(data)) + data + sync
-    return bytes(out)
+    schema = orjson.dumps(cdcv2_schema(RECORD))
+    return avro_container(schema, b"deflate", deflate(b"\x00" * (160 << 20)), 1000)
 
 
 def _arrow_patched_counts() -> bytes:

@@ -21,21 +21,19 @@ from __future__ import annotations
 import contextlib
 import gzip
 import http.client
-import io
 import socket
 import threading
 import time
-import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import fastavro
 import orjson
 
 from protocol import cdcv2_schema
-from protocol._avro_columns import avro_long
+
+from ..corpus.make_corpus import avro_container, deflate
 
 __all__ = ["Abuse", "AbuseFigures"]
 
@@ -48,17 +46,8 @@ RECORD = {"type": "record", "name": "data", "fields": [{"name": "id", "type": "l
 
 def _avro_deflate_bomb(inflated: int = 64 << 20) -> bytes:
     """One deflate block of zeros: ~64 KB on the wire, ``inflated`` bytes once inflated."""
-    buf = io.BytesIO()
-    fastavro.writer(buf, fastavro.parse_schema(cdcv2_schema(RECORD)), [], codec="null")
-    sync = buf.getvalue()[-16:]
-    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
-    data = packer.compress(b"\x00" * inflated) + packer.flush()
-    meta = {"avro.schema": orjson.dumps(cdcv2_schema(RECORD)), "avro.codec": b"deflate"}
-    out = bytearray(b"Obj\x01") + avro_long(len(meta))
-    for k, v in meta.items():
-        out += avro_long(len(k)) + k.encode() + avro_long(len(v)) + v
-    out += avro_long(0) + sync + avro_long(1000) + avro_long(len(data)) + data + sync
-    return bytes(out)
+    schema = orjson.dumps(cdcv2_schema(RECORD))
+    return avro_container(schema, b"deflate", deflate(b"\x00" * inflated), 1000)
 
 
 def _bombs() -> list[tuple[str, str, str, dict[str, str], bytes]]:
