@@ -133,6 +133,7 @@ def test_sigterm_with_an_unreachable_push_target_exits_at_once(tmp_path):
 def test_a_port_in_use_is_one_line_and_exit_1(tmp_path):
     import socket
 
+    (tmp_path / "log").mkdir()  # (serve refuses a log that is not there first)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
