@@ -32,7 +32,7 @@ from protocol import CheckpointError
 
 from .log import FeedLog
 
-__all__ = ["LEASE_SECONDS", "RENEW_SECONDS", "Lease"]
+__all__ = ["LEASE_SECONDS", "RENEW_SECONDS", "Lease", "read_lease"]
 
 LEASE_SECONDS = 30.0
 RENEW_SECONDS = 10.0
@@ -47,6 +47,15 @@ def _running(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's process: it exists
     return True
+
+
+def read_lease(feedlog: FeedLog) -> dict[str, Any] | None:
+    """The feed's lease file as written (None: none, or a torn write)."""
+    try:
+        d = orjson.loads(feedlog.read_bytes(feedlog.path(_FILE)))
+    except (FileNotFoundError, orjson.JSONDecodeError, OSError):
+        return None
+    return d if isinstance(d, dict) else None
 
 
 class Lease:
@@ -65,11 +74,7 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     def _read(self) -> dict[str, Any] | None:
-        try:
-            d = orjson.loads(self.feedlog.read_bytes(self.path))
-        except (FileNotFoundError, orjson.JSONDecodeError, OSError):
-            return None  # none, or a torn write: no live holder can be named
-        return d if isinstance(d, dict) else None
+        return read_lease(self.feedlog)  # none, or a torn write: no live holder to name
 
     def holder(self) -> dict[str, Any] | None:
         """The live lease of another process, if any."""

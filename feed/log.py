@@ -301,7 +301,7 @@ class FeedLog:
         that holds a secret."""
         parent = path.rsplit("/", 1)[0]
         self.fs.create_dir(parent, recursive=True)
-        tmp = f"{path}.tmp"
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"  # two writers never share one
         if private and self.local_root is not None:
             # created 0600, so the secret is never readable by others, not even briefly
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))

@@ -18,7 +18,7 @@ import orjson
 from protocol import CheckpointError
 
 from .checkpoint import CheckpointStore
-from .lease import LEASE_SECONDS
+from .lease import LEASE_SECONDS, read_lease
 from .log import FeedLog, feed_names, log_root
 from .reader import FeedReader
 from .subscriptions import SubscriptionStore
@@ -47,13 +47,7 @@ def feed_status(log: str, feed: str) -> dict[str, Any]:
     cp = reader.checkpoint
     store = CheckpointStore(fl)
     committed = fl.fs.get_file_info(store.path_of(cp.seq)).mtime if cp is not None else None
-    lease: dict[str, Any] | None = None
-    lease_path = fl.path("_lease.json")
-    if fl.exists(lease_path):
-        try:
-            lease = orjson.loads(fl.read_bytes(lease_path))
-        except orjson.JSONDecodeError:
-            lease = None
+    lease = read_lease(fl)
     emitter = None
     if lease is not None:
         live = time.time() - float(lease.get("renewed", 0)) <= LEASE_SECONDS

@@ -100,7 +100,12 @@ def test_a_held_lease_is_renewed_and_left_to_one_that_took_it(fl, monkeypatch):
     while _holder(fl)["renewed"] == first and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _holder(fl)["renewed"] > first
-    _lease_file(fl)  # taken over
+    # taken over just after a renewal, while the holder waits for its next one
+    monkeypatch.setattr(lease_module, "RENEW_SECONDS", 0.5)
+    renewed = _holder(fl)["renewed"]
+    while _holder(fl)["renewed"] == renewed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _lease_file(fl)
     time.sleep(0.3)
     assert _holder(fl)["token"] == "theirs"  # not written over by the old holder
     mine.release()
