@@ -36,7 +36,12 @@ __all__ = ["changes", "feed_info", "list_feeds"]
 log = logging.getLogger("tidefeed.serve")
 
 #: updates per encoded chunk of a pull stream (bounded bytes per write and per loop turn)
-STREAM_CHUNK_UPDATES = 8_192
+STREAM_CHUNK_UPDATES = 4_096
+
+#: seconds a write may wait for its consumer before the stream lets go of its open files
+#: (readers of 50 stuck streams held ~2 MB each); they are opened again after the updates
+#: sent, at the cost of reading again up to one row group
+RELEASE_SECONDS = 2.0
 
 
 def _describe(r: FeedReader, *, counts: bool) -> dict[str, Any]:
@@ -183,6 +188,20 @@ class _SchemaMoved(Exception):
         self.at = at
 
 
+class _TimeFiles:
+    """The batches (and so the open files) of the time a stream is sending, if open."""
+
+    def __init__(self) -> None:
+        self.batches: Any = None
+
+    def release(self) -> None:
+        """Close the files; the stream opens them again after what it sent."""
+        if self.batches is not None:
+            with contextlib.suppress(ValueError):  # (a generator still running in its thread)
+                self.batches.close()
+            self.batches = None
+
+
 class _Stalled(Exception):
     """A consumer took nothing of a write for ``--stall-timeout`` seconds."""
 
@@ -202,13 +221,26 @@ async def _stream(
     resp = web.StreamResponse(headers={"Content-Type": codec.content_type})
     await resp.prepare(request)
 
+    files = _TimeFiles()
+
     async def write(data: bytes) -> None:
-        """One write, abandoned (and the connection dropped) when the consumer takes
-        none of it for ``stall_seconds``: its buffers, reader and files are released."""
+        """One write. A consumer that takes none of it for ``RELEASE_SECONDS`` has the
+        stream let go of its open files (reopened where it was once the write is
+        taken); one that takes none for ``stall_seconds`` has the stream abandoned and
+        the connection dropped."""
+        task = asyncio.ensure_future(resp.write(data))
         try:
-            await asyncio.wait_for(resp.write(data), st.config.stall_seconds)
-        except TimeoutError:
-            raise _Stalled from None
+            done, _ = await asyncio.wait({task}, timeout=RELEASE_SECONDS)
+            if not done:
+                files.release()
+                wait = max(0.0, st.config.stall_seconds - RELEASE_SECONDS)
+                done, _ = await asyncio.wait({task}, timeout=wait)
+                if not done:
+                    raise _Stalled
+            task.result()  # a consumer gone: ConnectionError
+        finally:
+            if not task.done():
+                task.cancel()
 
     sink = io.BytesIO()
     encoder = codec.encoder(sink, schema=reader.info.schema)
@@ -255,6 +287,45 @@ async def _stream(
             since=since,
         )
 
+    async def send_time(t: int, lower: int) -> None:
+        """Every update at committed time ``t``, a batch per write, read from its files
+        as the consumer takes them (opened again where it was after a release); the last
+        batch goes out with the time's progress."""
+        count = await asyncio.to_thread(reader.count, t)
+
+        def step(sent: int) -> tuple[int, bytes]:
+            """The next batch read and encoded (one worker-thread turn): its size, bytes."""
+            if files.batches is None:  # opened and counted at the first batch
+                files.batches = reader.batches(t, STREAM_CHUNK_UPDATES, skip=sent)
+            batch = next(files.batches, None)
+            if batch is None:  # (the files were checked against the count)
+                raise CheckpointError(f"feed {feed!r}: time {t} ended after {sent} updates")
+            messages: list[Any] = [batch]
+            if sent + len(batch) >= count:
+                files.release()
+                messages.append(Progress(lower, t + 1, ((t, sent + len(batch)),)))
+            return len(batch), encode(messages)
+
+        sent = 0
+        try:
+            while sent < count:
+                try:
+                    n, data = await asyncio.to_thread(step, sent)
+                except CheckpointError:
+                    # its files are gone: folded by a compaction since this stream listed it?
+                    since = (await asyncio.to_thread(FeedReader, st.config.log, feed)).since
+                    if since <= t:
+                        raise
+                    raise overtaken(t, since) from None
+                sent += n
+                m.updates.labels(feed, "", "pull").inc(n)
+                m.bytes.labels(feed, "", "pull").inc(len(data))
+                await write(data)  # (only the encoded bytes wait for the consumer)
+            if not count:
+                await send([Progress(lower, t + 1, ())])
+        finally:  # the time's open files, at once, also when the consumer is gone
+            files.release()
+
     async def catch_up() -> None:
         nonlocal lower
         if fmt != "ndjson" and reader.info.schema != schema:
@@ -263,30 +334,7 @@ async def _stream(
         if reader.since > lower:
             raise overtaken(lower, reader.since)
         for t in await asyncio.to_thread(reader.times, lower, frontier):
-            try:
-                # the time's files are opened and counted before its first batch is sent
-                batches = reader.batches(t, STREAM_CHUNK_UPDATES)
-                batch = await asyncio.to_thread(next, batches, None)
-            except CheckpointError:
-                # its files are gone: folded by a compaction since this stream listed it?
-                since = (await asyncio.to_thread(FeedReader, st.config.log, feed)).since
-                if since <= t:
-                    raise
-                raise overtaken(t, since) from None
-            n, held = 0, list[Updates]()  # the last batch goes out with the progress
-            try:
-                while batch is not None:
-                    n += len(batch)
-                    if held:
-                        await send(held)
-                    held = [batch]
-                    batch = await asyncio.to_thread(next, batches, None)
-            finally:  # the time's open files, at once, also when the consumer is gone
-                close = getattr(batches, "close", None)
-                with contextlib.suppress(ValueError):  # (still running in its thread)
-                    if close is not None:
-                        close()
-            await send([*held, Progress(lower, t + 1, ((t, n),) if n else ())])
+            await send_time(t, lower)
             lower = t + 1
         if lower < frontier:
             await send([Progress(lower, frontier, ())])

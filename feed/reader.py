@@ -104,13 +104,32 @@ class FeedReader:
                 return pa.table({"diff": pa.array([], pa.int64())})
             return pa.concat_tables([f.read() for f in files], promote_options="default")
 
-    def batches(self, time: int, rows: int = STREAM_ROWS) -> Iterator[Updates]:
+    def count(self, time: int) -> int:
+        """The number of updates at a committed ``time``, as its manifest counts them."""
+        segs = self._manifests.segments(self.manifest, time, time + 1)
+        return segs[0].count if segs and time < self.frontier else 0
+
+    def batches(self, time: int, rows: int = STREAM_ROWS, skip: int = 0) -> Iterator[Updates]:
         """The updates at a committed ``time`` in batches of at most ``rows``, each read
         from the log when it is asked for: a time of any size in bounded memory. The
-        files' row counts are checked against the manifest before the first batch."""
+        files' row counts are checked against the manifest before the first batch.
+        ``skip``: begin after that many updates (a stream that let its files go while its
+        consumer was not reading opens them again where it was); whole files and row
+        groups are skipped unread, only the rest of one row group is read and dropped."""
         with self._segment_files(time, stream=True) as files:
             for f in files:
-                for b in f.iter_batches(batch_size=rows, use_threads=False):
+                groups = list(range(f.metadata.num_row_groups))
+                while groups and skip >= (n := f.metadata.row_group(groups[0]).num_rows):
+                    skip -= n
+                    groups.pop(0)
+                if not groups:
+                    continue
+                for b in f.iter_batches(batch_size=rows, row_groups=groups, use_threads=False):
+                    if skip >= b.num_rows:
+                        skip -= b.num_rows
+                        continue
+                    if skip:
+                        b, skip = b.slice(skip), 0
                     yield _as_updates(pa.Table.from_batches([b]), time, self.record_type)
 
     @contextlib.contextmanager

@@ -158,6 +158,21 @@ def test_a_segment_with_other_rows_than_counted_is_refused_before_any_batch(copy
         reread.table(t)
 
 
+def test_a_time_read_from_any_update_on_is_the_rest_of_it(copy):
+    """``batches(skip=k)`` gives the updates after the first k, whole row groups skipped
+    unread and the rest of one dropped: what a stream that let its files go reads."""
+    reader = FeedReader(str(copy / "log"), "bank")
+    t = max(reader.times(), key=lambda t: reader.counts()[t])
+    seg = copy / "log" / "bank" / reader._manifests.segments(reader.manifest, t, t + 1)[0].files[0]
+    pq.write_table(pq.read_table(seg), seg, row_group_size=1)  # the same rows, small groups
+    assert pq.ParquetFile(seg).metadata.num_row_groups > 2
+    rows = reader.updates(t).rows()
+    for k in range(len(rows) + 1):
+        rest = list(FeedReader(str(copy / "log"), "bank").batches(t, rows=2, skip=k))
+        assert [r for b in rest for r in b.rows()] == rows[k:]
+        assert all(0 < len(b) <= 2 for b in rest)
+
+
 @pytest.mark.parametrize("damage", [b"", b'{"format": 1, "feed": "ba'])
 def test_an_empty_or_cut_newest_commit_file_is_not_a_commit(spark, copy, damage):
     store = CheckpointStore(FeedLog(str(copy / "log"), "bank"))

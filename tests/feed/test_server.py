@@ -129,6 +129,45 @@ async def test_a_large_time_streams_in_bounded_chunks(feed_log, fmt, monkeypatch
         await runner.cleanup()
 
 
+async def test_a_stream_waiting_on_its_consumer_lets_its_files_go_and_goes_on_exact(
+    feed_log, monkeypatch
+):
+    """A write the consumer does not take within the release delay closes the time's
+    files; the stream opens them again after what it sent: nothing lost or repeated."""
+    import feed.pull as pull
+
+    monkeypatch.setattr(pull, "STREAM_CHUNK_UPDATES", 2)
+    monkeypatch.setattr(pull, "RELEASE_SECONDS", 0.05)
+    writes, skips = [0], []
+    write = web.StreamResponse.write
+
+    async def slow_consumer(self, data):  # every third write waits past the delay
+        writes[0] += 1
+        if writes[0] % 3 == 0:
+            await asyncio.sleep(0.2)
+        return await write(self, data)
+
+    batches = FeedReader.batches
+
+    def spied(self, time, rows=50_000, skip=0):
+        skips.append(skip)
+        return batches(self, time, rows, skip)
+
+    monkeypatch.setattr(web.StreamResponse, "write", slow_consumer)
+    monkeypatch.setattr(FeedReader, "batches", spied)
+    log, _ = feed_log
+    base, runner = await serve(make_server_app(ServerConfig(log=str(log))))
+    try:
+        url = f"{base}/v1/feeds/bank/changes?format=arrow"
+        async with aiohttp.ClientSession() as s, s.get(url) as r:
+            msgs = get_codec("arrow").decode(await r.read())
+    finally:
+        await runner.cleanup()
+    assert check_messages(msgs, key=["id"]) == []
+    assert accumulate(msgs) == as_multiset(TRUTH_2.values())
+    assert any(k > 0 for k in skips)  # files were let go in mid-time and opened again
+
+
 async def test_feed_list_info_snapshot_and_errors(feed_log):
     log, _ = feed_log
     base, runner = await serve(make_server_app(ServerConfig(log=str(log), token="tok")))
