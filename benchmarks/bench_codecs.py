@@ -19,7 +19,7 @@ import fastavro
 import orjson
 import pyarrow as pa
 
-from feed.demo_data import ACCOUNTS_SCHEMA
+from feed.demo.data import ACCOUNTS_SCHEMA
 from protocol import Updates, cdcv2_schema, get_codec, progress
 from protocol.messages import update_schema
 from protocol.schema import avro_to_arrow

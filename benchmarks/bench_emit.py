@@ -35,15 +35,15 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 
 RECORD_COLUMNS = ("id", "owner", "balance", "active", "note")
 
 SPARK_JOB = """
 import sys, time
-from feed.session import get_spark
-from feed.source_rows import spark_record_type
-from feed.demo_data import ACCOUNTS_SCHEMA
+from feed.emit.session import get_spark
+from feed.sources.rows import spark_record_type
+from feed.demo.data import ACCOUNTS_SCHEMA
 from pyspark.sql import functions as F, types as T
 src, out, master = sys.argv[1:4]
 spark = get_spark(master)
@@ -208,7 +208,7 @@ def main() -> None:
         for what, extra in (("tidefeed emit", []), ("tidefeed --key id", ["--key", "id"])):
             log = out / ("log-keyed" if extra else "log")
             emit = [
-                *(py, "-m", "feed.cli", "emit", "--source", f"debezium:{src}"),
+                *(py, "-m", "feed.cli.main", "emit", "--source", f"debezium:{src}"),
                 *("--feed", "bank", "--log", str(log), "--schema", str(schema)),
                 *("--master", args.master, "--granularity", "batch", *extra),
             ]

@@ -26,7 +26,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from feed.inputs import FilePosition
+from feed.sources.inputs import FilePosition
 
 SCHEMA = {
     "type": "record",
@@ -98,7 +98,7 @@ def bench_tidefeed(work: Path, size: int, files: int, conf: list[str]) -> list[f
         [
             sys.executable,
             "-m",
-            "feed.cli",
+            "feed.cli.main",
             "emit",
             "--source",
             f"debezium:{src}",
@@ -145,7 +145,7 @@ def bench_tidefeed(work: Path, size: int, files: int, conf: list[str]) -> list[f
 
 FLOOR = r"""
 import os, sys, time, shutil
-from feed.session import get_spark
+from feed.emit.session import get_spark
 spark = get_spark("local[*]")
 src, out, ckpt = sys.argv[1], sys.argv[2], sys.argv[3]
 q = (spark.readStream.schema("value string").text(src).writeStream

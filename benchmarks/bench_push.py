@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_follow import SCHEMA
 from bench_receiver import RAW_SERVER, free_port, wait_up
 
-TIDEFEED = [sys.executable, "-m", "feed.cli"]
+TIDEFEED = [sys.executable, "-m", "feed.cli.main"]
 #: updates/s ACKed end to end that the delivery issue asks for on a 2-core machine
 TARGETS = {"ndjson": 1_000_000, "avro": 300_000, "arrow": 3_000_000}
 

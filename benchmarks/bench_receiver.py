@@ -30,7 +30,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from feed.demo_data import ACCOUNTS_SCHEMA
+from feed.demo.data import ACCOUNTS_SCHEMA
 from protocol import Progress, Update, Updates, announcement, get_codec
 
 SCHEMA = ACCOUNTS_SCHEMA
@@ -135,7 +135,7 @@ def main() -> None:
                     [
                         sys.executable,
                         "-m",
-                        "feed.cli",
+                        "feed.cli.main",
                         "receive",
                         "--db",
                         f"{d}/r.db",

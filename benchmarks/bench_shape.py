@@ -1,7 +1,7 @@
-"""What the table-shape check costs the Debezium parse (feed/shapes.py).
+"""What the table-shape check costs the Debezium parse (feed/sources/shapes.py).
 
 Wrapped Debezium events (``{"schema", "payload"}``, as ``tidefeed capture postgres``
-writes them) are parsed by :func:`feed.debezium.read_debezium` in one Spark session, twice
+writes them) are parsed by :func:`feed.sources.debezium.read_debezium` in one Spark session, twice
 per round, in alternating order: once with the shape hash (``_shape``) used, once without
 it (Spark then prunes the schema text from the parse: the baseline, in the same run). The
 ratio of the two medians is the cost of the check.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 
 
 def main() -> int:
@@ -30,9 +30,9 @@ def main() -> int:
     args = ap.parse_args()
     from pyspark.sql import functions as F
 
-    from feed.debezium import read_debezium
-    from feed.session import get_spark
-    from feed.source_rows import spark_record_type
+    from feed.emit.session import get_spark
+    from feed.sources.debezium import read_debezium
+    from feed.sources.rows import spark_record_type
 
     work = Path(tempfile.mkdtemp(prefix="tidefeed-bench-shape-"))
     lines: list[bytes] = []

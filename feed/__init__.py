@@ -12,6 +12,6 @@ __all__ = ["register_spark"]
 def register_spark(spark: Any) -> None:
     """Make ``spark.read.format("tidefeed")`` and ``spark.readStream.format("tidefeed")``
     read committed feeds on this SparkSession (:mod:`feed.spark_source`)."""
-    from .spark_source import register_spark as register
+    from feed.spark_source import register_spark as register
 
     register(spark)

@@ -20,7 +20,7 @@ committed, so a batch replayed after a restart reads the same updates, and Spark
 and a checkpointed sink give exactly-once. A feed compacted past a batch's start fails that
 batch with :class:`protocol.Compacted` (the times it needs are folded), never reads it short.
 
-Reading goes through :mod:`feed.read` (the feed's manifests; no Spark inside), in tasks of at
+Reading goes through :mod:`feed.log.read` (the feed's manifests; no Spark inside), in tasks of at
 most :data:`PARTITION_UPDATES` updates.
 """
 
@@ -39,9 +39,8 @@ from pyspark.sql.datasource import (
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
+from feed.log.read import Feed, open_feed
 from protocol import Compacted
-
-from .read import Feed, open_feed
 
 __all__ = ["PARTITION_UPDATES", "TidefeedDataSource", "register_spark"]
 

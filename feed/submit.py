@@ -13,6 +13,6 @@ __all__: list[str] = []
 if __name__ == "__main__":
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    from feed.cli import main
+    from feed.cli.main import main
 
     sys.exit(main())

@@ -25,7 +25,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 @pytest.fixture(scope="session")
 def spark():
     """One SparkSession for the whole test session (starting one takes 6-15 s)."""
-    from feed.session import get_spark
+    from feed.emit.session import get_spark
 
     session = get_spark("local[2]", app="tidefeed-tests")
     yield session

@@ -11,7 +11,7 @@ import pyspark
 import pytest
 import yaml
 
-from feed.cli import build_parser
+from feed.cli.main import build_parser
 
 ROOT = Path(__file__).parents[1]
 DOCKER = ROOT / "docker"
@@ -79,7 +79,7 @@ def test_service_commands_are_real_tidefeed_command_lines(name):
     argv = SERVICES[name]["command"]
     build_parser().parse_args(argv)  # exits (fails the test) on a bad command line
     out = subprocess.run(
-        [sys.executable, "-m", "feed.cli", argv[0], "--help"], capture_output=True, timeout=60
+        [sys.executable, "-m", "feed.cli.main", argv[0], "--help"], capture_output=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
 

@@ -56,8 +56,8 @@ def test_every_module_declares_all():
     import feed
 
     for pkg in (protocol, feed):
-        for info in pkgutil.iter_modules(pkg.__path__):
-            module = importlib.import_module(f"{pkg.__name__}.{info.name}")
+        for info in pkgutil.walk_packages(pkg.__path__, f"{pkg.__name__}."):
+            module = importlib.import_module(info.name)
             assert hasattr(module, "__all__"), f"{module.__name__} lacks __all__"
             for name in module.__all__:
                 assert hasattr(module, name), f"{module.__name__}.__all__ names missing {name}"

@@ -10,7 +10,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from feed.demo_data import generate_bank
+from feed.demo.data import generate_bank
 
 from .feed.model import emit_bank
 
@@ -45,8 +45,8 @@ def test_notebook_runs_against_a_fresh_and_a_compacted_feed(
     (src / "part-0000.json").write_bytes(b"".join(e + b"\n" for e in bank.events))
     emit_bank(spark, src, tmp_path / "log")
     if compacted:
-        from feed.compaction import compact
-        from feed.reader import FeedReader
+        from feed.log.compaction import compact
+        from feed.log.reader import FeedReader
 
         times = FeedReader(str(tmp_path / "log"), "accounts").times()
         compact(str(tmp_path / "log"), "accounts", times[len(times) // 3])

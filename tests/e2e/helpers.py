@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-TIDEFEED = [sys.executable, "-m", "feed.cli"]
+TIDEFEED = [sys.executable, "-m", "feed.cli.main"]
 
 
 def tidefeed(

@@ -17,7 +17,7 @@ import orjson
 import pyspark
 import pytest
 
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 
 from .helpers import free_port, tidefeed, write_parts
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 
 from .helpers import free_port, start, wait_up
 

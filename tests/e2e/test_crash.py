@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from feed.checkpoint import CheckpointStore
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
-from feed.log import FeedLog
-from feed.reader import FeedReader
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
+from feed.log.checkpoint import CheckpointStore
+from feed.log.reader import FeedReader
+from feed.log.store import FeedLog
 from protocol import check_messages, get_codec
 
 from ..feed.model import as_multiset, collection_of
@@ -97,7 +97,7 @@ def test_a_chain_of_sigkills_at_every_step_then_a_clean_run(tmp_path, reference)
     again = tidefeed(*emit_args(src, log))
     assert again.returncode == 0, again.stderr.decode()[-3000:]
     # the transactions after the first are small and plain: computed on the driver
-    # (feed/driver_txn.py), the path the kills above stopped at each step
+    # (feed/txn/driver.py), the path the kills above stopped at each step
     assert b" driver=" in again.stderr, again.stderr.decode()[-3000:]
     assert store.latest().epoch == epoch + 1
     verify(log, reference)

@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from feed.pgtemp import TempPostgres, feed_multiset, find_pg_bin, table_multiset
-from feed.reader import FeedReader
+from feed.demo.pgtemp import TempPostgres, feed_multiset, find_pg_bin, table_multiset
+from feed.log.reader import FeedReader
 from protocol import check_messages
 
 from .helpers import start
@@ -387,7 +387,7 @@ def test_batch_feed_equals_the_table_after_every_transaction(spark, captured):
     assert skipped["tombstone"] >= 3 and skipped["other table"] >= 3
     assert sum(r.redelivered for r in reports) > 0
     # real streaming input (transaction metadata, tombstones, two tables in one folder):
-    # windows of complete transactions are computed on the driver (feed/driver_txn.py)
+    # windows of complete transactions are computed on the driver (feed/txn/driver.py)
     assert any("driver" in r.seconds for r in reports), [r.line() for r in reports]
     _assert_each_time(FeedReader(str(tmp / "batch-log"), "accounts"), captured["truths"])
     quarantine = tmp / "batch-log" / "accounts" / "quarantine"

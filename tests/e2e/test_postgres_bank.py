@@ -1,5 +1,5 @@
 """A bank on a real PostgreSQL, in the style of Jepsen's bank test: two tables captured by
-real Debezium and emitted as a group (one time domain, feed/group.py).
+real Debezium and emitted as a group (one time domain, feed/emit/group.py).
 
 Three concurrent clients run about 300 transactions: transfers (two balances and a new
 transfer row in one transaction), reversals (a transfer deleted and its amounts put back),
@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from feed.pgtemp import feed_multiset, table_multiset
-from feed.reader import FeedReader
+from feed.demo.pgtemp import feed_multiset, table_multiset
+from feed.log.reader import FeedReader
 from protocol import check_messages
 
 from .helpers import start

@@ -14,9 +14,9 @@ from collections import Counter
 
 import pytest
 
-from feed.pgtemp import feed_multiset, table_multiset
-from feed.read import open_feed
-from feed.reader import FeedReader
+from feed.demo.pgtemp import feed_multiset, table_multiset
+from feed.log.read import open_feed
+from feed.log.reader import FeedReader
 from protocol import SourceError, Updates, check_messages, get_codec, record_key
 
 from .test_postgres import cluster_and_capture
@@ -163,7 +163,7 @@ def test_the_feed_equals_the_table_at_every_time_across_a_change_of_shape(spark,
     assert history[1].start == 1 + alter_index
     # the ALTER's time rewrites the rows it changed: -old +new for each
     assert reader.counts().get(1 + alter_index, 0) == REWRITTEN[table]
-    # every reader path reads the whole feed: feed.read, and each wire format
+    # every reader path reads the whole feed: feed.log.read, and each wire format
     feed = open_feed(log, table)
     last = feed.collection().to_pylist()
     want = Counter(record_key({k: v for k, v in r.items() if k != "count"}) for r in last)

@@ -16,8 +16,8 @@ from collections import Counter
 
 import pytest
 
-from feed.pgtemp import feed_multiset, normalize, table_multiset
-from feed.reader import FeedReader
+from feed.demo.pgtemp import feed_multiset, normalize, table_multiset
+from feed.log.reader import FeedReader
 from protocol import check_messages
 
 from .test_postgres import cluster_and_capture

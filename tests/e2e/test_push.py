@@ -16,7 +16,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 from protocol import record_key
 
 from .helpers import free_port, start, tidefeed, wait_up, write_parts

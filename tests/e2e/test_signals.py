@@ -15,10 +15,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from feed.checkpoint import CheckpointStore
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
-from feed.log import FeedLog
-from feed.reader import FeedReader
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
+from feed.log.checkpoint import CheckpointStore
+from feed.log.reader import FeedReader
+from feed.log.store import FeedLog
 from protocol import check_messages
 
 from ..feed.model import as_multiset, collection_of

@@ -60,7 +60,7 @@ def collection_of(reader, at=None) -> Counter:
 def run_emitter(spark, **config):
     """Open an emitter with this config on the shared session, run it to the end of its
     input; return it (its ``cp`` is the last commit) and the transactions' reports."""
-    from feed.emitter import Emitter, EmitterConfig
+    from feed.emit.emitter import Emitter, EmitterConfig
 
     e = Emitter(EmitterConfig(**config), spark=spark)
     e.open()
@@ -70,7 +70,7 @@ def run_emitter(spark, **config):
 def emit_bank(spark, src, log, feed: str = "accounts", **config):
     """:func:`run_emitter` on bank Debezium input the way most tests feed it: keyed on
     ``id``, the accounts schema, logical clock, one time per source transaction."""
-    from feed.demo_data import ACCOUNTS_SCHEMA
+    from feed.demo.data import ACCOUNTS_SCHEMA
 
     settings = dict(
         source_kind="debezium",

@@ -12,10 +12,10 @@ import fastavro
 import orjson
 import pytest
 
-from feed.demo_data import ACCOUNTS_SCHEMA
+from feed.demo.data import ACCOUNTS_SCHEMA
 from protocol import Progress, Update, Updates, announcement, cdcv2_schema, get_codec
 
-TIDEFEED = [sys.executable, "-m", "feed.cli"]
+TIDEFEED = [sys.executable, "-m", "feed.cli.main"]
 
 
 def run(*args, stdin=None, env=None):
@@ -193,7 +193,7 @@ def test_check_of_empty_input_is_not_valid():
 
 
 def test_version_and_help_with_defaults_and_variables():
-    from feed.cliopts import version
+    from feed.cli.options import version
 
     out = run("--version")
     assert out.returncode == 0 and out.stdout.decode().strip() == f"tidefeed {version()}"
@@ -283,7 +283,7 @@ def test_demo_runs_the_emitter_and_verifies(tmp_path):
 
 def test_log_lines_as_json_at_the_chosen_level():
     code = (
-        "import logging, sys; from feed.cliopts import configure_logging; "
+        "import logging, sys; from feed.cli.options import configure_logging; "
         "configure_logging(sys.argv[1], 'json'); "
         "logging.getLogger('tidefeed.emit').info('feed x: txn 2 committed'); "
         "logging.getLogger('tidefeed.emit').debug('hidden at info'); "

@@ -14,11 +14,11 @@ import aiohttp
 import orjson
 import pytest
 
-from feed.compaction import compact, retention_target
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
-from feed.reader import FeedReader
-from feed.server import ServerConfig, make_server_app
-from feed.subscriptions import Subscription, SubscriptionStore
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
+from feed.log.compaction import compact, retention_target
+from feed.log.reader import FeedReader
+from feed.log.subscriptions import Subscription, SubscriptionStore
+from feed.serve.server import ServerConfig, make_server_app
 from protocol import (
     CheckpointError,
     Compacted,
@@ -150,7 +150,7 @@ def test_compaction_killed_by_sigkill_leaves_a_consistent_feed(log_copy, step):
     cut = times[len(times) // 2]
     expected_tail = rows_of(r.messages(after=cut))
     final = collection_of(r)
-    cmd = [sys.executable, "-m", "feed.cli", "compact", "--log", str(log_copy)]
+    cmd = [sys.executable, "-m", "feed.cli.main", "compact", "--log", str(log_copy)]
     cmd += ["--feed", "bank", "--to", str(cut)]
     env = {**os.environ, "TIDEFEED_TEST_KILL_AT": step}
     p = subprocess.run(cmd, env=env, capture_output=True, timeout=120)
@@ -235,7 +235,7 @@ async def test_serve_retain_compacts_automatically_up_to_the_lowest_ack(log_copy
 
 
 def test_cli_compact_reports_and_refuses_with_exit_1(log_copy, capsys):
-    from feed.cli import main
+    from feed.cli.main import main
 
     r = FeedReader(str(log_copy), "bank")
     args = ["compact", "--log", str(log_copy), "--feed", "bank", "--to"]

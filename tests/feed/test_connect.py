@@ -1,4 +1,4 @@
-"""Kafka Connect encodings read exactly at the edges of their types (feed/connect.py)."""
+"""Kafka Connect encodings read exactly at the edges of their types (feed/sources/connect.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import pytest
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from feed.connect import DECIMAL, connect_names, connect_scales, connect_to_avro, typed_record
+from feed.sources.connect import (
+    DECIMAL,
+    connect_names,
+    connect_scales,
+    connect_to_avro,
+    typed_record,
+)
 
 
 def _b64(unscaled: int) -> str:

@@ -10,8 +10,8 @@ from collections import Counter
 import orjson
 import pytest
 
-from feed.emitter import Emitter, EmitterConfig
-from feed.reader import FeedReader
+from feed.emit.emitter import Emitter, EmitterConfig
+from feed.log.reader import FeedReader
 from protocol import SourceError, check_messages
 
 from .model import as_multiset, collection_of
@@ -489,7 +489,7 @@ def test_transaction_blocks_without_any_end_record_fail_at_once_naming_tx_metada
 
 @pytest.mark.process  # a tidefeed process with its own JVM
 def test_a_batch_run_that_ends_inside_a_transaction_says_so_and_exits_3(tmp_path):
-    from feed.cliopts import EXIT_INCOMPLETE
+    from feed.cli.options import EXIT_INCOMPLETE
     from tests.e2e.helpers import tidefeed
 
     src = tmp_path / "in"

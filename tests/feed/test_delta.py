@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from feed.reader import FeedReader
+from feed.log.reader import FeedReader
 from protocol import check_messages
 
 from .model import run_emitter
@@ -133,7 +133,7 @@ def test_delta_source_equals_the_table_at_every_version(spark, tmp_path, delta_t
 def _cdf_rows(uri):
     from deltalake import DeltaTable
 
-    from feed.delta import plain_types
+    from feed.sources.delta import plain_types
 
     reader = DeltaTable(uri).load_cdf(starting_version=0)
     table = pa.RecordBatchReader.from_stream(reader).read_all()
@@ -144,7 +144,7 @@ def _cdf_rows(uri):
 @pytest.mark.parametrize("fmt", ["json", "parquet"])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_cdf_files_in_any_row_order_equal_the_table(spark, tmp_path, delta_table, fmt, seed):
-    from feed.delta import DeltaSource
+    from feed.sources.delta import DeltaSource
 
     uri, versions = delta_table
     rows = _cdf_rows(uri).to_pylist()

@@ -1,7 +1,7 @@
 """Small keyed Debezium transactions computed on the driver give the feed Spark gives.
 
 Each case runs one history through two emitters: one that may compute a small transaction
-on the driver (feed/driver_txn.py) and one that always uses Spark (``driver_txn_bytes=0``);
+on the driver (feed/txn/driver.py) and one that always uses Spark (``driver_txn_bytes=0``);
 the feeds must agree time by time (updates, progress), in their keyed state and with the
 ground truth, and the driver must really have computed some of the transactions.
 """
@@ -15,10 +15,10 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from feed.connect import TOAST_PLACEHOLDER
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
-from feed.emitter import Emitter, EmitterConfig
-from feed.reader import FeedReader
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
+from feed.emit.emitter import Emitter, EmitterConfig
+from feed.log.reader import FeedReader
+from feed.sources.connect import TOAST_PLACEHOLDER
 from protocol.messages import record_key
 
 from ..e2e.helpers import write_parts

@@ -8,7 +8,7 @@ import threading
 import pyarrow as pa
 import pytest
 
-from feed.eager import _push_batches
+from feed.emit.eager import _push_batches
 
 SCHEMA = {"type": "record", "name": "r", "fields": [{"name": "id", "type": "long"}]}
 

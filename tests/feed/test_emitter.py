@@ -7,11 +7,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from feed.checkpoint import CheckpointStore
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
-from feed.emitter import Emitter, EmitterConfig
-from feed.log import FeedLog
-from feed.reader import FeedReader
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
+from feed.emit.emitter import Emitter, EmitterConfig
+from feed.log.checkpoint import CheckpointStore
+from feed.log.reader import FeedReader
+from feed.log.store import FeedLog
 from protocol import CommitConflict, SourceError, check_messages
 
 from ..e2e.helpers import write_parts
@@ -338,7 +338,7 @@ def test_a_later_run_takes_the_feeds_settings_or_is_refused(spark, tmp_path):
 def test_each_transaction_reports_its_stages_in_order(spark, tmp_path):
     import io
 
-    from feed.progress import STAGES, TxnProgress
+    from feed.emit.progress import STAGES, TxnProgress
 
     class Recorded(TxnProgress):
         def __init__(self) -> None:

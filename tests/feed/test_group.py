@@ -1,4 +1,4 @@
-"""Groups of feeds (feed/group.py): the tables of one Debezium folder in one time domain,
+"""Groups of feeds (feed/emit/group.py): the tables of one Debezium folder in one time domain,
 on hand-written events. tests/e2e/test_postgres_bank.py runs a real PostgreSQL bank."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import subprocess
 import orjson
 import pytest
 
-from feed.emitter import Emitter, EmitterConfig
-from feed.group import GroupEmitter
-from feed.reader import FeedReader
+from feed.emit.emitter import Emitter, EmitterConfig
+from feed.emit.group import GroupEmitter
+from feed.log.reader import FeedReader
 from protocol import CheckpointError, SourceError, check_messages
 
 from ..e2e.helpers import TIDEFEED

@@ -1,12 +1,12 @@
-"""Grouped Parquet files written by Spark's tasks with pyarrow (feed/grouped.py)."""
+"""Grouped Parquet files written by Spark's tasks with pyarrow (feed/txn/grouped.py)."""
 
 from __future__ import annotations
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from feed.grouped import by_group as group_totals
-from feed.grouped import strays, write_groups
+from feed.txn.grouped import by_group as group_totals
+from feed.txn.grouped import strays, write_groups
 
 
 def test_each_group_gets_files_holding_exactly_its_rows_with_their_counts(spark, tmp_path):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from feed.inputs import FilePosition, InputWindow
+from feed.sources.inputs import FilePosition, InputWindow
 
 
 def test_the_high_water_passes_every_consumed_name_up_to_the_first_pending_one():

@@ -1,4 +1,4 @@
-"""An emitter's lease on its feed (feed/lease.py): a second emitter is refused while the
+"""An emitter's lease on its feed (feed/log/lease.py): a second emitter is refused while the
 first lives, unless it takes the feed over; a dead holder's lease is no obstacle."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 import orjson
 import pytest
 
-import feed.lease as lease_module
-from feed.lease import Lease
-from feed.log import FeedLog
+import feed.log.lease as lease_module
+from feed.log.lease import Lease
+from feed.log.store import FeedLog
 from protocol import CheckpointError
 
 LOG = logging.getLogger("test")
@@ -119,8 +119,8 @@ def test_a_second_emit_is_refused_while_the_first_follows_and_not_once_it_is_kil
     second runs at once (its holder's process is gone) and goes on from its commits."""
     import signal
 
-    from feed.demo_data import generate_bank
-    from feed.reader import FeedReader
+    from feed.demo.data import generate_bank
+    from feed.log.reader import FeedReader
 
     from ..e2e.helpers import start, tidefeed, write_parts
 
@@ -155,7 +155,7 @@ def test_a_second_emit_is_refused_while_the_first_follows_and_not_once_it_is_kil
 
 
 def _committed(log) -> bool:
-    from feed.reader import FeedReader
+    from feed.log.reader import FeedReader
 
     try:
         return FeedReader(str(log), "bank").frontier > 0

@@ -11,11 +11,11 @@ import time
 
 import orjson
 
-from feed.log import FeedLog
+from feed.log.store import FeedLog
 
 WRITER = """
 import sys, orjson
-from feed.log import FeedLog
+from feed.log.store import FeedLog
 log = FeedLog(sys.argv[1], "t")
 payload = "x" * (24 << 20)  # writing takes long enough for kills to land inside
 seq = 1

@@ -10,13 +10,13 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from feed.checkpoint import CheckpointStore
-from feed.compaction import compact
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
-from feed.emitter import Emitter, EmitterConfig
-from feed.log import FeedLog
-from feed.manifest import ManifestStore, Segment
-from feed.reader import FeedReader
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
+from feed.emit.emitter import Emitter, EmitterConfig
+from feed.log.checkpoint import CheckpointStore
+from feed.log.compaction import compact
+from feed.log.manifest import ManifestStore, Segment
+from feed.log.reader import FeedReader
+from feed.log.store import FeedLog
 from protocol import CheckpointError, check_messages
 
 from ..e2e.helpers import write_parts, write_parts_at_transactions

@@ -7,8 +7,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from feed.publisher import Publisher
-from feed.reader import FeedReader
+from feed.log.reader import FeedReader
+from feed.serve.publisher import Publisher
 from protocol import record_key
 from protocol.push import PushClient
 from protocol.receiver import ReceiverConfig, make_receiver_app

@@ -1,4 +1,4 @@
-"""feed.read: the reading API, against the plain-Python truth, on a fresh and a compacted
+"""feed.log.read: the reading API, against the plain-Python truth, on a fresh and a compacted
 feed (one time per source transaction, logical clock: time t holds transaction t)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections import Counter
 import polars as pl
 import pytest
 
-from feed.compaction import compact
-from feed.read import open_feed
+from feed.log.compaction import compact
+from feed.log.read import open_feed
 from protocol import Compacted, record_key
 
 from .model import as_multiset, debezium_truth

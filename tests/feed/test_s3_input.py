@@ -17,9 +17,9 @@ import pyarrow.fs as pafs
 import pytest
 from moto import server as moto_server
 
-from feed.debezium import debezium_table
-from feed.demo_data import ACCOUNTS_SCHEMA
-from feed.inputs import (
+from feed.demo.data import ACCOUNTS_SCHEMA
+from feed.sources.debezium import debezium_table
+from feed.sources.inputs import (
     InputWindow,
     edge_txn,
     input_bytes,
@@ -116,7 +116,7 @@ def test_emit_from_s3_without_hadoop_aws_says_so_and_commits_nothing(bucket, tmp
     log = tmp_path / "log"
     run = subprocess.run(
         [
-            *(sys.executable, "-m", "feed.cli", "emit", "--source", f"debezium:{uri}"),
+            *(sys.executable, "-m", "feed.cli.main", "emit", "--source", f"debezium:{uri}"),
             *("--feed", "t", "--log", str(log), "--key", "id", "--schema", str(schema)),
         ],
         cwd=ROOT,
@@ -146,7 +146,7 @@ def test_spark_tasks_write_grouped_files_into_the_store(bucket, spark):
     options (and here the credentials) of the log's URI."""
     import pyarrow.parquet as pq
 
-    from feed.grouped import strays, write_groups
+    from feed.txn.grouped import strays, write_groups
 
     uri, _ = bucket
     query = uri.split("?", 1)[1]
@@ -169,11 +169,11 @@ def test_spark_tasks_write_grouped_files_into_the_store(bucket, spark):
 
 def test_a_keyed_feed_in_an_s3_log_takes_small_transactions_on_the_driver(bucket, spark, tmp_path):
     """A log in the store: the first transaction is Spark's (its tasks write through
-    pyarrow), the next ones are computed on the driver (feed/driver_txn.py), which reads
+    pyarrow), the next ones are computed on the driver (feed/txn/driver.py), which reads
     and writes the state's buckets and the segments in the store; the feed reads back as
     the table."""
-    from feed.emitter import Emitter, EmitterConfig
-    from feed.reader import FeedReader
+    from feed.emit.emitter import Emitter, EmitterConfig
+    from feed.log.reader import FeedReader
 
     uri, _ = bucket
     query = uri.split("?", 1)[1]

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from feed.server import ServerConfig, make_server_app
+from feed.serve.server import ServerConfig, make_server_app
 from protocol.destinations import Destinations
 
 from ..e2e.helpers import free_port, tidefeed
@@ -190,7 +190,7 @@ async def test_streams_are_capped_per_client_and_in_all(big_log):
     port = runner.addresses[0][1]
     held: list[socket.socket] = []
     try:
-        from feed.server_state import STATE
+        from feed.serve.state import STATE
 
         st = app[STATE]
         for _ in range(2):
@@ -228,7 +228,7 @@ async def test_a_stream_whose_consumer_reads_nothing_is_closed(big_log, caplog):
     _, runner = await serve(app)
     port = runner.addresses[0][1]
     try:
-        from feed.server_state import STATE
+        from feed.serve.state import STATE
 
         st = app[STATE]
         sock = _unread_stream(port, "/v1/feeds/big/changes")

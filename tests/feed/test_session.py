@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from feed.session import parse_conf
+from feed.emit.session import parse_conf
 
 SHOW = """
 import sys
-from feed.session import get_spark, parse_conf
+from feed.emit.session import get_spark, parse_conf
 s = get_spark(conf=parse_conf(sys.argv[1:]))
 print(s.conf.get("spark.sql.shuffle.partitions"), s.conf.get("spark.sql.session.timeZone"))
 """

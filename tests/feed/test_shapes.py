@@ -1,13 +1,13 @@
-"""Which table shapes fit a feed's record schema (feed/shapes.py), without Spark."""
+"""Which table shapes fit a feed's record schema (feed/sources/shapes.py), without Spark."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
-from feed.capture import COLUMNS_TABLE
-from feed.connect import DECIMAL, connect_to_avro
-from feed.shapes import evolve, first_unfit, shape_change, with_renames
+from feed.sources.capture import COLUMNS_TABLE
+from feed.sources.connect import DECIMAL, connect_to_avro
+from feed.sources.shapes import evolve, first_unfit, shape_change, with_renames
 
 COLUMNS = [
     {"field": "id", "type": "int32", "optional": False},

@@ -7,8 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
-from feed.reader import FeedReader
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
+from feed.log.reader import FeedReader
 from protocol import check_messages
 
 from .model import as_multiset, collection_of, debezium_truth, run_emitter
@@ -62,7 +62,7 @@ def test_cdf_per_version_equals_the_table_after_each_transaction(
     spark, tmp_path, key, listed, monkeypatch
 ):
     if not listed:  # the numbering of batches with too many transactions to list
-        monkeypatch.setattr("feed.times.LISTED_TXNS", 3)
+        monkeypatch.setattr("feed.txn.times.LISTED_TXNS", 3)
     src = tmp_path / "in"
     src.mkdir()
     rows = list(cdf_rows())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from feed.demo_data import generate_bank
+from feed.demo.data import generate_bank
 from protocol import Updates, get_codec
 
 from ..e2e.helpers import write_parts_at_transactions
@@ -27,7 +27,7 @@ def inspected(log: Path, *args: str) -> Counter:
         [
             sys.executable,
             "-m",
-            "feed.cli",
+            "feed.cli.main",
             "inspect",
             "--log",
             str(log),
@@ -136,8 +136,8 @@ def test_a_restarted_stream_reads_every_update_once(registered, tmp_path, two_pa
 def test_a_compacted_feed_reads_as_its_collection_then_the_kept_times(
     registered, tmp_path, two_parts
 ):
-    from feed.compaction import compact
-    from feed.read import open_feed
+    from feed.log.compaction import compact
+    from feed.log.read import open_feed
 
     spark = registered
     src, rest = two_parts
@@ -179,7 +179,7 @@ def test_a_new_schema_version_reads_whole_and_ends_a_running_stream_at_it(regist
     """spark.read reads every time through the newest version; a stream started on the
     older schema reads up to the new version's time, then asks for a restart, and the
     restarted query reads the rest with the new schema."""
-    from feed.reader import FeedReader
+    from feed.log.reader import FeedReader
     from feed.spark_source import TidefeedDataSource
 
     from .test_debezium import CONNECT_COLUMNS, end, event, open_emitter, snapshot, wrapped

@@ -7,10 +7,10 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-import feed.state as state
-from feed.checkpoint import CheckpointStore
-from feed.log import FeedLog
-from feed.reader import FeedReader
+import feed.txn.state as state
+from feed.log.checkpoint import CheckpointStore
+from feed.log.reader import FeedReader
+from feed.log.store import FeedLog
 
 from .model import as_multiset, collection_of, run_emitter
 

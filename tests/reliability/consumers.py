@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from feed.checkpoint import CheckpointStore
+from feed.log.checkpoint import CheckpointStore
 from protocol import record_key
 
 

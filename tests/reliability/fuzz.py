@@ -20,7 +20,7 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 from protocol import CodecError, Progress, Updates, get_codec, record_key
 
 from ..e2e.helpers import tidefeed
@@ -193,7 +193,7 @@ async def _server_endpoints(examples: int, log: Path, out: FuzzResult) -> None:
     import aiohttp
     from aiohttp import web
 
-    from feed.server import ServerConfig, make_server_app
+    from feed.serve.server import ServerConfig, make_server_app
 
     runner = web.AppRunner(make_server_app(ServerConfig(log=str(log))))
     await runner.setup()
@@ -248,7 +248,7 @@ def _corrupt(line: bytes, rnd: random.Random) -> bytes:
 def fuzz_debezium(folder: Path, out: FuzzResult, *, corrupt: int = 40) -> None:
     """Corrupted Debezium lines among good ones, through the real CLI: each corrupted line
     is quarantined with a reason and the feed equals the table of the good lines."""
-    from feed.reader import FeedReader
+    from feed.log.reader import FeedReader
 
     rnd = random.Random(9)
     bank = generate_bank(transactions=60, seed=9)

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import orjson
 
-from feed.checkpoint import CheckpointStore
-from feed.demo_data import ACCOUNTS_SCHEMA, generate_bank
-from feed.log import FeedLog
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
+from feed.log.checkpoint import CheckpointStore
+from feed.log.store import FeedLog
 from protocol import record_key
 
 from ..e2e.helpers import free_port, start, write_parts, write_parts_at_transactions

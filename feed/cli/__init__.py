@@ -1,0 +1,3 @@
+"""The ``tidefeed`` command line."""
+
+__all__: list[str] = []

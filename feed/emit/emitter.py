@@ -1,0 +1,568 @@
+"""The transaction driver (DESIGN §4): exactly-once turning of input files into a feed.
+
+Start-up (:meth:`Emitter.open`): load the latest checkpoint, claim a new epoch by committing
+``seq + 1`` (a racing emitter loses with CommitConflict), delete every time folder at or
+above the committed ``upper`` and every staged, quarantined or state folder no commit names
+(the rollback of a transaction that did not commit).
+
+One transaction (:meth:`Emitter.step`), in Spark (:mod:`feed.txn.spark`) or, small and
+plain, on the driver (:mod:`feed.txn.driver`), which writes the same files:
+
+1. read the input files not yet consumed (:mod:`feed.sources.inputs`) into changes, drop input at
+   or below the committed position and hold back incomplete source transactions;
+2. turn changes into diffs (keyed state where needed), assign times from ``next``,
+   consolidate per time;
+3. write each time's updates to ``_staging`` and move them to ``times/<t>`` (a redo of the
+   same time replaces them), the keyed state and the quarantined rows (:mod:`feed.txn.segments`);
+4. **commit**: the manifest (:mod:`feed.log.manifest`), then the checkpoint (progress,
+   ``next``, ``source``, ``state``, ``manifest``), the single commit point
+   (:mod:`feed.log.commits`);
+5. hand the committed progress to the publisher, if any.
+
+The feed's settings are checked or created first (:mod:`feed.emit.settings`). Batch and follow
+runs loop over :meth:`Emitter.step` in :mod:`feed.emit.loop`.
+With eager delivery (:mod:`feed.emit.eager`) the executors push the updates between 3 and 4.
+
+A crash before 4 leaves the old checkpoint, so the next start rolls back and redoes the
+transaction at the same times (``next`` is fixed by the previous commit). A crash after 4
+finds everything committed: the files are below ``source.file`` and are never read twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Any
+
+from feed._faults import maybe_die
+from feed.emit.eager import EagerPusher
+from feed.emit.progress import TxnProgress, TxnReport
+from feed.emit.session import small_shuffles
+from feed.emit.settings import (
+    DEFAULT_CLOCK,
+    DEFAULT_GRANULARITY,
+    EmitterConfig,
+    create_feed,
+    load_schema_file,
+    settle,
+)
+from feed.log.checkpoint import Checkpoint, fixed
+from feed.log.commits import Committer
+from feed.log.manifest import Segment
+from feed.log.store import FeedLog, SchemaVersion
+from feed.sources.inputs import InputWindow, next_source
+from feed.sources.shapes import Evolve
+from feed.txn import driver as driver_txn
+from feed.txn import spark as spark_txn
+from feed.txn.dataflow import NEED_MORE, TxnContext
+from feed.txn.segments import Written
+from protocol import CheckpointError, Progress, SourceError
+
+__all__ = ["Emitter", "EmitterConfig", "TxnReport", "load_schema_file"]
+
+log = logging.getLogger("tidefeed.emit")
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """What a transaction's commit records: its checkpoint is ``build(base)``."""
+
+    progress: Progress
+    next: int
+    source: dict[str, Any]
+    state: str | None
+    schema: str | None = None  # a new schema version's fingerprint (None: unchanged)
+
+    def build(self, base: Checkpoint) -> Checkpoint:
+        more = {"schema": self.schema} if self.schema is not None else {}
+        return base.successor(
+            progress=self.progress, next=self.next, source=self.source, state=self.state, **more
+        )
+
+
+def widening(
+    pending: list[str],
+    files: list[str],
+    txn: Callable[..., Any],
+    progress: TxnProgress | None,
+) -> TxnReport | None:
+    """``txn(files, more=…)``, over twice as many of the ``pending`` files each time it
+    finds nothing complete (:data:`~feed.txn.dataflow.NEED_MORE`: a source transaction is
+    longer than the window); ``None`` without input or when nothing is complete."""
+    if not files:
+        return None
+    while True:
+        try:
+            report = txn(files, more=len(files) < len(pending))
+        finally:
+            if progress is not None:
+                progress.done()
+        if report is not NEED_MORE:
+            assert report is None or isinstance(report, TxnReport)
+            return report
+        files = pending[: 2 * len(files)]
+
+
+class State(Enum):
+    UNOPENED = "unopened"
+    OPENED = "opened"
+    CLOSED = "closed"
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Emitter:
+    """Runs the transactions of one feed: ``open()``, ``step()`` or ``run()``, ``close()``."""
+
+    def __init__(
+        self,
+        config: EmitterConfig,
+        *,
+        spark: Any = None,
+        logger: logging.Logger | None = None,
+        on_commit: Callable[[Checkpoint], None] | None = None,
+        eager: EagerPusher | None = None,
+        clock: Callable[[], int] = now_ms,
+        progress: TxnProgress | None = None,
+    ) -> None:
+        self.config = config
+        self._spark = spark
+        self.log = logger or log
+        self.on_commit = on_commit
+        self.eager = eager
+        self._lease: Any = None  # feed/log/lease.py, held from open to close
+        self._clock = clock
+        self.progress = progress
+        self.feedlog = FeedLog(config.log, config.feed)
+        self.commits = Committer(self.feedlog, feed=config.feed, logger=self.log)
+        self.state = State.UNOPENED
+        self.cp: Checkpoint | None = None
+        self._delta_source: Any = None
+        self.info: Any = None
+        self._record_type: Any = None
+        self.inputs = InputWindow(config.source_path, config.tx_metadata)
+        self._shapes: set[int] = set()  # source table shapes found to fit (feed/sources/shapes.py)
+
+    # ---- lifecycle -------------------------------------------------------------------
+    @property
+    def spark(self) -> Any:
+        if self._spark is None:
+            from feed.emit.session import get_spark
+
+            self._spark = get_spark(self.config.master, conf=dict(self.config.conf))
+        return self._spark
+
+    def _require(self, state: State) -> None:
+        if self.state is not state:
+            raise CheckpointError(
+                f"feed {self.config.feed!r}: emitter is {self.state.value}, needs {state.value}"
+            )
+
+    def open(self) -> Checkpoint:
+        """Take the feed's lease (feed/log/lease.py), load or create the feed, claim a new
+        epoch, roll back uncommitted work."""
+        from feed.log.lease import Lease
+
+        self._require(State.UNOPENED)
+        cfg = self.config
+        self._lease = Lease(self.feedlog, take_over=cfg.take_over, log=self.log)
+        self._lease.acquire()
+        self.info = self.feedlog.info()
+        latest = self.commits.store.latest(repair=True)
+        if self.info is not None and latest is not None:
+            self.info = self.info.at(latest.frontier)  # the schema versions committed
+        if self.info is not None and not fixed(latest):
+            # an earlier run wrote the feed's settings but never committed a transaction
+            # (it failed, was killed, or every row it read was bad): they are not the
+            # feed's yet, and this run's flags (or inference) decide them
+            self.log.info("feed %s: nothing committed yet; its settings are set anew", cfg.feed)
+            self.info = None
+        if self.info is None:
+            self.config = cfg = replace(
+                cfg,
+                clock=cfg.clock or DEFAULT_CLOCK,
+                granularity=cfg.granularity or DEFAULT_GRANULARITY,
+            )
+            self.info = create_feed(
+                cfg,
+                self.feedlog,
+                spark=lambda: self.spark,
+                files=self.inputs.all_files,
+                delta_schema=lambda: self._delta().record_schema(),
+                log=self.log,
+            )
+        else:
+            self.config = cfg = settle(cfg, self.info)
+        from feed.sources.rows import spark_record_type
+
+        self._record_type = spark_record_type(self.info.schema)
+        if latest is None:
+            start = self._clock() if self.info.clock == "wallclock" else 1
+            latest = Checkpoint(
+                feed=cfg.feed,
+                epoch=0,
+                seq=0,
+                progress=Progress(0, 0, ()),
+                next=start,
+                source={"file": None, "file_beyond": [], "pos": [0, 0, 0]},
+                schema=self.info.fingerprint,
+            )
+        from feed.txn.state import BucketedState
+
+        self._state = BucketedState(
+            lambda: self.spark, self.feedlog, self._record_type, self.info.key, self._spark_path
+        )
+        claimed, gone = self.commits.claim(latest, self._state)
+        self.cp = claimed
+        if gone:
+            self.log.info("feed %s: rolled back uncommitted times %s", cfg.feed, gone)
+        self.log.info(
+            "feed %s: epoch %d claimed at seq %d; frontier %d, next time %d",
+            cfg.feed,
+            claimed.epoch,
+            claimed.seq,
+            claimed.frontier,
+            claimed.next,
+        )
+        self.state = State.OPENED
+        return claimed
+
+    def close(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+        self.state = State.CLOSED
+
+    # ---- input -----------------------------------------------------------------------
+    def _delta(self) -> Any:
+        from feed.sources.delta import DeltaSource
+
+        if self._delta_source is None:
+            self._delta_source = DeltaSource(self.config.source_path)
+        return self._delta_source
+
+    def pending_files(self) -> list[str]:
+        """Input files not consumed yet, in name order (also noted for the next commit)."""
+        assert self.cp is not None
+        if self.config.source_kind == "delta":
+            return []
+        return self.inputs.pending(self.cp.source)
+
+    def held_back(self) -> list[str]:
+        """After a batch run: the input files still pending, which hold source transactions
+        that never completed (their END record or events were not in the input)."""
+        return self.pending_files()
+
+    # ---- one transaction -------------------------------------------------------------
+    def step(self) -> TxnReport | None:
+        """Run one transaction over the pending input; ``None`` when there was none, or when
+        every source transaction in it is still incomplete (held back for more input)."""
+        self._require(State.OPENED)
+        if self.config.source_kind == "delta":
+            return self._delta_step()
+        pending = self.pending_files()
+        # a source transaction (a Delta commit version: always) is never split
+        kind, limit = self.config.source_kind, self.config.max_files_per_txn
+        whole = self.config.granularity == "transaction" or kind == "cdf"
+        files = self.inputs.first(pending, limit, kind=kind, whole_txns=whole)
+        return widening(pending, files, self._txn, self.progress)
+
+    def _delta_step(self) -> TxnReport | None:
+        """One transaction over the Delta versions after the committed one."""
+        assert self.cp is not None
+        staged = self._delta().stage_next(int(self.cp.source.get("version", -1)), self.feedlog)
+        if staged is None:
+            return None
+        path, last = staged
+        try:
+            report = self._txn([self._spark_path(path)], source_update={"version": last})
+        finally:
+            self.feedlog.delete_file(path)
+        assert isinstance(report, TxnReport)
+        return report
+
+    def heartbeat(self) -> Checkpoint | None:
+        """Commit an empty progress up to now (wallclock feeds) so consumers can close times."""
+        self._require(State.OPENED)
+        assert self.cp is not None
+        if self.info.clock != "wallclock":
+            return None
+        upper = max(self._clock(), self.cp.next)
+        if upper <= self.cp.frontier:
+            return None
+        cp = self._commit(
+            lambda base: base.successor(progress=Progress(base.frontier, upper, ()), next=upper),
+            (),
+        )
+        if self.on_commit:
+            self.on_commit(cp)
+        return cp
+
+    def _txn(
+        self,
+        files: list[str],
+        *,
+        more: bool = False,
+        source_update: dict[str, Any] | None = None,
+    ) -> Any:
+        """One transaction, with Spark started and the shuffle width its input needs."""
+        assert self.cp is not None
+        assert self.config.granularity is not None  # settled by open()
+        secs: dict[str, float] = {}
+        if self.progress is not None:
+            self.progress.start(self.cp.seq + 1, len(files))
+        if self._spark is None:  # the first transaction of a process starts Spark
+            t0 = time.perf_counter()
+            _ = self.spark
+            secs["spark_start"] = time.perf_counter() - t0
+        with small_shuffles(self.spark, self.config.conf, files):
+            return self._run_txn(files, secs, more=more, source_update=source_update)
+
+    def _run_txn(
+        self,
+        files: list[str],
+        secs: dict[str, float],
+        *,
+        more: bool,
+        source_update: dict[str, Any] | None,
+    ) -> Any:
+        """Read, compute, write and commit one transaction (see the module's docstring):
+        on the driver where it is small and plain (:mod:`feed.txn.driver`), else in Spark."""
+        assert self.cp is not None
+        cp = self.cp
+        ctx = self.context()
+        tx_files = self.inputs.pending_tx(cp.source)
+        t0 = time.perf_counter()
+        loaded = None
+        if source_update is None and self.eager is None:
+            loaded = driver_txn.committed_state(ctx, files, tx_files)
+        if loaded is not None:
+            small = driver_txn.run(ctx, cp.seq + 1, files, loaded, self._reached)
+            if small is not None:
+                secs["driver"] = time.perf_counter() - t0
+                return self._finish(files, secs, small, tx_files=(), source_update=None)
+        try:
+            written = spark_txn.run(
+                ctx,
+                files,
+                tx_files,
+                secs,
+                more=more,
+                reached=self._reached,
+                eager=self.eager,
+            )
+        except Evolve as ev:
+            return self._evolve(ev, secs)
+        if not isinstance(written, Written):
+            return written  # None or NEED_MORE: nothing to commit
+        return self._finish(files, secs, written, tx_files=tx_files, source_update=source_update)
+
+    def _evolve(self, ev: Evolve, secs: dict[str, float]) -> TxnReport:
+        """Commit the feed's next schema version at the next time, with the rows its
+        state holds rewritten into it (feed/txn/evolve.py); the input stays pending."""
+        from protocol import fingerprint
+
+        assert self.cp is not None
+        if self.eager is not None:
+            raise SourceError(
+                f"feed {self.config.feed!r}: {ev}. A feed emitted with --eager does not take "
+                "a new schema version yet: run this emit without --eager once (it commits "
+                "the version and goes on), then go back to --eager."
+            )
+        cp, start = self.cp, self.cp.next
+        t0 = time.perf_counter()
+        version, w = self.new_version(ev, start)
+        secs["rewrite"] = time.perf_counter() - t0
+        counts = tuple((s.time, s.count) for s in w.segments)
+        progress = Progress(cp.frontier, max(start + 1, cp.frontier), counts)
+        upper = progress.upper
+        nxt = max(self._clock(), upper) if self.info.clock == "wallclock" else upper
+        maybe_die("before_version_commit")
+        t1 = time.perf_counter()
+        new_cp = self._commit(
+            lambda base: base.successor(
+                progress=progress, next=nxt, state=w.state_ref, schema=fingerprint(version.schema)
+            ),
+            w.segments,
+        )
+        secs["commit"] = time.perf_counter() - t1
+        self.adopt_version(version, ev)
+        return self.committed(new_cp, [], secs, w)
+
+    def new_version(self, ev: Evolve, start: int) -> tuple[SchemaVersion, Written]:
+        """The schema version ``ev`` describes, from time ``start``, written with the
+        state rewritten into it and the updates that makes at ``start``: all but the
+        commit (feed/txn/evolve.py)."""
+        from feed.txn.evolve import rewrite
+
+        assert self.cp is not None
+        self._stage("rewriting the state into a new schema version")
+        version, segments, state_ref = rewrite(self.context(), ev, self.cp.seq + 1, start)
+        return version, Written(
+            segments=segments,
+            state_ref=state_ref,
+            units=1,
+            position=None,
+            input_rows=0,
+            skipped={},
+            redelivered=0,
+            snapshot_lsn=None,
+        )
+
+    def adopt_version(self, version: SchemaVersion, ev: Evolve) -> None:
+        """After the commit of ``version``: read from now on through it."""
+        from feed.sources.rows import spark_record_type
+
+        self.info = self.info.evolved(version)
+        self._record_type = spark_record_type(version.schema)
+        self._state.record_type = self._record_type
+        self._shapes.clear()
+        self.log.info(
+            "feed %s: the source table changed shape at %s (%s): schema version from time "
+            "%d committed",
+            self.config.feed,
+            ev.where,
+            ev.change.describe(),
+            version.start,
+        )
+
+    def context(self) -> TxnContext:
+        """What a transaction's dataflow needs from this emitter, from its committed
+        checkpoint on."""
+        assert self.cp is not None
+        return TxnContext(
+            spark=self.spark,
+            config=self.config,
+            cp=self.cp,
+            info=self.info,
+            record_type=self._record_type,
+            state=self._state,
+            feedlog=self.feedlog,
+            log=self.log,
+            spark_path=self._spark_path,
+            shapes=self._shapes,
+        )
+
+    def _reached(self, step: str, **facts: Any) -> None:
+        """A transaction reached ``step`` (``after_read``, ``before_write``,
+        ``after_write``): fault injection, and the progress line's stage."""
+        maybe_die(step)
+        if step == "after_read":
+            self._stage("computing diffs", **facts)
+        elif step == "before_write":
+            self._stage("writing", **facts)
+
+    def _finish(
+        self,
+        files: list[str],
+        secs: dict[str, float],
+        w: Written,
+        *,
+        tx_files: Sequence[str],
+        source_update: dict[str, Any] | None,
+    ) -> TxnReport:
+        """Commit what a transaction over ``files`` (and ``tx_files``) wrote, with a
+        source's own ``source_update`` (a Delta version); prune and report."""
+        assert self.cp is not None
+        self._reached("after_write")
+        t3 = time.perf_counter()
+        planned = self.plan(files, w, tx_files=tx_files, source_update=source_update)
+        self._stage("committing", updates=sum(n for _, n in planned.progress.counts))
+        new_cp = self._commit(planned.build, w.segments)  # the commit point
+        secs["commit"] = time.perf_counter() - t3
+        maybe_die("after_commit")
+        return self.committed(new_cp, files, secs, w)
+
+    def plan(
+        self,
+        files: Sequence[str],
+        w: Written,
+        *,
+        tx_files: Sequence[str],
+        source_update: dict[str, Any] | None = None,
+        units: int | None = None,
+        held: frozenset[str] | None = None,
+        next_time: int | None = None,
+    ) -> Planned:
+        """The checkpoint a transaction over ``files`` that wrote ``w`` commits. A group
+        (feed/emit/group.py) gives the group's ``units``, ``held`` files and ``next_time``."""
+        assert self.cp is not None
+        cfg, cp = self.config, self.cp
+        units = w.units if units is None else units
+        counts = {s.time: s.count for s in w.segments}
+        upper = cp.next + units if units else cp.frontier
+        progress = Progress(cp.frontier, max(upper, cp.frontier), tuple(sorted(counts.items())))
+        if next_time is None:
+            next_time = progress.upper
+            if self.info.clock == "wallclock":
+                next_time = max(self._clock(), progress.upper)
+        source = next_source(
+            cp.source,
+            position=w.position,
+            cdf=cfg.source_kind == "cdf",
+            replaces=w.replaces,
+            files=None if source_update is not None else (self.inputs.listed, files),
+            tx_files=(self.inputs.tx_listed, tx_files) if tx_files else None,
+            held=set(w.held_files if held is None else held),
+            update=source_update,
+        )
+        if cfg.source_kind == "debezium" and "snapshot_lsn" not in source:
+            source["snapshot_lsn"] = w.snapshot_lsn
+        return Planned(progress=progress, next=next_time, source=source, state=w.state_ref)
+
+    def committed(
+        self, new_cp: Checkpoint, files: Sequence[str], secs: dict[str, float], w: Written
+    ) -> TxnReport:
+        """After the commit of a transaction that wrote ``w``: prune, log and report it,
+        and hand it to ``on_commit``."""
+        cfg = self.config
+        self.cp = new_cp
+        self.commits.prune(new_cp, self._state)
+        progress = new_cp.progress
+        report = TxnReport(
+            seq=new_cp.seq,
+            progress=progress,
+            files=len(files),
+            input_rows=w.input_rows,
+            updates=sum(n for _, n in progress.counts),
+            bad_rows=w.bad_rows,
+            seconds=secs,
+            skipped=w.skipped,
+            held=w.held,
+            redelivered=w.redelivered,
+        )
+        if self.progress is not None:
+            self.progress.done()  # the live line goes before the summary is logged
+        self.log.info("feed %s: %s", cfg.feed, report.line())
+        if self.on_commit:
+            self.on_commit(new_cp)
+        return report
+
+    def _commit(
+        self, build: Callable[[Checkpoint], Checkpoint], segments: Sequence[Segment]
+    ) -> Checkpoint:
+        assert self.cp is not None
+        self.cp = self.commits.commit(self.cp, build, segments)
+        return self.cp
+
+    def _stage(self, name: str, **facts: Any) -> None:
+        if self.progress is not None:
+            self.progress.stage(name, **facts)
+
+    def _spark_path(self, path: str) -> str:
+        fl = self.feedlog
+        return path if fl.local_root is not None else fl.spark_path(path[len(fl.root) + 1 :])
+
+    # ---- loops -------------------------------------------------------------------------
+    def run(self, *, stop: Callable[[], bool] | None = None) -> list[TxnReport]:
+        """Batch: transactions until the input is consumed. Follow: forever (or until
+        ``stop``). See :func:`feed.emit.loop.run`."""
+        from feed.emit.loop import run
+
+        self._require(State.OPENED)
+        return run(self, stop=stop)

@@ -1,0 +1,562 @@
+"""Groups of feeds: several tables of one database in one time domain (DESIGN §9).
+
+``tidefeed emit --table public.accounts,public.transfers --feed accounts,transfers`` runs
+one :class:`GroupEmitter` over one Debezium folder: one emitter per feed (each reads the
+same input window, keeps its table's rows and writes its own feed as always), driven as
+one transaction loop.
+
+* **One time per source transaction, the same in every feed.** The released source
+  transactions of all the feeds, in source order, are numbered once: a transaction takes
+  the time ``next + its rank`` in every feed, and a feed it did not touch has no update at
+  that time (its progress covers it). Every feed's progress ends at the same ``upper``.
+* **Held back together.** A source transaction held back in one feed (its END record, or
+  some of that table's events, not read yet) is held back in all of them, with everything
+  delivered after it: each feed's reading is done again with the group's hold
+  (:class:`~feed.txn.dataflow.GroupHold`) until every feed holds the same.
+* **One commit point.** After every feed has written its segments (and keyed state), a
+  group commit file ``<log>/_groups/<a+b>/<seq:020d>.json`` is created exclusively: it
+  names, for each feed, the checkpoint to commit (progress, ``next``, input position,
+  state) and the segments it adds. Only then is each feed's own checkpoint committed.
+  Readers read a feed's checkpoint, so no reader sees any feed's frontier move before the
+  whole group's transaction is in the log. A crash between the group file and the feeds'
+  checkpoints is finished at the next start (roll forward) before anything is rolled back.
+* **Fencing.** A start claims a new group epoch by committing the next group seq, then
+  claims each feed's epoch as a lone emitter does: an older group emitter loses its next
+  group commit (:class:`~protocol.CommitConflict`) and stops before touching any
+  checkpoint.
+
+A feed of a group is read, served, pushed and compacted as any other feed: each is a
+complete CDCv2 stream on its own. Its ``feed.json`` names the group, and emitting it alone
+(or in another group) is refused: its times would lose step with the others'.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
+
+from feed._faults import maybe_die
+from feed.emit.emitter import Emitter, Planned, State, now_ms, widening
+from feed.emit.progress import TxnProgress, TxnReport
+from feed.emit.session import small_shuffles
+from feed.emit.settings import EmitterConfig
+from feed.log.checkpoint import Checkpoint
+from feed.log.commits import Committer
+from feed.log.manifest import Segment
+from feed.log.store import FeedLog
+from feed.sources.shapes import Evolve
+from feed.txn.dataflow import NEED_MORE, GroupHold, ReadChanges, read_input
+from feed.txn.segments import Written
+from protocol import CheckpointError, CommitConflict, Progress
+
+__all__ = ["GROUPS_DIR", "GroupCommits", "GroupEmitter", "group_name"]
+
+log = logging.getLogger("tidefeed.emit")
+
+#: the folder of the log that holds every group's commit files
+GROUPS_DIR = "_groups"
+#: group commit files kept (older ones are pruned)
+KEEP_GROUP_COMMITS = 5
+_NAME = re.compile(r"^(\d{20})\.json$")
+FORMAT = 1
+
+
+def group_name(feeds: Sequence[str]) -> str:
+    """The group's folder name: its feeds joined by ``+`` (a character feed names lack)."""
+    return "+".join(feeds)
+
+
+class GroupCommits:
+    """The commit files of one group, ``<log>/_groups/<name>/<seq:020d>.json``."""
+
+    def __init__(self, log_uri: str, feeds: Sequence[str]) -> None:
+        self.fl = FeedLog(log_uri, GROUPS_DIR, own_folder=True)
+        self.feeds = tuple(feeds)
+        self.name = group_name(feeds)
+        self.dir = self.fl.path(self.name)
+
+    def path_of(self, seq: int) -> str:
+        return f"{self.dir}/{seq:020d}.json"
+
+    def seqs(self) -> list[int]:
+        return sorted(
+            int(m.group(1))
+            for i in self.fl.list_dir(self.dir)
+            if (m := _NAME.match(i.base_name)) is not None
+        )
+
+    def latest(self) -> dict[str, Any] | None:
+        """The newest group commit, or None for a group never started."""
+        seqs = self.seqs()
+        if not seqs:
+            return None
+        path = self.path_of(seqs[-1])
+        try:
+            body = orjson.loads(self.fl.read_bytes(path))
+        except (OSError, orjson.JSONDecodeError) as e:
+            raise CheckpointError(f"group {self.name}: cannot read {path}: {e}") from e
+        if not isinstance(body, dict) or body.get("format") != FORMAT:
+            raise CheckpointError(f"group {self.name}: {path} is not a group commit")
+        return body
+
+    def commit(self, body: dict[str, Any]) -> None:
+        """Create group commit ``body["seq"]`` exclusively: the group's commit point."""
+        seq = int(body["seq"])
+        data = orjson.dumps(body, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+        if not self.fl.create_exclusive(self.path_of(seq), data):
+            raise CommitConflict(
+                f"group {self.name}: commit {seq} already exists: another emitter (epoch > "
+                f"{body['epoch']}) has taken over this group; this one is stale and stops"
+            )
+        for old in self.seqs():
+            if old <= seq - KEEP_GROUP_COMMITS:
+                self.fl.delete_file(self.path_of(old))
+
+
+def _entry(plan: Planned, segments: Sequence[Segment]) -> dict[str, Any]:
+    """What a group commit records of one feed's part of the transaction."""
+    p = plan.progress
+    return {
+        "lower": p.lower,
+        "upper": p.upper,
+        "counts": [[t, n] for t, n in p.counts],
+        "next": plan.next,
+        "source": plan.source,
+        "state": plan.state,
+        "segments": [[s.time, s.epoch, s.count, list(s.files)] for s in segments],
+        **({"schema": plan.schema} if plan.schema is not None else {}),
+    }
+
+
+def _from_entry(e: dict[str, Any]) -> tuple[Planned, list[Segment]]:
+    plan = Planned(
+        progress=Progress(e["lower"], e["upper"], tuple((t, n) for t, n in e["counts"])),
+        next=e["next"],
+        source=e["source"],
+        state=e["state"],
+        schema=e.get("schema"),
+    )
+    return plan, [Segment(t, ep, n, tuple(f)) for t, ep, n, f in e["segments"]]
+
+
+def roll_forward(log_uri: str, latest: dict[str, Any], logger: logging.Logger) -> dict[str, int]:
+    """Commit each feed's checkpoint of the group transaction ``latest`` that a crash left
+    uncommitted (its data is in the log: the group file is written after it); return the
+    feeds rolled forward with their new frontiers."""
+    done: dict[str, int] = {}
+    for feed, e in (latest.get("members") or {}).items():
+        committer = Committer(FeedLog(log_uri, feed), feed=feed, logger=logger)
+        cp = committer.store.latest(repair=True)
+        frontier = cp.frontier if cp is not None else 0
+        if frontier >= e["upper"]:
+            continue
+        if cp is None or frontier != e["lower"]:
+            raise CheckpointError(
+                f"group {latest.get('group')}: feed {feed!r} is at frontier {frontier}, but "
+                f"the group's last commit ({latest['seq']}) takes it from {e['lower']} to "
+                f"{e['upper']}: the feed was changed outside its group"
+            )
+        plan, segments = _from_entry(e)
+        new_cp = committer.commit(cp, plan.build, segments)
+        done[feed] = new_cp.frontier
+    if done:
+        logger.info(
+            "group %s: finished group commit %d left in part by a crash: %s",
+            latest.get("group"),
+            latest["seq"],
+            ", ".join(f"{f} to frontier {u}" for f, u in done.items()),
+        )
+    return done
+
+
+def _cp(member: Emitter) -> Checkpoint:
+    assert member.cp is not None
+    return member.cp
+
+
+@dataclass(frozen=True, slots=True)
+class _Done:
+    """One feed's transaction, written and planned, before the commit."""
+
+    member: Emitter
+    written: Written
+    secs: dict[str, float]
+
+
+class GroupEmitter:
+    """Runs the transactions of a group of feeds as one (see the module docstring):
+    ``open()``, ``step()`` or ``run()``, ``close()``, as :class:`~feed.emit.emitter.Emitter`."""
+
+    def __init__(
+        self,
+        configs: Sequence[EmitterConfig],
+        *,
+        logger: logging.Logger | None = None,
+        clock: Callable[[], int] = now_ms,
+        progress: TxnProgress | None = None,
+    ) -> None:
+        if len(configs) < 2:
+            raise ValueError("a group holds two or more feeds")
+        feeds = tuple(c.feed for c in configs)
+        if len(set(feeds)) != len(feeds):
+            raise ValueError(f"a feed is named twice in the group {','.join(feeds)}")
+        self.feeds = feeds
+        self.name = group_name(feeds)
+        self.log = logger or log
+        self._clock = clock
+        self._now = clock()
+        self.progress = progress
+        self.members = [
+            Emitter(replace(c, group=feeds), logger=self.log, clock=self._frozen) for c in configs
+        ]
+        for m in self.members[1:]:
+            m.inputs = self.members[0].inputs  # one listing of the input for all of them
+        # (what the loops read: follow, trigger, the window; feed: the group's name)
+        self.config = replace(configs[0], feed=self.name, group=feeds)
+        self.commits = GroupCommits(configs[0].log, feeds)
+        self.epoch = self.seq = 0
+        self.state = State.UNOPENED
+
+    def _frozen(self) -> int:
+        """The members' clock: one reading per group transaction, so their times agree."""
+        return self._now
+
+    def _require(self, state: State) -> None:
+        if self.state is not state:
+            raise CheckpointError(f"group {self.name}: emitter is {self.state.value}")
+
+    @property
+    def cp(self) -> Any:
+        """The first feed's checkpoint (every feed of the group has its frontier)."""
+        return self.members[0].cp
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def open(self) -> None:
+        """Finish a group commit a crash left in part, claim a new group epoch, then open
+        every feed (each claims its own epoch and rolls back what it did not commit)."""
+        self._require(State.UNOPENED)
+        self._now = self._clock()
+        latest = self.commits.latest()
+        if latest is not None:
+            if list(latest.get("feeds") or ()) != list(self.feeds):
+                raise CheckpointError(
+                    f"group {self.name}: its log names the feeds {latest.get('feeds')}"
+                )
+            roll_forward(self.config.log, latest, self.log)
+        seq = int(latest["seq"]) if latest else 0
+        epoch = int(latest["epoch"]) if latest else 0
+        self.commits.commit(self._body(seq + 1, epoch + 1, {}))
+        self.seq, self.epoch = seq + 1, epoch + 1
+        for m in self.members:
+            m.open()
+            self.config = replace(self.config, clock=m.config.clock)
+        spots = {(_cp(m).frontier, _cp(m).next) for m in self.members}
+        if len(spots) > 1:
+            raise CheckpointError(
+                f"group {self.name}: its feeds are out of step ("
+                + "; ".join(
+                    f"{m.config.feed}: frontier {_cp(m).frontier}, next {_cp(m).next}"
+                    for m in self.members
+                )
+                + "); a feed of a group is emitted only with its group"
+            )
+        self.log.info(
+            "group %s: epoch %d claimed; frontier %d, next time %d",
+            self.name,
+            self.epoch,
+            self.cp.frontier,
+            self.cp.next,
+        )
+        self.state = State.OPENED
+
+    def close(self) -> None:
+        for m in self.members:
+            m.close()
+        self.state = State.CLOSED
+
+    def _body(self, seq: int, epoch: int, members: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "group": self.name,
+            "feeds": list(self.feeds),
+            "seq": seq,
+            "epoch": epoch,
+            "members": members,
+        }
+
+    # ---- input -----------------------------------------------------------------------
+    def pending_files(self) -> list[str]:
+        return self.members[0].pending_files()
+
+    def held_back(self) -> list[str]:
+        return self.members[0].held_back()
+
+    # ---- one transaction -------------------------------------------------------------
+    def step(self) -> TxnReport | None:
+        """One group transaction over the pending input (see :meth:`Emitter.step`)."""
+        self._require(State.OPENED)
+        self._now = self._clock()
+        first = self.members[0]
+        pending = first.pending_files()
+        files = first.inputs.first(
+            pending, self.config.max_files_per_txn, kind="debezium", whole_txns=True
+        )
+        return widening(pending, files, self._txn, self.progress)
+
+    def _txn(self, files: list[str], *, more: bool) -> Any:
+        first = self.members[0]
+        secs: dict[str, float] = {}
+        if self.progress is not None:
+            self.progress.start(self.seq + 1, len(files))
+        if first._spark is None:
+            t0 = time.perf_counter()
+            _ = first.spark
+            secs["spark_start"] = time.perf_counter() - t0
+        for m in self.members[1:]:
+            m._spark = first.spark
+        with small_shuffles(first.spark, self.config.conf, files):
+            return self._run_txn(files, secs, more=more)
+
+    def _read(
+        self, files: list[str], tx_files: list[str], *, more: bool
+    ) -> tuple[list[ReadChanges], GroupHold]:
+        """Each feed's reading of ``files`` under the group's hold: read again (by the
+        feeds that released more) until every feed holds back the same."""
+        ctxs = [m.context() for m in self.members]
+        hold = GroupHold()
+        holds = [hold] * len(ctxs)
+        reads: list[ReadChanges] = []
+        for ctx in ctxs:
+            r = read_input(ctx, files, tx_files, more=more, group=hold)
+            assert isinstance(r, ReadChanges)
+            reads.append(r)
+        for _ in range(len(ctxs) + 1):
+            txns = frozenset().union(*(r.held_txns for r in reads))
+            places = [r.held_at for r in reads if r.held_at is not None]
+            hold = GroupHold(txns=txns, at=min(places) if places else None)
+            again = [
+                i
+                for i, r in enumerate(reads)
+                if holds[i] != hold and not (r.held_txns >= hold.txns and r.held_at == hold.at)
+            ]
+            if not again:
+                return reads, hold
+            for i in again:
+                reads[i].release()
+                r = read_input(ctxs[i], files, tx_files, more=more, group=hold)
+                assert isinstance(r, ReadChanges)
+                reads[i], holds[i] = r, hold
+        raise CheckpointError(f"group {self.name}: the feeds' held-back transactions disagree")
+
+    def _run_txn(self, files: list[str], secs: dict[str, float], *, more: bool) -> Any:
+        from pyspark.sql import functions as F
+
+        from feed.sources.positions import source_order
+        from feed.txn.spark import compute_and_write
+
+        first = self.members[0]
+        assert first.cp is not None
+        tx_files = first.inputs.pending_tx(first.cp.source)
+        t0 = time.perf_counter()
+        reads, hold = self._read(files, tx_files, more=more)
+        secs["read"] = time.perf_counter() - t0
+        order = None
+        try:
+            stopped = [r.shape_error for r in reads if r.shape_error is not None]
+            if all(r.ready == 0 for r in reads) and (hold.txns or stopped):
+                for r in reads:
+                    r.release()
+                for e in stopped:
+                    if not isinstance(e, Evolve):
+                        raise e
+                if stopped:
+                    return self._evolve(
+                        {i: r.shape_error for i, r in enumerate(reads) if r.shape_error}, secs
+                    )
+                if more:
+                    return NEED_MORE
+                self.log.info(
+                    "group %s: waiting for the rest of %d source transaction(s)",
+                    self.name,
+                    len(hold.txns),
+                )
+                return None
+            maybe_die("after_read")
+            # the released source transactions of every feed, numbered once
+            parts = [r.order if r.order is not None else source_order(r.good) for r in reads]
+            union = parts[0]
+            for p in parts[1:]:
+                union = union.unionByName(p)
+            order = union.groupBy("txn").agg(F.min("o").alias("o")).persist()
+            for r in reads:
+                r.order = order
+            done: list[_Done] = []
+            for member, r in zip(self.members, reads, strict=True):
+                own: dict[str, float] = {}
+                w = compute_and_write(
+                    member.context(), r, own, reached=lambda step, **_: maybe_die(step)
+                )
+                done.append(_Done(member, w, own))
+        finally:
+            if order is not None:
+                order.unpersist()
+        units = {d.written.units for d in done}
+        if len(units) != 1:
+            raise CheckpointError(
+                f"group {self.name}: the feeds' transactions took different numbers of "
+                f"times ({sorted(units)}); nothing was committed"
+            )
+        maybe_die("after_write")
+        n = units.pop()
+        cp = first.cp
+        upper = cp.next + n if n else cp.frontier
+        next_time = upper
+        if first.info.clock == "wallclock":
+            next_time = max(self._clock(), upper)
+        held = frozenset().union(*(d.written.held_files for d in done))
+        t3 = time.perf_counter()
+        plans = [
+            d.member.plan(
+                files, d.written, tx_files=tx_files, units=n, held=held, next_time=next_time
+            )
+            for d in done
+        ]
+        cps = self._commit(plans, [d.written.segments for d in done])
+        secs["commit"] = time.perf_counter() - t3
+        for d in done:
+            for k, v in d.secs.items():
+                secs[k] = secs.get(k, 0.0) + v
+        reports = [
+            d.member.committed(c, files, d.secs, d.written) for d, c in zip(done, cps, strict=True)
+        ]
+        report = TxnReport(
+            seq=self.seq,
+            progress=Progress(cp.frontier, max(upper, cp.frontier), ()),
+            files=len(files),
+            input_rows=max(r.input_rows for r in reports),
+            updates=sum(r.updates for r in reports),
+            bad_rows=sum(r.bad_rows for r in reports),
+            seconds=secs,
+            held=len(hold.txns),
+        )
+        self.log.info("group %s: %s", self.name, report.line())
+        return report
+
+    def _evolve(self, evolving: dict[int, Any], secs: dict[str, float]) -> TxnReport:
+        """The next schema version of each feed whose table changed shape at the head of
+        the input (``evolving``: member index -> :class:`~feed.sources.shapes.Evolve`), committed
+        at the next time with every feed of the group: one time that stands for the
+        ``ALTER TABLE``, empty in the feeds whose tables it did not change."""
+        from protocol import fingerprint
+
+        first = self.members[0]
+        cp = _cp(first)
+        start = cp.next
+        upper = max(start + 1, cp.frontier)
+        nxt = max(self._clock(), upper) if first.info.clock == "wallclock" else upper
+        t0 = time.perf_counter()
+        plans: list[Planned] = []
+        writes: list[Written | None] = []
+        versions = {}
+        for i, m in enumerate(self.members):
+            mcp = _cp(m)
+            ev = evolving.get(i)
+            if ev is None:
+                plans.append(
+                    Planned(
+                        progress=Progress(mcp.frontier, upper, ()),
+                        next=nxt,
+                        source=mcp.source,
+                        state=mcp.state,
+                    )
+                )
+                writes.append(None)
+                continue
+            version, w = m.new_version(ev, start)
+            versions[i] = version
+            plans.append(
+                Planned(
+                    progress=Progress(
+                        mcp.frontier, upper, tuple((s.time, s.count) for s in w.segments)
+                    ),
+                    next=nxt,
+                    source=mcp.source,
+                    state=w.state_ref,
+                    schema=fingerprint(version.schema),
+                )
+            )
+            writes.append(w)
+        secs["rewrite"] = time.perf_counter() - t0
+        maybe_die("before_version_commit")
+        t1 = time.perf_counter()
+        cps = self._commit(plans, [w.segments if w is not None else [] for w in writes])
+        secs["commit"] = time.perf_counter() - t1
+        for i, (m, c) in enumerate(zip(self.members, cps, strict=True)):
+            if i in versions:
+                m.adopt_version(versions[i], evolving[i])
+            m.cp = c
+        report = TxnReport(
+            seq=self.seq,
+            progress=Progress(cp.frontier, upper, ()),
+            files=0,
+            input_rows=0,
+            updates=sum(s.count for w in writes if w is not None for s in w.segments),
+            bad_rows=0,
+            seconds=secs,
+        )
+        self.log.info("group %s: a new schema version: %s", self.name, report.line())
+        return report
+
+    def _commit(self, plans: Sequence[Planned], segments: Sequence[Sequence[Segment]]) -> list[Any]:
+        """The group commit file (the commit point), then each feed's checkpoint."""
+        members = {
+            m.config.feed: _entry(p, s)
+            for m, p, s in zip(self.members, plans, segments, strict=True)
+        }
+        maybe_die("before_group_commit")
+        self.commits.commit(self._body(self.seq + 1, self.epoch, members))
+        self.seq += 1
+        maybe_die("after_group_commit")
+        out = []
+        for i, (m, p, s) in enumerate(zip(self.members, plans, segments, strict=True)):
+            if i:
+                maybe_die("between_feed_commits")
+            assert m.cp is not None
+            out.append(m.commits.commit(m.cp, p.build, s))
+        return out
+
+    def heartbeat(self) -> Any:
+        """Commit an empty progress up to now in every feed (wallclock groups)."""
+        self._require(State.OPENED)
+        first = self.members[0]
+        if first.info.clock != "wallclock":
+            return None
+        upper = max(self._clock(), _cp(first).next)
+        if upper <= _cp(first).frontier:
+            return None
+        plans = [
+            Planned(
+                progress=Progress(_cp(m).frontier, upper, ()),
+                next=upper,
+                source=_cp(m).source,
+                state=_cp(m).state,
+            )
+            for m in self.members
+        ]
+        cps = self._commit(plans, [[] for _ in self.members])
+        for m, c in zip(self.members, cps, strict=True):
+            m.cp = c
+        return cps[0]
+
+    # ---- loops -------------------------------------------------------------------------
+    def run(self, *, stop: Callable[[], bool] | None = None) -> list[TxnReport]:
+        from feed.emit.loop import run
+
+        self._require(State.OPENED)
+        return run(self, stop=stop)

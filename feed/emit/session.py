@@ -1,0 +1,169 @@
+"""The Spark session the emitter runs in: local by default, any master by flag."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+__all__ = ["DEFAULT_MASTER", "get_spark", "parse_conf", "small_shuffles"]
+
+log = logging.getLogger("tidefeed.spark")
+#: settings the start-up log line shows
+SHOWN = ("spark.sql.shuffle.partitions", "spark.driver.memory", "spark.sql.session.timeZone")
+DEFAULT_MASTER = "local[*]"
+DEFAULT_DRIVER_MEMORY = "4g"
+
+
+def get_spark(
+    master: str | None = None, *, app: str = "tidefeed", conf: dict[str, Any] | None = None
+) -> Any:
+    """Get (or create) the SparkSession; an existing active session is reused as it is.
+
+    Precedence, highest first: ``conf`` (``tidefeed emit --conf KEY=VALUE``) and ``master``
+    (``--master``); then what Spark itself was given (``spark-submit --conf``,
+    ``PYSPARK_SUBMIT_ARGS``, ``spark-defaults.conf`` in ``$SPARK_CONF_DIR``); then tidefeed's
+    defaults: ``local[*]``, the driver bound to 127.0.0.1 unless ``SPARK_LOCAL_IP`` says
+    otherwise, no UI, few shuffle partitions (tidefeed's transactions are many and small).
+    """
+    from pyspark import SparkConf, SparkContext
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active
+    host = os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # also read by the launcher
+    conf_dir = os.environ.get("SPARK_CONF_DIR")
+    if not (conf_dir and os.path.exists(os.path.join(conf_dir, "log4j2.properties"))):
+        # Spark's start-up chatter (WARN lines, "default log4j profile") stays out of
+        # tidefeed's output; errors still show
+        os.environ.setdefault(
+            "LOG4J_CONFIGURATION_FILE",
+            os.path.join(os.path.dirname(os.path.dirname(__file__)), "log4j2.properties"),
+        )
+    # Python workers (eager pushes) must run this interpreter, which has tidefeed installed,
+    # not whatever "python3" is first on the PATH
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    conf = dict(conf or {})
+    if master:
+        conf["spark.master"] = master
+    # The heap is fixed when the JVM starts, so the driver's memory is settled here, not in
+    # the builder (which would only show the value). The launcher ranks SPARK_DRIVER_MEMORY
+    # below spark-submit's flags and spark-defaults.conf: the right place for a default.
+    # A --conf given to tidefeed ranks above them all, as a spark-submit flag.
+    if "spark.driver.memory" in conf:
+        submit = os.environ.get("PYSPARK_SUBMIT_ARGS", "pyspark-shell")
+        os.environ["PYSPARK_SUBMIT_ARGS"] = (
+            f"--driver-memory {conf['spark.driver.memory']} {submit}"
+        )
+    elif str(conf.get("spark.master", DEFAULT_MASTER)).startswith("local"):
+        # in local mode the driver does all the work: the JVM's 1 GiB default is too small
+        os.environ.setdefault(
+            "SPARK_DRIVER_MEMORY",
+            os.environ.get("TIDEFEED_DRIVER_MEMORY", DEFAULT_DRIVER_MEMORY),
+        )
+    # start the JVM first: its system properties are what spark-submit and
+    # spark-defaults.conf set, and those win over tidefeed's own defaults
+    SparkContext._ensure_initialized()
+    given = SparkConf()
+    defaults = {
+        "spark.master": DEFAULT_MASTER,
+        "spark.app.name": app,
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.shuffle.partitions": "4",
+        "spark.driver.host": host,
+        "spark.driver.bindAddress": host,
+        "spark.sql.files.maxPartitionBytes": str(1 << 30),
+        "spark.sql.session.timeZone": "UTC",
+        "spark.pyspark.python": os.environ["PYSPARK_PYTHON"],
+        # PySpark otherwise records the Python call site of every column expression it
+        # builds (a few JVM round trips each): ~5 000 calls, about a second, per emitter
+        # transaction. Spark's error messages then name no Python line; tidefeed's own do.
+        "spark.python.sql.dataFrameDebugging.enabled": "false",
+    }
+    builder = SparkSession.builder
+    for k, v in defaults.items():
+        if k not in conf and not given.contains(k):
+            builder = builder.config(k, v)
+    if "spark.ui.showConsoleProgress" not in conf:
+        # PySpark's launcher turns Spark's console progress bar on for every driver; it
+        # would draw over tidefeed's log lines (--conf turns it back on)
+        builder = builder.config("spark.ui.showConsoleProgress", "false")
+    for k, v in conf.items():
+        if k != "spark.driver.memory":  # settled when the JVM started
+            builder = builder.config(k, str(v))
+    # PySpark replaces the SIGINT handler with one that raises KeyboardInterrupt in the
+    # middle of whatever py4j call is under way; a command that handles signals itself
+    # (``tidefeed emit`` finishes its transaction) keeps its own handler
+    import signal
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if main_thread else None
+    spark = builder.getOrCreate()
+    if main_thread and callable(handler) and handler is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, handler)
+    spark.sparkContext.setLogLevel("ERROR")
+    shown = {k: spark.conf.get(k, None) for k in SHOWN}
+    jvm: Any = spark._jvm
+    heap = jvm.java.lang.Runtime.getRuntime().maxMemory()
+    shown["heap"] = f"{heap / 2**30:.1f}g"  # what the JVM really has
+    log.info(
+        "spark %s: master %s, %s%s",
+        spark.version,
+        spark.sparkContext.master,
+        ", ".join(f"{k}={v}" for k, v in shown.items()),
+        f" (--conf: {', '.join(sorted(conf))})" if conf else "",
+    )
+    return spark
+
+
+def parse_conf(pairs: list[str] | None, *, command: str = "emit") -> dict[str, str]:
+    """``--conf KEY=VALUE`` flags as a dict; a malformed one is a clear usage error."""
+    from feed.errors import UsageError
+
+    out: dict[str, str] = {}
+    for kv in pairs or []:
+        k, sep, v = kv.partition("=")
+        if not sep or not k.strip():
+            raise UsageError(f"tidefeed {command}: --conf takes KEY=VALUE, got {kv!r}")
+        out[k.strip()] = v
+    return out
+
+
+#: a transaction reading less than this runs its shuffles as one partition
+SMALL_INPUT_BYTES = 16 << 20
+
+
+def _input_bytes(files: Sequence[str]) -> int:
+    """The size of the input files (one that cannot be asked counts as large)."""
+    from feed.sources.inputs import input_bytes
+    from protocol import SourceError
+
+    try:
+        return input_bytes(files)
+    except (OSError, SourceError):
+        return SMALL_INPUT_BYTES + 1
+
+
+@contextlib.contextmanager
+def small_shuffles(
+    spark: Any, conf: Iterable[tuple[str, str]] | Mapping[str, str], files: Sequence[str]
+) -> Iterator[None]:
+    """Run a transaction of small input with one shuffle partition: its shuffles then
+    take one task each instead of a wave per partition (a second or so of a small
+    transaction's time). ``--conf spark.sql.shuffle.partitions`` is always obeyed."""
+    key = "spark.sql.shuffle.partitions"
+    if key in dict(conf) or _input_bytes(files) > SMALL_INPUT_BYTES:
+        yield
+        return
+    before = spark.conf.get(key)
+    spark.conf.set(key, "1")
+    try:
+        yield
+    finally:
+        spark.conf.set(key, before)

@@ -1,0 +1,199 @@
+"""A feed's settings: this run's flags (:class:`EmitterConfig`) and the feed's own
+(``feed.json``, written when the feed is created).
+
+A new feed takes its settings from the flags (the defaults where they are left out) and its
+record schema from ``--schema``, a Delta table or the first input. A later run is checked
+against them before anything is read: a flag left out takes the feed's value, a flag that
+differs is refused (:func:`settle`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
+
+from feed.log.store import FeedInfo, FeedLog
+from protocol import SourceError, fingerprint
+
+__all__ = [
+    "DEFAULT_CLOCK",
+    "DEFAULT_GRANULARITY",
+    "DEFAULT_MAX_FILES",
+    "DEFAULT_TRIGGER",
+    "EmitterConfig",
+    "create_feed",
+    "load_schema_file",
+    "settle",
+]
+
+DEFAULT_TRIGGER = 5.0
+DEFAULT_MAX_FILES = 1000
+#: keyed Debezium input of at most this many bytes is computed on the driver
+#: (feed/txn/driver.py; ``--driver-txn-bytes``)
+DEFAULT_DRIVER_TXN_BYTES = 1 << 20
+DEFAULT_CLOCK = "wallclock"  # a new feed's, when --clock is left out
+DEFAULT_GRANULARITY = "batch"  # a new feed's, when --granularity is left out
+RESERVED = ("time", "diff")
+#: a follow-mode emitter warns once input has been held back this long (incomplete source
+#: transactions: an END record or events not arrived), and again as often while it lasts
+HELD_WARNING_SECONDS = 60.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EmitterConfig:
+    source_kind: str
+    source_path: str
+    feed: str
+    log: str
+    key: tuple[str, ...] = ()
+    schema: dict[str, Any] | None = None
+    clock: str | None = None  # None: the feed's, else wallclock
+    granularity: str | None = None  # None: the feed's, else batch
+    follow: bool = False
+    trigger: float = DEFAULT_TRIGGER
+    master: str | None = None
+    on_bad_record: str = "quarantine"
+    max_files_per_txn: int = DEFAULT_MAX_FILES
+    order: str | None = None  # upsert: the column that orders upserts
+    deleted: str | None = None  # upsert: the boolean column that marks deletes
+    table: str | None = None  # debezium: the schema.table the feed holds
+    tx_metadata: str | None = None  # debezium: a folder of transaction metadata records
+    conf: tuple[tuple[str, str], ...] = ()  # Spark settings (--conf), over everything else
+    #: keyed Debezium input of at most this many bytes is computed on the driver (0: never)
+    driver_txn_bytes: int = DEFAULT_DRIVER_TXN_BYTES
+    #: follow: warn when input has been held back this long (seconds)
+    held_warning: float = HELD_WARNING_SECONDS
+    #: the feeds of the group this feed is emitted in (feed/emit/group.py); () alone
+    group: tuple[str, ...] = ()
+    #: take the feed from an emitter that holds its lease (feed/log/lease.py)
+    take_over: bool = False
+
+
+def create_feed(
+    cfg: EmitterConfig,
+    feedlog: FeedLog,
+    *,
+    spark: Callable[[], Any],
+    files: Callable[[], list[str]],
+    delta_schema: Callable[[], dict[str, Any]],
+    log: logging.Logger,
+) -> FeedInfo:
+    """Write a new feed's settings (``feed.json``) from this run's flags; the record schema is
+    ``--schema``, a Delta table's own, or inferred from the first input files (``spark``,
+    ``files`` and ``delta_schema`` are only called when needed)."""
+    from feed.sources.debezium import debezium_table
+    from feed.sources.kinds import infer_record_schema
+
+    schema = cfg.schema
+    table = cfg.table
+    if cfg.source_kind == "debezium" and table is None:
+        # a feed is one table: the first change event's, unless --table names it
+        table = debezium_table(files())
+    if schema is None and cfg.source_kind == "delta":
+        schema = delta_schema()
+    if schema is None:
+        schema = infer_record_schema(
+            spark(),
+            cfg.source_kind,
+            files() if cfg.source_kind == "debezium" else files()[:5],
+            exclude=tuple(c for c in (cfg.order, cfg.deleted) if c),
+            table=table,
+        )
+    names = {f["name"] for f in schema.get("fields", [])}
+    clash = [n for n in RESERVED if n in names]
+    if clash:
+        raise SourceError(
+            f"feed {cfg.feed!r}: record columns {clash} clash with the feed log's own "
+            "'time' and 'diff' columns; rename them"
+        )
+    missing = [k for k in cfg.key if k not in names]
+    if missing:
+        raise SourceError(
+            f"feed {cfg.feed!r}: key column(s) {missing} are not in the record "
+            f"schema (columns: {sorted(names)})"
+        )
+    fingerprint(schema)  # validates
+    if table:
+        log.info("feed %s: holds source table %s", cfg.feed, table)
+    assert cfg.clock is not None
+    return feedlog.create(
+        schema=schema,
+        key=cfg.key,
+        clock=cfg.clock,
+        table=table,
+        source=cfg.source_kind,
+        granularity=cfg.granularity,
+        order=cfg.order,
+        deleted=cfg.deleted,
+        group=cfg.group,
+    )
+
+
+def settle(cfg: EmitterConfig, info: FeedInfo) -> EmitterConfig:
+    """This run's settings against the feed's (``feed.json``), before anything is read:
+    a flag left out takes the feed's value, a flag that differs is refused. Settings a
+    feed from an older tidefeed did not keep come from the flags (or the defaults)."""
+    known = {fingerprint(v.schema) for v in info.history()}
+    if cfg.schema is not None and fingerprint(cfg.schema) not in known:
+        raise SourceError(
+            f"feed {cfg.feed!r}: --schema differs from every version of the feed's record "
+            f"schema (the current one: fingerprint {info.fingerprint[:12]}…). --schema "
+            "sets a new feed's first schema; after that the schema follows the source "
+            "table's changes (docs/sources.md, 'Schema changes'): leave --schema out, or "
+            "emit into a new feed"
+        )
+    if tuple(cfg.group) != tuple(info.group):
+        raise SourceError(
+            f"feed {cfg.feed!r} was created "
+            + (f"in the group {','.join(info.group)}" if info.group else "on its own")
+            + "; this run emits it "
+            + (f"in the group {','.join(cfg.group)}" if cfg.group else "on its own")
+            + ". A feed of a group keeps its times only with the group's other feeds: "
+            "emit the same --table and --feed lists (docs/sources.md, 'Several tables')"
+        )
+    settled: dict[str, Any] = {}
+    for name, flag, stored in (
+        ("source_kind", "--source KIND", info.source),
+        ("key", "--key", ",".join(info.key)),
+        ("clock", "--clock", info.clock),
+        ("granularity", "--granularity", info.granularity),
+        ("table", "--table", info.table),
+        ("order", "--order", info.order),
+        ("deleted", "--deleted", info.deleted),
+    ):
+        given = getattr(cfg, name)
+        if name == "key":
+            given = ",".join(given) if given else None
+        if stored is None or given is None:
+            value = given if stored is None else stored
+        elif given != stored:
+            raise SourceError(
+                f"feed {cfg.feed!r} was created with {flag} {stored or '(none)'}; this "
+                f"run gives {given}. A feed's settings are fixed when it is created: "
+                "leave the flag out (the feed's value is used), or emit into a new feed"
+            )
+        else:
+            value = stored
+        if name == "key":
+            value = tuple(c for c in (value or "").split(",") if c) or info.key
+        settled[name] = value
+    settled["clock"] = settled["clock"] or DEFAULT_CLOCK
+    settled["granularity"] = settled["granularity"] or DEFAULT_GRANULARITY
+    return replace(cfg, **settled)
+
+
+def load_schema_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            schema = orjson.loads(f.read())
+    except OSError as e:
+        raise SourceError(f"cannot read schema file {path}: {e.strerror}") from e
+    except orjson.JSONDecodeError as e:
+        raise SourceError(f"schema file {path} is not JSON: {e}") from e
+    if not isinstance(schema, dict) or schema.get("type") != "record":
+        raise SourceError(f"schema file {path} must hold an Avro record schema")
+    return schema

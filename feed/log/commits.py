@@ -1,0 +1,126 @@
+"""Committing a feed: epoch claims, the manifest-then-checkpoint commit, rollback and pruning.
+
+The checkpoint is the single commit point (:mod:`feed.log.checkpoint`); a transaction's
+manifest (:mod:`feed.log.manifest`) is published first and the checkpoint names it. Claiming a
+new epoch commits ``seq + 1`` (a racing emitter loses with :class:`CommitConflict`) and
+rolls back whatever no commit names: times at or above the committed ``upper``, staged
+files, state and quarantine folders of transactions that did not commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+from feed._faults import maybe_die
+from feed.log.checkpoint import Checkpoint, CheckpointStore
+from feed.log.manifest import ManifestStore, Segment
+from feed.log.store import FeedLog
+from protocol import CheckpointError, CommitConflict
+
+
+class BucketedState(Protocol):
+    """What committing needs of the keyed state (feed/txn/state.py): dropping the
+    snapshots no kept commit names."""
+
+    def prune(self, refs: Iterable[str | None]) -> None: ...
+
+
+__all__ = ["LIST_PRUNE_EVERY", "Committer"]
+
+#: every this many commits, also prune what crashed or finished processes left (by listing)
+LIST_PRUNE_EVERY = 256
+
+
+class Committer:
+    """The commits of one feed, as its emitter makes them."""
+
+    def __init__(self, feedlog: FeedLog, *, feed: str, logger: logging.Logger) -> None:
+        self.feedlog = feedlog
+        self.feed = feed
+        self.log = logger
+        self.store = CheckpointStore(feedlog)
+        self.manifests = ManifestStore(feedlog)
+
+    def claim(self, latest: Checkpoint, state: BucketedState) -> tuple[Checkpoint, list[int]]:
+        """Commit a new epoch on top of ``latest`` and roll back what no commit names;
+        return the claimed checkpoint and the uncommitted times deleted."""
+        claimed = latest.successor(epoch=latest.epoch + 1)
+        if latest.seq and latest.manifest is None and latest.frontier > 0:
+            # a feed from before manifests: publish the one its folders imply
+            legacy = self.manifests.of(latest)
+            m = self.manifests.write(seq=claimed.seq, epoch=claimed.epoch, base=legacy)
+            claimed = replace(claimed, manifest=m.name, writers=())
+            self.log.info("feed %s: migrated to a manifest-based log (%s)", self.feed, m.name)
+        self.store.commit(claimed)
+        kept_states, kept_manifests = self.kept_refs(claimed)
+        self.manifests.prune(kept_manifests)
+        gone = self.feedlog.delete_times_from(claimed.progress.upper)
+        self.feedlog.delete_dir(self.feedlog.path("_staging"))
+        state.prune(kept_states)
+        for name in ("quarantine",):
+            for n in self.feedlog.numbered_dirs(name):
+                if n > latest.seq and f"{name}/{n}" != claimed.state:
+                    self.feedlog.delete_dir(self.feedlog.path(name, str(n)))
+        return claimed, gone
+
+    def commit(
+        self,
+        base: Checkpoint,
+        build: Callable[[Checkpoint], Checkpoint],
+        segments: Sequence[Segment],
+    ) -> Checkpoint:
+        """Commit ``build(latest)``: publish its manifest (the latest one plus ``segments``)
+        first, then the checkpoint. A compaction may have committed in between (same epoch,
+        a higher seq): then commit on top of it; a higher epoch means this emitter is stale."""
+        for _ in range(16):
+            new_cp = build(base)
+            if segments:
+                m = self.manifests.write(
+                    seq=new_cp.seq,
+                    epoch=new_cp.epoch,
+                    base=self.manifests.of(base),
+                    added=segments,
+                )
+                new_cp = replace(new_cp, manifest=m.name)
+            maybe_die("before_commit")
+            try:
+                self.store.commit(new_cp)
+            except CommitConflict:
+                winner = self.store.latest()
+                if winner is None or winner.epoch != base.epoch or winner.seq <= base.seq:
+                    raise
+                self.log.info(
+                    "feed %s: commit %d was taken by a compaction (since %d); "
+                    "committing on top of it",
+                    self.feed,
+                    new_cp.seq,
+                    winner.since,
+                )
+                base = winner
+                continue
+            return new_cp
+        raise CommitConflict(f"feed {self.feed!r}: gave up committing after 16 conflicts")
+
+    def kept_refs(self, cp: Checkpoint) -> tuple[set[str | None], set[str | None]]:
+        """The state snapshots and manifests the kept commits name."""
+        states, manifests = {cp.state}, {cp.manifest}
+        for s in self.store._seqs():
+            if s != cp.seq:
+                with contextlib.suppress(CheckpointError):
+                    other = self.store.read(s)
+                    states.add(other.state)
+                    manifests.add(other.manifest)
+        return states, manifests
+
+    def prune(self, cp: Checkpoint, state: BucketedState) -> None:
+        """Delete the state and manifest files no kept commit needs (and an uncommitted
+        transaction's); every :data:`LIST_PRUNE_EVERY` commits also whatever a crashed or
+        finished process left (by listing, with a grace period)."""
+        states, manifests = self.kept_refs(cp)
+        state.prune(states)
+        listing = cp.seq % LIST_PRUNE_EVERY == 0
+        self.manifests.prune(manifests, written=None if listing else self.manifests.written)

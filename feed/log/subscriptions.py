@@ -1,0 +1,133 @@
+"""Durable subscriptions of the feed server: push (a receiver URL) or named pull.
+
+Each subscription is a small JSON file ``<log>/<feed>/_subscriptions/<name>.json`` with its
+URL, format, the last ACKed frontier and its status. ACKs arrive many times a second while
+a subscription catches up, so positions are kept in memory and written in batches (at most
+every :data:`FLUSH_SECONDS`), never per request. A lost batch only means a receiver is asked
+again for its frontier, which the push session does anyway.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+from feed.log.store import FeedLog
+from protocol import CODECS
+
+__all__ = ["FLUSH_SECONDS", "Subscription", "SubscriptionStore", "valid_subscription"]
+
+FLUSH_SECONDS = 2.0
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def valid_subscription(name: str) -> bool:
+    return bool(_NAME.fullmatch(name)) and ".." not in name
+
+
+@dataclass(slots=True)
+class Subscription:
+    name: str
+    feed: str
+    url: str | None = None  # None: a named pull subscriber that ACKs by POST
+    format: str = "ndjson"
+    token: str | None = None
+    acked: int | None = None
+    acked_at: float | None = None
+    status: str = "active"  # active | stopped
+    reason: str = ""
+    created: float = field(default_factory=time.time)
+    last_error: str = ""  # push: the last failure (kept after recovery, for operators)
+    retrying_since: float | None = None  # push: failing since then; None once an ACK came
+
+    def public(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("token")
+        d["kind"] = "push" if self.url else "pull"
+        return d
+
+    @classmethod
+    def from_request(cls, feed: str, name: str, body: Any) -> Subscription:
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+        url = body.get("url")
+        if url is not None and (
+            not isinstance(url, str) or not url.startswith(("http://", "https://"))
+        ):
+            raise ValueError("'url' must be an http(s) URL")
+        fmt = body.get("format", "ndjson")
+        if fmt not in CODECS:
+            raise ValueError(f"'format' must be one of {', '.join(CODECS)}")
+        token = body.get("token")
+        if token is not None and not isinstance(token, str):
+            raise ValueError("'token' must be a string")
+        if token is not None and not token.strip():
+            # an empty bearer token is no token: leave it out for a receiver without one
+            raise ValueError("'token' is empty: leave it out, or give the receiver's token")
+        return cls(name=name, feed=feed, url=url, format=fmt, token=token)
+
+
+class SubscriptionStore:
+    """The subscriptions of one feed, in memory, written to the log in batches."""
+
+    def __init__(self, log: FeedLog) -> None:
+        self.log = log
+        self.dir = log.path("_subscriptions")
+        self.subs: dict[str, Subscription] = {}
+        self._dirty: set[str] = set()
+        self._last_flush = 0.0
+        for info in log.list_dir(self.dir):
+            if info.base_name.endswith(".json"):
+                d = orjson.loads(log.read_bytes(info.path))
+                self.subs[d["name"]] = Subscription(**d)
+
+    def put(self, sub: Subscription) -> None:
+        self.subs[sub.name] = sub
+        self._write(sub)
+
+    def delete(self, name: str) -> bool:
+        if self.subs.pop(name, None) is None:
+            return False
+        self._dirty.discard(name)
+        self.log.delete_file(f"{self.dir}/{name}.json")
+        return True
+
+    def ack(self, name: str, frontier: int | None) -> None:
+        sub = self.subs.get(name)
+        if sub is None:
+            return
+        if frontier is not None and (sub.acked is None or frontier > sub.acked):
+            sub.acked, sub.acked_at = frontier, time.time()
+            self._dirty.add(name)
+        self.flush()
+
+    def stop(self, name: str, reason: str) -> None:
+        sub = self.subs.get(name)
+        if sub is not None:
+            sub.status, sub.reason = "stopped", reason
+            self._write(sub)
+
+    def flush(self, *, force: bool = False) -> None:
+        """Write the changed positions, at most every FLUSH_SECONDS unless forced."""
+        now = time.monotonic()
+        if not self._dirty or (not force and now - self._last_flush < FLUSH_SECONDS):
+            return
+        for name in list(self._dirty):
+            sub = self.subs.get(name)
+            if sub is not None:
+                self._write(sub)
+        self._dirty.clear()
+        self._last_flush = now
+
+    def lowest_ack(self) -> int | None:
+        """The lowest ACKed frontier of all subscriptions (what retention must keep)."""
+        acks = [s.acked or 0 for s in self.subs.values()]
+        return min(acks) if acks else None
+
+    def _write(self, sub: Subscription) -> None:
+        # (it may hold the receiver's bearer token)
+        self.log.write_bytes(f"{self.dir}/{sub.name}.json", orjson.dumps(asdict(sub)), private=True)

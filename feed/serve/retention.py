@@ -1,0 +1,46 @@
+"""The feed server's automatic retention (``serve --retain T``, DESIGN §8): every
+``--compact-every`` seconds, each feed is compacted to ``frontier - 1 - T``, never past the
+lowest ACK of any subscription (push or named pull)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from feed.log.compaction import compact, retention_target
+from feed.serve.state import ServerState
+from protocol import CheckpointError
+
+__all__ = ["retention_loop"]
+
+log = logging.getLogger("tidefeed.serve")
+
+
+def _apply_retention(st: ServerState) -> list[str]:
+    """One pass of the automatic policy over every feed; returns what it did."""
+    assert st.config.retain is not None
+    done = []
+    for feed in st.feed_names():
+        reader = st.reader(feed)
+        store = st.sub_store(feed)
+        store.flush(force=True)  # compaction checks the ACKs on disk
+        target = retention_target(
+            reader.frontier, reader.since, st.config.retain, store.lowest_ack()
+        )
+        if target is None:
+            continue
+        try:
+            done.append(compact(st.config.log, feed, target).summary())
+        except CheckpointError as e:
+            log.warning("retention: feed %s: %s", feed, e)
+    return done
+
+
+async def retention_loop(st: ServerState) -> None:
+    while True:
+        try:
+            for line in await asyncio.to_thread(_apply_retention, st):
+                log.info("retention: %s", line)
+        except (OSError, CheckpointError) as e:
+            log.error("retention pass failed: %s", e)
+        await asyncio.sleep(st.config.compact_seconds)

@@ -1,0 +1,390 @@
+"""Debezium JSON lines -> canonical change rows (see :mod:`feed.sources.kinds`).
+
+Wrapped (``{"schema", "payload"}``) or bare events; tombstones, heartbeats, transaction
+metadata and other tables' events are skipped and counted; END records of transaction
+metadata carry each transaction's size; decimals and times are decoded from their
+Kafka Connect encodings (:mod:`feed.sources.connect`). The position of an event is its commit LSN
+(``source.sequence[0]``), else its own LSN, as for a snapshot read (docs/sources.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import orjson
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from feed.sources.connect import (
+    TOAST_PLACEHOLDER,
+    as_strings,
+    connect_names,
+    connect_scales,
+    connect_to_avro,
+    typed_record,
+)
+from feed.sources.events import debezium_event
+from feed.sources.inputs import input_lines
+from feed.sources.rows import (
+    CORRUPT,
+    PARSE_OPTIONS,
+    canonical,
+    first_error,
+    mismatch_error,
+    ordered_fields,
+    read_text,
+)
+from protocol import SourceError
+
+__all__ = [
+    "SKIP_HEARTBEAT",
+    "SKIP_OTHER_TABLE",
+    "SKIP_TOMBSTONE",
+    "SKIP_TX_METADATA",
+    "debezium_event",
+    "debezium_schema",
+    "debezium_table",
+    "read_debezium",
+    "shape_sample",
+]
+
+#: how far schema inference looks for a Debezium event of the feed's table
+_SAMPLE_LINES = 100_000
+
+
+def _debezium_events(files: Sequence[str]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(wrapper, payload) of the first Debezium data events of ``files`` (tombstones,
+    transaction metadata and heartbeats left out), within the first lines."""
+    seen = 0
+    for path in files:
+        for line in input_lines(path):
+            seen += 1
+            if seen > _SAMPLE_LINES:
+                return
+            found = debezium_event(line)
+            if found is not None:
+                yield found
+
+
+def _table_of(payload: dict[str, Any]) -> str | None:
+    src = payload.get("source")
+    if not isinstance(src, dict) or not src.get("table"):
+        return None
+    return f"{src['schema']}.{src['table']}" if src.get("schema") else str(src["table"])
+
+
+def debezium_table(files: Sequence[str]) -> str | None:
+    """The ``schema.table`` of the first Debezium data event in ``files``, if any (not the
+    capture's own column-number table: feed/sources/capture.py)."""
+    from feed.sources.capture import COLUMNS_TABLE
+
+    for _, payload in _debezium_events(files):
+        table = _table_of(payload)
+        if table != COLUMNS_TABLE:
+            return table
+    return None
+
+
+def debezium_schema(spark: SparkSession, files: Sequence[str], table: str | None) -> dict[str, Any]:
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    from protocol import arrow_to_avro
+
+    images: list[str] = []
+    first_image: dict[str, Any] | None = None
+    for wrapper, payload in _debezium_events(files):
+        if table is not None and _table_of(payload) not in (table, None):
+            continue
+        schema = wrapper.get("schema")
+        if isinstance(schema, dict):
+            for fld in schema.get("fields", []):
+                if fld.get("field") in ("after", "before") and fld.get("fields"):
+                    return connect_to_avro(fld["fields"], "record")
+        image = payload.get("after") or payload.get("before")
+        if isinstance(image, dict):
+            first_image = first_image or image
+            images.append(orjson.dumps(image).decode())
+            if len(images) >= 1000:  # enough for Spark to type the columns
+                break
+    if first_image is None:
+        where = f" of table {table}" if table else ""
+        raise SourceError(
+            f"cannot infer a record schema: no Debezium change event{where} in the first "
+            f"input files ({files[0]} …); give --schema FILE (an Avro record schema)"
+        )
+    # no Connect schema: let Spark type the images, then restore the table's column order
+    inferred = spark.read.json(spark.sparkContext.parallelize(images))
+    fields = ordered_fields(list(inferred.schema.fields), list(first_image))
+    return dict(arrow_to_avro(to_arrow_type(T.StructType(fields), timezone="UTC"), name="record"))
+
+
+#: what a Debezium line that is not a change event of the feed's table is: skipped, counted
+SKIP_TOMBSTONE = "tombstone"
+SKIP_HEARTBEAT = "heartbeat"
+SKIP_TX_METADATA = "transaction metadata"
+SKIP_OTHER_TABLE = "other table"
+
+
+def read_debezium(
+    spark: SparkSession,
+    files: Sequence[str],
+    record: T.StructType,
+    key: Sequence[str],
+    options: dict[str, Any],
+) -> DataFrame:
+    """Debezium change events, with or without the ``{"schema","payload"}`` wrapper.
+
+    Besides change events (ops c/u/r/d, and t for truncate) a Debezium topic directory holds
+    lines that carry no row change: Kafka tombstones (``null`` after a delete), heartbeats,
+    transaction metadata (BEGIN/END) and other tables' events. Those are skipped and
+    counted (``_skip``), except END records, which come out as op ``E`` with the number of
+    the feed table's events in the transaction (``tx_count``) and the transaction's commit
+    LSN (``pos_hi``): the emitter uses them to tell complete transactions.
+
+    Positions: ``pos_hi`` is the commit LSN of ``source.sequence`` (the event's own LSN
+    when absent),
+    ``pos_lo`` the event's own LSN, ``pos_n`` its ``transaction.total_order`` (0 without
+    transaction metadata). A primary-key update's delete and create share an LSN but not
+    a total order; a snapshot's rows share everything but their row.
+    """
+    table = options.get("table")
+    encodings = connect_names(options.get("schema") or {})
+    scales = connect_scales(options.get("schema") or {})
+    raw_record = as_strings(record)
+    source = T.StructType(
+        [
+            T.StructField(n, T.StringType())
+            for n in ("lsn", "txId", "ts_ms", "sequence", "schema", "table", "snapshot")
+        ]
+    )
+    transaction = T.StructType(
+        [T.StructField("id", T.StringType()), T.StructField("total_order", T.LongType())]
+    )
+    collections = T.ArrayType(
+        T.StructType(
+            [
+                T.StructField("data_collection", T.StringType()),
+                T.StructField("event_count", T.LongType()),
+            ]
+        )
+    )
+    envelope = [
+        T.StructField("before", raw_record),
+        T.StructField("after", raw_record),
+        T.StructField("source", source),
+        T.StructField("op", T.StringType()),
+        T.StructField("transaction", transaction),
+        # transaction metadata records (BEGIN/END)
+        T.StructField("status", T.StringType()),
+        T.StructField("id", T.StringType()),
+        T.StructField("event_count", T.LongType()),
+        T.StructField("data_collections", collections),
+    ]
+    # one parse reads both shapes: {"schema", "payload": {…}} and the bare envelope
+    line = T.StructType(
+        [
+            T.StructField("schema", _WRAPPER_SCHEMA),
+            T.StructField("payload", T.StructType(envelope)),
+            *envelope,
+            T.StructField(CORRUPT, T.StringType()),
+        ]
+    )
+    text = read_text(spark, files)
+    parsed = F.from_json("_raw", line, PARSE_OPTIONS)
+    df = text.select("*", parsed.alias("p"))
+    wrapped = F.col("p.payload").isNotNull()
+
+    def field(name: str) -> Column:
+        return F.when(wrapped, F.col(f"p.payload.{name}")).otherwise(F.col(f"p.{name}"))
+
+    df = df.select(
+        "*",
+        field("before").alias("raw_before"),
+        field("after").alias("raw_after"),
+        field("source").alias("src"),
+        field("op").alias("op"),
+        field("transaction").alias("tx"),
+        field("status").alias("status"),
+        field("id").alias("tx_id"),
+        field("event_count").alias("tx_events"),
+        field("data_collections").alias("tx_tables"),
+    )
+    typed_before, mism_b = typed_record(F.col("raw_before"), record, "before.", encodings, scales)
+    typed_after, mism_a = typed_record(F.col("raw_after"), record, "after.", encodings, scales)
+    # typed once, in their own projection: the checks below refer to them many times
+    df = df.select(
+        "*",
+        typed_before.alias("t_before"),
+        typed_after.alias("t_after"),
+        F.concat_ws(", ", *mism_b, *mism_a).alias("t_mism"),
+    )
+    before, after = F.col("t_before"), F.col("t_after")
+    lsn = F.col("src.lsn").try_cast("long")
+    seq = F.from_json(F.col("src.sequence"), T.ArrayType(T.StringType()))
+    op = F.col("op")
+    status = F.col("status")
+    event_table = F.concat_ws(".", F.col("src.schema"), F.col("src.table"))
+    malformed = F.col("p").isNull() | F.col(f"p.{CORRUPT}").isNotNull()
+    skip = (
+        F.when(F.trim(F.col("_raw")) == "null", F.lit(SKIP_TOMBSTONE))
+        .when(malformed, F.lit(None))
+        .when(status.isNotNull() & (status != "END"), F.lit(SKIP_TX_METADATA))
+        .when(
+            op.isNull() & status.isNull() & F.col("raw_after").isNull(),
+            F.lit(SKIP_HEARTBEAT),
+        )
+    )
+    if table:
+        skip = skip.when(
+            op.isNotNull() & F.col("src.table").isNotNull() & (event_table != table),
+            F.lit(SKIP_OTHER_TABLE),
+        )
+    is_end = (status == "END") & skip.isNull()
+    mism_list = F.col("t_mism")
+    key_cols = list(key)
+    image = F.when(op == "d", before).otherwise(after)
+    missing_key = (
+        F.concat_ws(", ", *[F.when(image[k].isNull(), F.lit(k)) for k in key_cols])
+        if key_cols
+        else F.lit("")
+    )
+    error = first_error(
+        (skip.isNotNull(), F.lit(None).cast("string")),
+        (F.col("ord_file").isNull(), "input file could not be placed in order"),
+        (malformed, "malformed JSON"),
+        (is_end & F.col("tx_id").isNull(), "transaction END record without an 'id'"),
+        (is_end, F.lit(None).cast("string")),
+        (op.isNull(), "missing 'op'"),
+        (
+            op == "t",
+            "truncate events are not supported: re-snapshot the table into a new feed",
+        ),
+        (~op.isin("c", "u", "d", "r"), F.concat(F.lit("unknown op '"), op, F.lit("'"))),
+        mismatch_error(mism_list),
+        (lsn.isNull(), "missing source.lsn"),
+        (
+            op.isin("c", "u", "r") & F.col("raw_after").isNull(),
+            F.concat(F.lit("op '"), op, F.lit("' without an after-image")),
+        ),
+        ((op == "d") & F.col("raw_before").isNull(), "delete without a before-image"),
+        (missing_key != "", F.concat(F.lit("missing key column(s) "), missing_key)),
+        (
+            (op == "u") & F.col("raw_before").isNull() & F.lit(not key_cols),
+            "update without a before-image: give --key so the emitter keeps state",
+        ),
+    )
+    # the transaction: the xid part of transaction.id ("<xid>:<lsn>", whose LSN part
+    # differs from event to event), else source.txId
+    tx_xid = F.substring_index(F.col("tx.id"), ":", 1)
+    end_xid = F.substring_index(F.col("tx_id"), ":", 1)
+    end_lsn = F.substring_index(F.col("tx_id"), ":", -1).try_cast("long")
+    if table:
+        ours = F.filter(F.col("tx_tables"), lambda c: c["data_collection"] == table)
+        end_count = F.coalesce(
+            F.aggregate(ours, F.lit(0).cast("long"), lambda acc, c: acc + c["event_count"]),
+            F.lit(0).cast("long"),
+        )
+    else:
+        end_count = F.col("tx_events")
+    txn = F.coalesce(tx_xid, F.col("src.txId"), F.concat(F.lit("lsn:"), F.col("src.lsn")))
+    # Debezium/Postgres puts ["<last commit LSN>", "<LSN>"] in source.sequence; the commit
+    # LSN orders changes across concurrent transactions, so it is the major position.
+    # Without a last commit LSN (a snapshot read; the first transaction streamed after a
+    # start) the event's own LSN takes its place: a snapshot's LSN is its consistent
+    # point, after every transaction it holds and before every one streamed after it, so
+    # a second snapshot falls in order among the streamed transactions; a first streamed
+    # event's LSN is below its commit, which the next transaction's events carry.
+    pos_hi = F.coalesce(seq.getItem(0).try_cast("long"), lsn, F.lit(0).cast("long"))
+    return canonical(
+        df,
+        op=F.when(skip.isNotNull(), F.lit("x")).when(is_end, F.lit("E")).otherwise(op),
+        before=before,
+        after=after,
+        weight=F.lit(1),
+        pos_hi=F.when(is_end, end_lsn).otherwise(pos_hi),
+        pos_lo=F.when(is_end, end_lsn).otherwise(lsn),
+        pos_n=F.coalesce(F.col("tx.total_order"), F.lit(0)),
+        txn=F.when(is_end, end_xid).otherwise(txn),
+        tx_meta=F.col("tx").isNotNull() | is_end,
+        tx_count=F.when(is_end, end_count),
+        ord_file=F.col("ord_file"),
+        ord_row=F.col("ord_row"),
+        error=error,
+        skip=skip,
+        toast=_toast_columns(after, record),
+        # "first", "true", "last", "last_in_data_collection", "incremental", … : where a
+        # snapshot ends (feed/sources/transactions.py), also on the reads of other tables
+        snap=F.col("src.snapshot"),
+        # the table's shape as this event's Connect schema gives it (feed/sources/shapes.py)
+        shape=F.when(skip.isNull() & op.isin("c", "u", "d", "r"), _shape_of(F.col("p.schema"))),
+    )
+
+
+#: the part of a wrapped event's Connect schema that gives the table's columns: the
+#: ``fields`` of its ``after`` (or ``before``) field, kept as its JSON text
+_WRAPPER_SCHEMA = T.StructType(
+    [
+        T.StructField(
+            "fields",
+            T.ArrayType(
+                T.StructType(
+                    [
+                        T.StructField("field", T.StringType()),
+                        T.StructField("fields", T.StringType()),
+                    ]
+                )
+            ),
+        )
+    ]
+)
+
+
+def _columns_text(schema: Column) -> Column:
+    """The JSON text of the table's columns in a parsed :data:`_WRAPPER_SCHEMA` (null for
+    a bare event)."""
+    image = F.filter(schema["fields"], lambda f: f["field"].isin("after", "before"))
+    return F.try_element_at(image, F.lit(1))["fields"]
+
+
+def _shape_of(schema: Column) -> Column:
+    """A 64-bit hash of :func:`_columns_text`: events of one shape share it."""
+    text = _columns_text(schema)
+    return F.when(text.isNotNull(), F.xxhash64(text))
+
+
+def shape_sample(spark: SparkSession, files: Sequence[str], shape: int) -> list[dict[str, Any]]:
+    """The Connect fields (the table's columns) of the first event in ``files`` whose
+    shape hash is ``shape``; [] when none is found."""
+    wrapper = T.StructType([T.StructField("schema", _WRAPPER_SCHEMA)])
+    parsed = F.from_json("_raw", wrapper, PARSE_OPTIONS)["schema"]
+    found = (
+        read_text(spark, files)
+        .select(_columns_text(parsed).alias("t"), _shape_of(parsed).alias("h"))
+        .where(F.col("h") == F.lit(shape))
+        .limit(1)
+        .collect()
+    )
+    if not found:
+        return []
+    fields = orjson.loads(found[0]["t"])
+    return fields if isinstance(fields, list) else []
+
+
+def _toast_columns(image: Column, record: T.StructType) -> Column:
+    """The names of the columns of ``image`` that hold Debezium's unavailable-value
+    placeholder (comma-separated), or null."""
+    marks = []
+    for f in record.fields:
+        if isinstance(f.dataType, T.StringType):
+            hit = image[f.name] == F.lit(TOAST_PLACEHOLDER)
+        elif isinstance(f.dataType, T.BinaryType):
+            hit = image[f.name] == F.lit(TOAST_PLACEHOLDER.encode())
+        else:
+            continue
+        marks.append(F.when(hit, F.lit(f.name)))
+    if not marks:
+        return F.lit(None).cast("string")
+    names = F.concat_ws(",", *marks)
+    return F.when(names != "", names)

@@ -1,0 +1,362 @@
+"""Changes -> timed diffs -> consolidated updates, with keyed state, in native Spark.
+
+* **Times** come from :mod:`feed.txn.times` (a time per emitter or per source transaction).
+* **Unkeyed feeds** trust the images: insert ``+after``, delete ``-before``, update ``-before
+  +after``, a weighted row ``record`` times ``delta``.
+* **Keyed feeds** keep the current row of every key (the state) and never trust a
+  before-image: for each key and time the change's net effect is "retract what was emitted
+  last for this key, emit the last after-image" (nothing for a delete). This is right with
+  or without full before-images (Debezium ``REPLICA IDENTITY DEFAULT``, upserts, deletes by
+  key) and keeps the feed non-negative with at most one live row per key (DESIGN §2.6). A
+  delete of a key that is not there is a bad row.
+* **Consolidation** sums diffs per ``(record, time)`` and drops zeros (a no-op update or an
+  update undone in the same time vanishes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pyspark import StorageLevel
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+
+from feed.sources.positions import order_column
+from feed.txn.state import GONE_COLUMN, POS_COLUMN, POS_TYPE
+
+__all__ = [
+    "Diffs",
+    "consolidate_diffs",
+    "fill_unavailable",
+    "keyed_diffs",
+    "replacement_deletes",
+    "snapshot_diffs",
+    "unkeyed_diffs",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Diffs:
+    """The result of turning one transaction's changes into diffs."""
+
+    diffs: DataFrame  # data (record struct), unit (long), diff (long)
+    units: int  # how many times this transaction uses
+    state: DataFrame | None = None  # keyed: the new state (record struct column ``data``)
+    bad: DataFrame | None = None  # keyed: changes found bad against the state
+    cached: DataFrame | None = None  # persisted along the way: unpersist after the commit
+
+
+def unkeyed_diffs(changes: DataFrame) -> DataFrame:
+    minus = changes.where(F.col("before").isNotNull()).select(
+        F.col("before").alias("data"), "unit", (-F.col("weight")).alias("diff")
+    )
+    plus = changes.where(F.col("after").isNotNull()).select(
+        F.col("after").alias("data"), "unit", F.col("weight").alias("diff")
+    )
+    return minus.unionByName(plus)
+
+
+def _key_of(image: Column, key: Sequence[str]) -> Column:
+    return F.struct(*[image[k].alias(k) for k in key])
+
+
+def keyed_diffs(
+    changes: DataFrame,
+    state: DataFrame | None,
+    key: Sequence[str],
+    *,
+    per_key: bool = False,
+    one_unit: bool = False,
+) -> Diffs:
+    """Diffs of keyed changes against ``state`` (a DataFrame with a record column ``data``).
+
+    With ``per_key`` (sources whose positions order each key's changes: upsert order values,
+    CDF commit versions) the new state keeps each key's last position (``_pos``), and a
+    key's changes at or below the position its state row holds are dropped: a redelivered
+    or older row in a later file never overwrites newer state.
+
+    ``one_unit``: every change has the same ``unit`` (``--granularity batch``, or a single
+    source transaction), so a key has one row of ``last``: its previous image is the
+    state's, and no window (a sort of every key) is needed."""
+    image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
+    events = changes.select(
+        _key_of(image, key).alias("k"),
+        "unit",
+        "op",
+        "after",
+        order_column().alias("o"),
+        F.struct("pos_hi", "pos_lo", "pos_n").alias("p"),
+        "_file",
+        "_raw",
+    )
+    last = events.groupBy("k", "unit").agg(
+        F.max_by(F.struct("op", "after"), "o").alias("last"),
+        F.max((F.col("op") != "d").cast("int")).alias("has_upsert"),
+        F.max("p").alias("p"),
+    )
+    last = last.select(
+        "k",
+        "unit",
+        "has_upsert",
+        "p",
+        F.when(F.col("last.op") == "d", F.lit(None)).otherwise(F.col("last.after")).alias("img"),
+    )
+    if state is not None:
+        pos = F.col(POS_COLUMN) if POS_COLUMN in state.columns else F.lit(None).cast(POS_TYPE)
+        gone = F.col(GONE_COLUMN) if GONE_COLUMN in state.columns else F.lit(False)
+        st = state.select(
+            _key_of(F.col("data"), key).alias("k"),
+            F.when(~gone, F.col("data")).alias("old"),
+            pos.cast(POS_TYPE).alias("old_pos"),
+        )
+        last = last.join(st, "k", "left")
+        if per_key:
+            # a unit whose newest change is not past the key's state is a redelivery
+            last = last.where(F.col("old_pos").isNull() | (F.col("p") > F.col("old_pos")))
+    else:
+        last = last.withColumn("old", F.lit(None).cast(changes.schema["after"].dataType))
+    if one_unit:
+        prev = F.col("old")
+    else:
+        by_key = Window.partitionBy("k").orderBy("unit")
+        first = F.row_number().over(by_key) == 1
+        prev = F.when(first, F.col("old")).otherwise(F.lag("img").over(by_key))
+    last = last.withColumn("prev", prev).persist(StorageLevel.MEMORY_AND_DISK)
+    minus = last.where(F.col("prev").isNotNull()).select(
+        F.col("prev").alias("data"), "unit", F.lit(-1).cast("long").alias("diff")
+    )
+    plus = last.where(F.col("img").isNotNull()).select(
+        F.col("img").alias("data"), "unit", F.lit(1).cast("long").alias("diff")
+    )
+    # a delete whose key had no row: neither before it in this transaction nor in the state
+    missing = last.where(
+        F.col("img").isNull() & F.col("prev").isNull() & (F.col("has_upsert") == 0)
+    ).select("k", "unit")
+    bad = (
+        events.where(F.col("op") == "d")
+        .join(missing, ["k", "unit"])
+        .select(
+            "_file",
+            "_raw",
+            F.concat(F.lit("delete of key "), F.to_json("k"), F.lit(" that is not present")).alias(
+                "_error"
+            ),
+        )
+    )
+    # new state: the last image of every touched key, plus the untouched keys' rows
+    if one_unit:
+        touched = last.select("k", "img", "p")
+    else:
+        final = Window.partitionBy("k").orderBy(F.col("unit").desc())
+        rank = F.row_number().over(final)
+        touched = last.select("k", "img", "p", rank.alias("rn")).where("rn = 1")
+    new_rows = touched.where(F.col("img").isNotNull()).select(F.col("img").alias("data"))
+    if per_key:
+        # deleted keys stay as tombstones: the key columns, the position, _gone
+        record_t = changes.schema["after"].dataType
+        key_only = F.struct(
+            *[
+                (F.col(f"k.{f.name}") if f.name in key else F.lit(None))
+                .cast(f.dataType)
+                .alias(f.name)
+                for f in record_t.fields  # type: ignore[attr-defined]
+            ]
+        )
+        new_rows = touched.select(
+            F.coalesce(F.col("img"), key_only).alias("data"),
+            F.col("p").cast(POS_TYPE).alias(POS_COLUMN),
+            F.col("img").isNull().alias(GONE_COLUMN),
+        )
+    if state is not None:
+        carried = [c for c in (POS_COLUMN, GONE_COLUMN) if per_key and c in state.columns]
+        kept = state.join(
+            touched.select("k"), _key_of(F.col("data"), key) == F.col("k"), "left_anti"
+        ).select("data", *carried)
+        new_state = kept.unionByName(new_rows, allowMissingColumns=True)
+    else:
+        new_state = new_rows
+    return Diffs(diffs=minus.unionByName(plus), units=0, state=new_state, bad=bad, cached=last)
+
+
+def replacement_deletes(
+    changes: DataFrame, live: DataFrame | None, key: Sequence[str], snapshot: tuple[int, str]
+) -> DataFrame:
+    """``snapshot`` (its LSN and source transaction) replaces the collection: a delete of
+    every ``live`` state row (the whole state before it, tombstones left out) whose key
+    none of its reads in ``changes`` has, shaped like ``changes``. The snapshot is the
+    first source transaction released (unit 0) and its deletes sit at its LSN, before
+    every later change."""
+    if live is None:
+        return changes.limit(0)
+    lsn, txn = snapshot
+    reads = changes.where((F.col("op") == "r") & (F.col("txn") == txn))
+    held = reads.select(_key_of(F.col("after"), key).alias("k")).distinct()
+    given = {
+        "op": F.lit("d"),
+        "before": F.col("data"),
+        "weight": F.lit(1),
+        "pos_hi": F.lit(lsn),
+        "pos_lo": F.lit(lsn),
+        "pos_n": F.lit(0),
+        "txn": F.lit(txn),
+        "unit": F.lit(0),
+        "ord_file": F.lit(0),
+        "ord_row": F.lit(0),
+        "_file": F.lit("(new snapshot)"),
+    }
+    keyed = live.select(_key_of(F.col("data"), key).alias("k"), "data")
+    return keyed.join(held, "k", "left_anti").select(
+        *[
+            given.get(f.name, F.lit(None)).cast(f.dataType).alias(f.name)
+            for f in changes.schema.fields
+        ]
+    )
+
+
+def fill_unavailable(changes: DataFrame, state: DataFrame | None, key: Sequence[str]) -> Diffs:
+    """Fill Debezium's unavailable-value placeholders (``_toast`` names the columns) from the
+    key's latest earlier value: an earlier change read in the same transaction, else the
+    keyed state. Returns the changes with the values filled in (``diffs``) and, as ``bad``,
+    the changes whose key has no earlier value to take (they are left out of ``diffs``).
+
+    Only the keys that meet a placeholder are sorted; the other changes pass untouched.
+    """
+    after_t = changes.schema["after"].dataType
+    columns = [f.name for f in after_t.fields]  # type: ignore[attr-defined]
+    k = _key_of(F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after")), key)
+    keyed = changes.withColumn("_k", k)
+    toast_keys = keyed.where(F.col("_toast").isNotNull()).select("_k").distinct()
+    hit = keyed.join(F.broadcast(toast_keys), "_k", "left_semi")
+    rest = keyed.join(F.broadcast(toast_keys), "_k", "left_anti").drop("_k")
+    events = hit.select("*", F.lit(1).alias("_src"))
+    if state is not None:
+        earlier = (
+            state.select(_key_of(F.col("data"), key).alias("_k"), F.col("data").alias("after"))
+            .join(F.broadcast(toast_keys), "_k", "left_semi")
+            .select("_k", "after", F.lit(0).alias("_src"))
+        )
+        events = events.unionByName(earlier, allowMissingColumns=True)
+    names = F.split(F.coalesce(F.col("_toast"), F.lit("")), ",")
+    w = (
+        Window.partitionBy("_k")
+        .orderBy("_src", F.col("unit").asc_nulls_first(), order_column())
+        .rowsBetween(Window.unboundedPreceding, -1)
+    )
+    filled, missing = [], []
+    for c in columns:
+        toasted = F.array_contains(names, c)
+        # a value wrapped in a struct, so that a real NULL still counts as a value
+        known = F.when(
+            F.col("after").isNotNull() & ~toasted, F.struct(F.col(f"after.{c}").alias("v"))
+        )
+        earlier_v = F.last(known, ignorenulls=True).over(w)
+        filled.append(F.when(toasted, earlier_v["v"]).otherwise(F.col(f"after.{c}")).alias(c))
+        missing.append(F.when(toasted & earlier_v.isNull(), F.lit(c)))
+    out = events.select(
+        "*",
+        F.when(F.col("after").isNull(), F.col("after"))
+        .otherwise(F.struct(*filled))
+        .cast(after_t)
+        .alias("_filled"),
+        F.concat_ws(", ", *missing).alias("_missing"),
+    ).where(F.col("_src") == 1)
+    bad = out.where(F.col("_missing") != "").select(
+        "_file",
+        "_raw",
+        F.concat(
+            F.lit("unavailable value (unchanged TOASTed column) in "),
+            F.col("_missing"),
+            F.lit(" and key "),
+            F.to_json("_k"),
+            F.lit(" has no earlier row to take it from"),
+        ).alias("_error"),
+    )
+    good = (
+        out.where(F.col("_missing") == "")
+        .withColumn("after", F.col("_filled"))
+        .select(*changes.columns)
+    )
+    return Diffs(diffs=rest.unionByName(good), units=0, bad=bad)
+
+
+def consolidate_diffs(diffs: DataFrame, next_time: int) -> DataFrame:
+    """Sum diffs per (record, time), drop zeros; ``time = next_time + unit``."""
+    return (
+        diffs.groupBy("data", "unit")
+        .agg(F.sum("diff").alias("diff"))
+        .where(F.col("diff") != 0)
+        .select("data", (F.lit(next_time) + F.col("unit")).alias("time"), "diff")
+    )
+
+
+def snapshot_diffs(
+    changes: DataFrame, state: DataFrame | None, key: Sequence[str], granularity: str
+) -> Diffs:
+    """Successive full snapshots -> diffs: each snapshot minus the one before it.
+
+    Every row of snapshot ``i`` is ``+1`` at its own unit and ``-1`` at the next snapshot's
+    unit; the previous transaction's last snapshot (the state) is ``-1`` at unit 0.
+    Consolidation leaves exactly the multiset difference, keyed or not. With ``batch``
+    granularity only the last snapshot counts. Keyed snapshots keep the first row of a key
+    that appears more than once and report the others as bad.
+    """
+    bad = None
+    if key:
+        k = _key_of(F.col("after"), key)
+        w = Window.partitionBy("ord_file", k).orderBy("ord_row")
+        ranked = changes.withColumn("_n", F.row_number().over(w))
+        bad = ranked.where(F.col("_n") > 1).select(
+            "_file",
+            "_raw",
+            F.concat(
+                F.lit("key "), F.to_json(k), F.lit(" appears more than once in one snapshot")
+            ).alias("_error"),
+        )
+        changes = ranked.where(F.col("_n") == 1).drop("_n")
+    changes = changes.persist(StorageLevel.MEMORY_AND_DISK)
+    last_row = changes.agg(F.max("ord_file").alias("m")).collect()[0]
+    last = last_row["m"]
+    parts = []
+    if last is not None:
+        if granularity == "transaction":
+            parts.append(
+                changes.select(F.col("after").alias("data"), "unit", F.lit(1).alias("diff"))
+            )
+            parts.append(
+                changes.where(F.col("ord_file") != last).select(
+                    F.col("after").alias("data"),
+                    (F.col("unit") + 1).alias("unit"),
+                    F.lit(-1).alias("diff"),
+                )
+            )
+        else:
+            parts.append(
+                changes.where(F.col("ord_file") == last).select(
+                    F.col("after").alias("data"),
+                    F.lit(0).cast("long").alias("unit"),
+                    F.lit(1).alias("diff"),
+                )
+            )
+    if state is not None and last is not None:
+        parts.append(
+            state.select("data", F.lit(0).cast("long").alias("unit"), F.lit(-1).alias("diff"))
+        )
+    if not parts:
+        empty = changes.select(F.col("after").alias("data"), "unit", F.lit(1).alias("diff"))
+        return Diffs(diffs=empty.limit(0), units=0, state=state, bad=bad, cached=changes)
+    diffs = parts[0]
+    for p in parts[1:]:
+        diffs = diffs.unionByName(p)
+    new_state = (
+        changes.where(F.col("ord_file") == last).select(F.col("after").alias("data"))
+        if last is not None
+        else state
+    )
+    return Diffs(
+        diffs=diffs.select("data", "unit", F.col("diff").cast("long").alias("diff")),
+        units=0,
+        state=new_state,
+        bad=bad,
+        cached=changes,
+    )

@@ -1,0 +1,301 @@
+"""A small keyed Debezium transaction, computed on the driver.
+
+A follow-mode transaction of ten changes against a large keyed table costs the Spark path
+(:mod:`feed.txn.dataflow`) about two seconds whatever the table's size: a dozen small jobs
+(transaction figures, state buckets, updates, the state write) and about a second of
+planning on the driver, all for a few rows. Here Spark runs one job: it parses the input
+exactly as the Spark path does (:func:`feed.txn.dataflow.read_source`, so typing, errors and
+skipped lines are the same) and gives each event its state bucket (the same xxhash64);
+the result comes to the driver as Arrow. The rest is done there, following
+:mod:`feed.sources.transactions`, :mod:`feed.txn.times` and :mod:`feed.txn.diffs` for the
+plain case: drop input at or below the committed position, number the source transactions, diff each
+key's changes against its row in the touched state buckets (read and rewritten with
+pyarrow), consolidate per time, and write each time's segment.
+
+The plain case is what a streaming Debezium connector delivers between snapshots: data
+events (c/u/d), END records and skipped lines only; no bad row, no snapshot read or
+snapshot end marker; no unavailable-value placeholder without an earlier value to fill
+it; every source transaction complete (with transaction metadata: its END record read,
+and every event it counts); no delete of a key the feed does not hold; a record of scalar
+columns and a key without floating-point ones; a bucketed state not due to be
+rebucketed. An event delivered twice is kept once, as the Spark path keeps it. On
+anything else :func:`run` returns None before writing a file, and the Spark path
+computes the transaction (its parse is one small job more). Input larger than
+``--driver-txn-bytes`` goes to Spark directly. The row-by-row semantics are in
+:mod:`feed.txn.driver_diffs`.
+
+Both paths give the same feed: tests/feed/test_driver_txn.py runs random histories
+through each and compares the updates, the progress and the state.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from feed.log.manifest import Segment
+from feed.log.store import PARQUET_PAGES
+from feed.sources.positions import committed_position
+from feed.sources.rows import CHANGE_COLUMNS
+from feed.txn.dataflow import TxnContext, read_source, unfit_shape
+from feed.txn.driver_diffs import (
+    assign_units,
+    complete,
+    consolidate,
+    counted,
+    fill_unavailable,
+    keyed_diffs,
+    once,
+)
+from feed.txn.segments import Written, install_segments, staging_folder
+from feed.txn.state import LoadedState
+from protocol import SourceError
+
+__all__ = ["committed_state", "run"]
+
+#: the parsed columns the driver needs (not the weight, the file or the raw line)
+_COLUMNS = tuple(c for c in CHANGE_COLUMNS if c not in ("weight", "_file", "_raw"))
+_DATA_OPS = ("c", "u", "d")
+_SNAPSHOT_ENDS = ("last", "last_in_data_collection")
+
+
+def _scalar(t: pa.DataType) -> bool:
+    return bool(
+        pa.types.is_integer(t)
+        or pa.types.is_floating(t)
+        or pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or pa.types.is_decimal(t)
+        or pa.types.is_date(t)
+        or pa.types.is_timestamp(t)
+        or pa.types.is_time(t)
+        or pa.types.is_boolean(t)
+    )
+
+
+def committed_state(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> Any:
+    """The committed state this transaction would start from on the driver, or None when
+    it goes to Spark: not a keyed Debezium feed, input over the size limit, pending
+    ``--tx-metadata`` files, or a state :meth:`~feed.txn.state.BucketedState.committed` does
+    not give."""
+    cfg = ctx.config
+    if cfg.source_kind != "debezium" or not ctx.info.key or tx_files or not files:
+        return None
+    from feed.sources.inputs import input_bytes
+
+    try:
+        if input_bytes(files) > cfg.driver_txn_bytes:
+            return None
+    except (OSError, SourceError):
+        return None  # Spark's read says what is wrong
+    return ctx.state.committed(ctx.cp.state)
+
+
+def _not_plain(t: pa.Table, key: Sequence[str]) -> str | None:
+    """Why the parsed input is not the plain case (see the module docstring), or None."""
+    if t.column("_error").null_count < t.num_rows:
+        return "bad rows"
+    ops = set(pc.unique(t.column("op")).to_pylist())
+    if ops - {*_DATA_OPS, "x", "E"}:
+        return f"ops {sorted(o for o in ops - {*_DATA_OPS, 'x', 'E'} if o)}"
+    if set(pc.unique(t.column("_snap")).to_pylist()) & set(_SNAPSHOT_ENDS):
+        return "a snapshot's end"
+    record = t.schema.field("after").type
+    if not all(_scalar(f.type) for f in record):
+        return "a record with nested columns"
+    if any(pa.types.is_floating(record.field(k).type) for k in key):
+        return "a floating-point key column"
+    return None
+
+
+def run(
+    ctx: TxnContext,
+    seq: int,
+    files: Sequence[str],
+    loaded: LoadedState,
+    reached: Callable[..., None],
+) -> Written | None:
+    """Compute and write transaction ``seq`` over ``files`` on the driver, from the
+    committed state ``loaded`` (:func:`committed_state`); None, with nothing written, when
+    the input is not the plain case. ``reached(step, **facts)`` is told ``after_read`` and
+    ``before_write`` once the transaction is sure to be computed here, before its first
+    file is written."""
+    from pyspark.sql import functions as F
+
+    from feed.txn.state import bucket_of
+
+    cfg, cp, key = ctx.config, ctx.cp, tuple(ctx.info.key)
+    changes = read_source(ctx, files)
+    image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
+    bucket = bucket_of(image, key, loaded.buckets).alias("_bucket")
+    t = changes.select(*_COLUMNS, bucket).toArrow()
+    why = _not_plain(t, key)
+    if why is not None:
+        return _to_spark(ctx, seq, why)
+    committed = committed_position(cp.source.get("pos", [0, 0]))
+    # (an event read again, committed under an older shape, is no change of shape; one
+    # without a commit position yet is not committed, as position_filter has it)
+    cols = [t.column(c).to_pylist() for c in ("_shape", "pos_hi", "pos_lo", "pos_n")]
+    shapes = {
+        h
+        for h, *pos in zip(*cols, strict=True)
+        if h is not None and (pos[0] is None or tuple(pos) > committed)
+    }
+    if unfit_shape(ctx, files, shapes) is not None:
+        return _to_spark(ctx, seq, "the source table changed shape")
+    record = pa.schema(list(t.schema.field("after").type))
+    skipped = Counter(s for s in t.column("_skip").to_pylist() if s is not None)
+    data = t.filter(pc.is_in(t.column("op"), pa.array(_DATA_OPS))).to_pylist()
+
+    ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi", "tx_count"])
+    ends_read = ends.to_pylist()
+    why = complete(ends_read, data)
+    if why is not None:
+        return _to_spark(ctx, seq, why)
+    fresh = [e for e in data if (e["pos_hi"], e["pos_lo"], e["pos_n"]) > committed]
+    kept = once(fresh)
+    if not counted(ends_read, kept, committed):
+        return _to_spark(ctx, seq, "a source transaction not complete, or over its END count")
+    for e in kept:
+        e["o"] = (e["pos_hi"], e["pos_lo"], e["pos_n"], e["ord_file"], e["ord_row"])
+        img = e["before"] if e["op"] == "d" else e["after"]
+        e["k"] = tuple(img[c] for c in key)
+    units = assign_units(kept, cfg.granularity)
+
+    touched = {e["_bucket"] for e in kept}
+    state = _read_buckets(ctx, loaded, touched, record)
+    if state is None:
+        return _to_spark(ctx, seq, "state with positions or tombstones")
+    old, carried = _split_state(state, {e["k"] for e in kept}, key, record)
+    if not fill_unavailable(kept, old):
+        return _to_spark(ctx, seq, "an unavailable value with no earlier value to take")
+    diffs = keyed_diffs(kept, old)
+    if diffs is None:
+        return _to_spark(ctx, seq, "a delete of a key the feed does not hold")
+    updates, final = diffs
+
+    # (told only now: a transaction handed to Spark above reaches them there, once)
+    reached("after_read", rows_read=t.num_rows)
+    reached("before_write", bad_rows=0)
+    segments = _write_segments(ctx, seq, consolidate(updates, record), record)
+    state_ref = cp.state
+    if kept:
+        new_rows: dict[int, list[dict[str, Any]]] = {}
+        for b, img in final.values():
+            if img is not None:
+                new_rows.setdefault(b, []).append(img)
+        loaded = replace(loaded, touched=frozenset(touched))
+        state_ref = _write_state(ctx, seq, loaded, carried, new_rows, record)
+    return Written(
+        segments=segments,
+        state_ref=state_ref,
+        units=units,
+        position=max((e["o"][:3] for e in kept), default=None),
+        input_rows=t.num_rows,
+        skipped=dict(skipped),
+        redelivered=len(data) - len(kept),
+        snapshot_lsn=None,  # (no snapshot read: the Spark path takes those)
+    )
+
+
+def _to_spark(ctx: TxnContext, seq: int, why: str) -> Written | None:
+    """None (the transaction goes to Spark), saying why in the debug log."""
+    ctx.log.debug("feed %s: transaction %d is computed in Spark: %s", ctx.config.feed, seq, why)
+    return None
+
+
+def _read_buckets(
+    ctx: TxnContext, loaded: LoadedState, buckets: set[int], record: pa.Schema
+) -> dict[int, pa.Table] | None:
+    """The rows of the committed state's ``buckets``; None when a bucket holds more than
+    records (tombstones or positions, which Debezium state never has)."""
+    fl = ctx.feedlog
+    out = {}
+    for b in sorted(buckets):
+        folder = loaded.files.get(b)
+        if folder is None:
+            continue
+        parts = [pq.read_table(f, filesystem=fl.fs) for f in fl.parquet_files(fl.path(folder))]
+        if not parts:
+            continue
+        if any(p.schema.names != record.names for p in parts):
+            return None
+        out[b] = pa.concat_tables([p.cast(record) for p in parts])
+    return out
+
+
+def _split_state(
+    state: dict[int, pa.Table], keys: set[tuple[Any, ...]], key: Sequence[str], record: pa.Schema
+) -> tuple[dict[tuple[Any, ...], dict[str, Any]], dict[int, pa.Table]]:
+    """The state rows of ``keys`` (by key) and, per bucket, the rows of every other key,
+    which the new version of the bucket carries as they are (columnar: a bucket holds
+    thousands of rows, a transaction touches a few)."""
+    wanted = pa.Table.from_pylist(
+        [dict(zip(key, k, strict=True)) for k in keys],
+        schema=pa.schema([record.field(c) for c in key]),
+    )
+    old: dict[tuple[Any, ...], dict[str, Any]] = {}
+    carried: dict[int, pa.Table] = {}
+    for b, rows in state.items():
+        for row in rows.join(wanted, list(key), join_type="left semi").to_pylist():
+            old[tuple(row[c] for c in key)] = row
+        carried[b] = rows.join(wanted, list(key), join_type="left anti").select(record.names)
+    return old, carried
+
+
+def _write_segments(
+    ctx: TxnContext, seq: int, units: dict[int, list[dict[str, Any]]], record: pa.Schema
+) -> list[Segment]:
+    """Write each unit's updates as its time's segment: staged, then installed under the
+    epoch's names (:func:`feed.txn.segments.install_segments`)."""
+    fl, cp = ctx.feedlog, ctx.cp
+    staging = staging_folder(fl, seq)
+    schema = pa.schema([*record, pa.field("diff", pa.int64())])
+    staged = []
+    for unit, rows in sorted(units.items()):
+        time = cp.next + unit
+        path = f"{staging}/time={time}/part-{uuid.uuid4().hex}.parquet"
+        staged.append((time, path, _write(fl.fs, path, pa.Table.from_pylist(rows, schema))))
+    segments = install_segments(ctx, staged, cp.epoch)
+    fl.delete_dir(staging)
+    return segments
+
+
+def _write_state(
+    ctx: TxnContext,
+    seq: int,
+    loaded: LoadedState,
+    carried: dict[int, pa.Table],
+    new_rows: dict[int, list[dict[str, Any]]],
+    record: pa.Schema,
+) -> str:
+    """Write the touched buckets (their untouched keys' rows and the touched keys' new
+    rows) and the state manifest; return the manifest's reference."""
+    attempt = ctx.state.attempt(seq)
+    written = []
+    for b in sorted(loaded.touched):
+        parts = [pa.Table.from_pylist(new_rows.get(b, []), record)]
+        if b in carried:
+            parts.insert(0, carried[b])
+        rows = pa.concat_tables(parts)
+        if rows.num_rows:
+            path = f"{ctx.state.bucket_folder(attempt, b)}/part-{uuid.uuid4().hex}.parquet"
+            written.append((b, path, _write(ctx.feedlog.fs, path, rows)))
+    ref: str = ctx.state.publish(attempt, written, loaded)
+    return ref
+
+
+def _write(fs: Any, path: str, table: pa.Table) -> int:
+    """Write one Parquet file (its folder made first); return its rows."""
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    pq.write_table(table, path, filesystem=fs, **PARQUET_PAGES)
+    return int(table.num_rows)

@@ -1,0 +1,170 @@
+"""What :mod:`feed.txn.driver` does to a small transaction's events, row by row: the same
+rules as the Spark path's :mod:`feed.sources.transactions` (positions, repeats, completeness),
+:mod:`feed.txn.times` (units), :mod:`feed.txn.diffs` (unavailable values, keyed diffs,
+consolidation), on events as dictionaries (a few thousand at most).
+
+Each event is a dict of the parsed change columns plus ``o`` (its order), ``k`` (its key)
+and ``unit`` once assigned; functions that fill those in say so.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from typing import Any
+
+import pyarrow as pa
+
+__all__ = [
+    "assign_units",
+    "by_key",
+    "complete",
+    "consolidate",
+    "counted",
+    "fill_unavailable",
+    "keyed_diffs",
+    "once",
+]
+
+
+def once(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events with a repeat (the same transaction, position and op: an at-least-once
+    redelivery) left out, keeping the first delivered."""
+    first: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for e in sorted(events, key=lambda e: (e["ord_file"], e["ord_row"])):
+        first.setdefault((e["txn"], e["pos_lo"], e["pos_n"], e["op"]), e)
+    return list(first.values())
+
+
+def complete(ends: list[dict[str, Any]], data: list[dict[str, Any]]) -> str | None:
+    """Give each event of a transaction with metadata its END record's commit LSN as
+    ``pos_hi`` (:func:`feed.sources.transactions.assemble`); why not, when an END is missing.
+    ``ends``: the END records read (``txn``, ``pos_hi``, ``tx_count``)."""
+    commit: dict[Any, int] = {}
+    for end in ends:
+        commit[end["txn"]] = max(commit.get(end["txn"], end["pos_hi"]), end["pos_hi"])
+    for e in data:
+        if e["tx_meta"]:
+            if e["txn"] not in commit:
+                return "a source transaction whose END record is not read yet"
+            e["pos_hi"] = commit[e["txn"]]
+    return None
+
+
+def counted(
+    ends: list[dict[str, Any]], kept: list[dict[str, Any]], committed: tuple[int, ...]
+) -> bool:
+    """Whether every source transaction with metadata has exactly the events its END
+    record counts (an END at or below the committed position is done with)."""
+    expected: dict[Any, int] = {}
+    for end in ends:
+        if end["pos_hi"] > committed[0]:
+            expected[end["txn"]] = max(expected.get(end["txn"], 0), end["tx_count"] or 0)
+    events = Counter(e["txn"] for e in kept)
+    meta = {e["txn"] for e in kept if e["tx_meta"]}
+    return meta <= expected.keys() and all(events[x] == n for x, n in expected.items())
+
+
+def assign_units(events: list[dict[str, Any]], granularity: str | None) -> int:
+    """Each event's ``unit`` (:func:`feed.txn.times.assign_units`); returns how many."""
+    if granularity == "batch":
+        for e in events:
+            e["unit"] = 0
+        return 1
+    first: dict[Any, tuple[int, ...]] = {}
+    for e in events:
+        if e["txn"] not in first or e["o"] < first[e["txn"]]:
+            first[e["txn"]] = e["o"]
+    rank = {txn: i for i, txn in enumerate(sorted(first, key=first.__getitem__))}
+    for e in events:
+        e["unit"] = rank[e["txn"]]
+    return len(rank)
+
+
+def by_key(events: list[dict[str, Any]]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
+    """The events of each key, in the order they apply: by unit, then source order."""
+    out: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for e in sorted(events, key=lambda e: (e["unit"], e["o"])):
+        out.setdefault(e["k"], []).append(e)
+    return out
+
+
+def fill_unavailable(
+    events: list[dict[str, Any]], old: dict[tuple[Any, ...], dict[str, Any]]
+) -> bool:
+    """Fill Debezium's unavailable-value placeholders (``_toast`` names the columns) from
+    the key's latest earlier value, an earlier change of the transaction or its state
+    row, as :func:`feed.txn.diffs.fill_unavailable` does; False when one has none."""
+    if not any(e["_toast"] for e in events):
+        return True
+    for k, evs in by_key(events).items():
+        if not any(e["_toast"] for e in evs):
+            continue
+        known = dict(old.get(k) or {})
+        for e in evs:
+            if e["after"] is None:
+                continue
+            toasted = set(e["_toast"].split(",")) if e["_toast"] else set()
+            if toasted - known.keys():
+                return False
+            raw = e["after"]
+            e["after"] = {c: known[c] if c in toasted else v for c, v in raw.items()}
+            known.update((c, v) for c, v in raw.items() if c not in toasted)
+    return True
+
+
+def keyed_diffs(
+    events: list[dict[str, Any]], old: dict[tuple[Any, ...], dict[str, Any]]
+) -> tuple[list[tuple[dict[str, Any], int, int]], dict[tuple[Any, ...], tuple[int, Any]]] | None:
+    """Each key's diffs per unit, as :func:`feed.txn.diffs.keyed_diffs`: retract what the key
+    held before the unit, emit its last image in the unit. Returns the diffs and, per key,
+    its bucket and final image (None: deleted); None when a delete meets an absent key."""
+    diffs: list[tuple[dict[str, Any], int, int]] = []
+    final: dict[tuple[Any, ...], tuple[int, Any]] = {}
+    for k, evs in by_key(events).items():
+        prev = old.get(k)
+        for unit, group in itertools.groupby(evs, key=lambda e: e["unit"]):
+            in_unit = list(group)
+            last = in_unit[-1]
+            img = None if last["op"] == "d" else last["after"]
+            if img is None and prev is None and all(e["op"] == "d" for e in in_unit):
+                return None
+            if prev is not None:
+                diffs.append((prev, unit, -1))
+            if img is not None:
+                diffs.append((img, unit, 1))
+            prev = img
+        final[k] = (evs[0]["_bucket"], prev)
+    return diffs, final
+
+
+def consolidate(
+    diffs: list[tuple[dict[str, Any], int, int]], record: pa.Schema
+) -> dict[int, list[dict[str, Any]]]:
+    """Sum the diffs per (record, unit) and drop zeros: each unit's rows with ``diff``.
+    Floating-point columns group as Spark groups them: every NaN alike and -0.0 as 0.0,
+    which is also the value written (:func:`_normal`)."""
+    names = record.names
+    floats = [f.name for f in record if pa.types.is_floating(f.type)]
+    sums: Counter[tuple[Any, ...]] = Counter()
+    rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for data, unit, d in diffs:
+        if floats:
+            data = {**data, **{n: _normal(data[n]) for n in floats}}
+        k = (unit, *(_NAN if data[n] != data[n] else data[n] for n in names))
+        sums[k] += d
+        rows.setdefault(k, data)
+    out: dict[int, list[dict[str, Any]]] = {}
+    for k, n in sums.items():
+        if n:
+            out.setdefault(k[0], []).append({**rows[k], "diff": n})
+    return out
+
+
+#: what every NaN groups as (NaN is not equal to itself)
+_NAN = ("NaN",)
+
+
+def _normal(v: float | None) -> float | None:
+    """-0.0 as 0.0 (Spark's NormalizeFloatingNumbers on grouping keys); the rest as is."""
+    return 0.0 if v == 0 else v

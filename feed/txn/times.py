@@ -1,0 +1,73 @@
+"""Each change's time: its offset (``unit``) from the transaction's first time ``next``.
+
+With ``batch`` granularity every change of an emitter transaction gets the time ``next``.
+With ``transaction`` granularity each source transaction gets its own time, ``next``,
+``next + 1``, … in the order the source committed them (delivery order), so a source
+transaction is never split or merged. (The clock, logical or wall-clock, decides ``next``
+itself: :mod:`feed.emit.emitter`.)
+"""
+
+from __future__ import annotations
+
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame, Window
+from pyspark.sql import functions as F
+
+from feed.sources.positions import source_order
+
+__all__ = ["LISTED_TXNS", "assign_units"]
+
+
+#: up to this many source transactions are numbered from a list on the driver (one small
+#: job, as a follow-mode transaction needs); beyond it they are numbered in Spark
+LISTED_TXNS = 50_000
+
+
+def assign_units(
+    changes: DataFrame, granularity: str, order: DataFrame | None = None
+) -> tuple[DataFrame, int, DataFrame | None]:
+    """Add ``unit`` (0, 1, …: the offset from ``next``); return the changes, how many units
+    there are, and a persisted frame to unpersist after the commit (or None).
+
+    ``order``, when the caller has it already, holds each source transaction (``txn``) with
+    its place in source order (``o``). Up to :data:`LISTED_TXNS` transactions are listed on
+    the driver in order. More are numbered in Spark: sorted into ranges, numbered within
+    each, and shifted by the sizes of the ranges before it (only one count per range comes
+    to the driver, never the list of transactions)."""
+    if granularity == "batch":
+        return changes.withColumn("unit", F.lit(0).cast("long")), 1, None
+    if order is None:
+        order = source_order(changes)
+    spark = changes.sparkSession
+    head = order.orderBy("o").select("txn").limit(LISTED_TXNS + 1).collect()
+    if len(head) <= LISTED_TXNS:
+        if not head:
+            return changes.withColumn("unit", F.lit(0).cast("long")), 0, None
+        listed = spark.createDataFrame(
+            [(r["txn"], i) for i, r in enumerate(head)], "txn string, unit long"
+        )
+        return changes.join(F.broadcast(listed), "txn"), len(head), None
+    try:
+        ranges = max(1, int(spark.conf.get("spark.sql.shuffle.partitions") or 8))
+    except ValueError:
+        ranges = 8
+    # The range a row lands in is only known once: persisted, so the sizes counted here
+    # and the numbering joined below are of the same ranges (computed twice, the optimizer
+    # dropped the sort in one plan). An explicit range repartition: the optimizer may drop
+    # a sort whose order nothing above asks for, never a repartition asked for by number.
+    ranked = (
+        order.repartitionByRange(ranges, "o")
+        .withColumn("_range", F.spark_partition_id())
+        .withColumn("_n", F.row_number().over(Window.partitionBy("_range").orderBy("o")))
+        .persist(StorageLevel.MEMORY_AND_DISK)
+    )
+    sizes = sorted(tuple(r) for r in ranked.groupBy("_range").count().collect())
+    starts, total = [], 0
+    for rng, n in sizes:
+        starts.append((rng, total))
+        total += n
+    shift = spark.createDataFrame(starts, "_range int, _start long")
+    units = ranked.join(F.broadcast(shift), "_range").select(
+        "txn", (F.col("_start") + F.col("_n") - 1).cast("long").alias("unit")
+    )
+    return changes.join(units, "txn"), total, ranked
