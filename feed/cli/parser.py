@@ -89,6 +89,24 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         parsers[name] = p
         return p
 
+    _check(command)
+    _convert(command)
+    _emit(command)
+    _inspect(command)
+    _serve(command)
+    _compact(command)
+    _receive(command)
+    _capture(command)
+    _demo(command)
+
+    for p in parsers.values():
+        _common(p)
+    scope_env(parsers)
+    parser.set_defaults(_commands=commands, _parsers=parsers)
+    return parser
+
+
+def _check(command: Callable[..., OptionParser]) -> None:
     p = command("check", help="validate a feed stream (exit 0 valid, 1 invalid)")
     p.option("--format", choices=FORMATS, help="input format (default: detected from the bytes)")
     p.option(
@@ -99,6 +117,8 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.option("--key", help="key columns, comma-separated: at most one live row per key")
     p.add_argument("file", nargs="?", default="-", metavar="FILE|-", help="the stream to check")
 
+
+def _convert(command: Callable[..., OptionParser]) -> None:
     p = command("convert", help="convert a feed stream between formats")
     p.option("--from", dest="from_", choices=FORMATS, required=True, help="input format")
     p.option("--to", choices=FORMATS, required=True, help="output format")
@@ -106,6 +126,8 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.add_argument("input", nargs="?", default="-", metavar="IN|-")
     p.add_argument("output", nargs="?", default="-", metavar="OUT|-")
 
+
+def _emit(command: Callable[..., OptionParser]) -> None:
     p = command("emit", help="turn row changes into a consolidated feed (Spark)")
     p.option(
         "--source",
@@ -194,6 +216,8 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         "they are not in the source folder itself",
     )
 
+
+def _inspect(command: Callable[..., OptionParser]) -> None:
     p = command("inspect", help="print a committed feed from its log (no Spark)")
     p.option("--log", required=True, help="feed log: a local folder or s3://…")
     p.option("--feed", required=True, help="feed name")
@@ -206,6 +230,8 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     )
     p.option("--format", choices=("table", *FORMATS), default="table", help="output format")
 
+
+def _serve(command: Callable[..., OptionParser]) -> None:
     p = command("serve", help="serve feeds over HTTP (pull and push subscriptions)")
     p.option("--log", required=True, help="feed log: a local folder or s3://…")
     p.option("--host", default=DEFAULT_HOST, help="address to listen on")
@@ -254,11 +280,15 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         help="close a connection that sends no whole request for this many seconds",
     )
 
+
+def _compact(command: Callable[..., OptionParser]) -> None:
     p = command("compact", help="fold old times into one snapshot")
     p.option("--log", required=True, help="feed log: a local folder or s3://…")
     p.option("--feed", required=True, help="feed name")
     p.option("--to", required=True, type=int, help="fold every time <= T; since becomes T")
 
+
+def _receive(command: Callable[..., OptionParser]) -> None:
     p = command("receive", help="run the reference receiver (SQLite)")
     p.option("--db", required=True, help="SQLite database file")
     p.option("--host", default=DEFAULT_HOST, help="address to listen on")
@@ -277,6 +307,8 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
     p.option("--log", required=True, help="feed log: a local folder or s3://…")
     p.option("--format", choices=("table", "json"), default="table", help="output format")
 
+
+def _capture(command: Callable[..., OptionParser]) -> None:
     p = command("capture", help="capture a database's changes into a source folder (Debezium)")
     p.add_argument("database", choices=("postgres",), help="the source database kind")
     p.option("--dsn", required=True, help="postgresql://USER:PASSWORD@HOST:PORT/DBNAME")
@@ -296,6 +328,8 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         "stops the feed instead of renaming its column)",
     )
 
+
+def _demo(command: Callable[..., OptionParser]) -> None:
     p = command("demo", help="run the demo end to end")
     p.option(
         "--workdir",
@@ -308,9 +342,3 @@ def build_parser(handlers: Mapping[str, Callable[[argparse.Namespace], int]]) ->
         help="run a throwaway PostgreSQL and capture it with Debezium (needs PostgreSQL "
         "installed and the postgres extra)",
     )
-
-    for p in parsers.values():
-        _common(p)
-    scope_env(parsers)
-    parser.set_defaults(_commands=commands, _parsers=parsers)
-    return parser

@@ -105,7 +105,7 @@ async def test_pull_in_each_format_and_resume_with_after(feed_log, fmt):
 async def test_a_large_time_streams_in_bounded_chunks(feed_log, fmt, monkeypatch):
     """A time (and a snapshot) larger than one chunk is sent as several update messages
     before its progress, each encoded off the event loop; the stream stays exact."""
-    import feed.serve.pull as pull
+    import feed.serve.stream as pull
 
     monkeypatch.setattr(pull, "STREAM_CHUNK_UPDATES", 3)
     log, _ = feed_log
@@ -134,7 +134,7 @@ async def test_a_stream_waiting_on_its_consumer_lets_its_files_go_and_goes_on_ex
 ):
     """A write the consumer does not take within the release delay closes the time's
     files; the stream opens them again after what it sent: nothing lost or repeated."""
-    import feed.serve.pull as pull
+    import feed.serve.stream as pull
 
     monkeypatch.setattr(pull, "STREAM_CHUNK_UPDATES", 2)
     monkeypatch.setattr(pull, "RELEASE_SECONDS", 0.05)
@@ -480,7 +480,7 @@ async def test_a_consumer_leaving_during_a_snapshot_is_one_log_line(feed_log, mo
     import socket
     import struct
 
-    import feed.serve.pull as pull
+    import feed.serve.stream as pull
 
     monkeypatch.setattr(pull, "STREAM_CHUNK_UPDATES", 1)  # a write per update
     log, _ = feed_log

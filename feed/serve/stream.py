@@ -1,0 +1,286 @@
+"""One pull stream (DESIGN §7), from its opening to its end: every committed time as
+whole times (the updates in bounded batches, then the time's progress), the live tail with
+heartbeats, and the end a consumer can resume from. Reading and encoding run in worker
+threads, one batch per turn; a stream waiting on its consumer lets its files go."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from feed.log.reader import FeedReader
+from feed.serve.state import ServerState
+from protocol import CheckpointError, Compacted, Progress, Updates, announcement, get_codec
+
+__all__ = ["RELEASE_SECONDS", "STREAM_CHUNK_UPDATES", "stream"]
+
+log = logging.getLogger("tidefeed.serve")
+
+#: updates per encoded chunk of a pull stream (bounded bytes per write and per loop turn)
+STREAM_CHUNK_UPDATES = 4_096
+
+#: seconds a write may wait for its consumer before the stream lets go of its open files
+#: (readers of 50 stuck streams held ~2 MB each); they are opened again after the updates
+#: sent, at the cost of reading again up to one row group
+RELEASE_SECONDS = 2.0
+
+
+class _SchemaMoved(Exception):
+    """An Avro or Arrow stream met a newer schema version: it ends after its last whole
+    time (``at``: where a resume with ``after`` goes on)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__(at)
+        self.at = at
+
+
+class _TimeFiles:
+    """The batches (and so the open files) of the time a stream is sending, if open."""
+
+    def __init__(self) -> None:
+        self.batches: Any = None
+
+    def release(self) -> None:
+        """Close the files; the stream opens them again after what it sent."""
+        if self.batches is not None:
+            with contextlib.suppress(ValueError):  # (a generator still running in its thread)
+                self.batches.close()
+            self.batches = None
+
+
+class _Stalled(Exception):
+    """A consumer took nothing of a write for ``--stall-timeout`` seconds."""
+
+
+async def stream(
+    request: web.Request,
+    st: ServerState,
+    feed: str,
+    reader: FeedReader,
+    opening: list[Any],
+    lower: int,
+    snapshot: bool,
+    follow: bool,
+    fmt: str,
+) -> web.StreamResponse:
+    codec = get_codec(fmt)
+    resp = web.StreamResponse(headers={"Content-Type": codec.content_type})
+    await resp.prepare(request)
+    stream = _PullStream(st, feed, reader, resp, fmt, lower)
+    try:  # a consumer may go away at any write, the opening's too
+        await stream.run(opening, snapshot, follow)
+    except ConnectionError:  # reset, broken pipe, or aiohttp's "Connection lost" in a drain
+        log.info("feed %s: a consumer went away", feed)
+    except _Stalled:
+        log.warning(
+            "feed %s: the consumer at %s took nothing for %.0f s: stream closed",
+            feed,
+            request.remote,
+            st.config.stall_seconds,
+        )
+        if request.transport is not None:
+            request.transport.abort()
+    return resp
+
+
+class _PullStream:
+    """One pull stream: its opening, every committed time from ``lower`` on as whole
+    times (updates, then their progress), and with ``follow`` the times committed later."""
+
+    def __init__(
+        self,
+        st: ServerState,
+        feed: str,
+        reader: FeedReader,
+        resp: web.StreamResponse,
+        fmt: str,
+        lower: int,
+    ) -> None:
+        self.st, self.feed, self.reader, self.resp, self.fmt = st, feed, reader, resp, fmt
+        self.lower = lower  # where the next time's progress starts
+        self.files = _TimeFiles()
+        self.sink = io.BytesIO()
+        self.encoder = get_codec(fmt).encoder(self.sink, schema=reader.info.schema)
+        # an Avro or Arrow stream has one schema: it ends where a newer version is committed
+        self.schema = reader.info.schema
+        self.metrics = st.metrics
+
+    async def run(self, opening: list[Any], snapshot: bool, follow: bool) -> None:
+        try:
+            if snapshot and self.reader.frontier > 0:
+                self.lower = self.reader.frontier
+                opening = await asyncio.to_thread(self.reader.snapshot_opening, self.lower)
+            await self.send(opening)
+            await self.catch_up()
+            await _follow(
+                self.st, self.reader, follow, lambda: self.lower, self.catch_up, self.send
+            )
+        except Compacted as e:
+            # never an empty or partial time: the stream ends after its last whole message,
+            # NDJSON with a last line saying why (Avro and Arrow have no place for it)
+            log.info(
+                "feed %s: a stream at %d was overtaken by compaction to %d",
+                self.feed,
+                self.lower,
+                e.since,
+            )
+            if self.fmt == "ndjson":
+                line = {"error": "compacted", "detail": str(e), "since": e.since}
+                await self.write(orjson.dumps(line) + b"\n")
+        except _SchemaMoved as e:
+            log.info(
+                "feed %s: a %s stream ends at %d, where a new schema version begins: the "
+                "consumer resumes from there with the new schema",
+                self.feed,
+                self.fmt,
+                e.at,
+            )
+        self.encoder.close()
+        tail = self.sink.getvalue()
+        if tail:
+            await self.write(tail)
+        await self.resp.write_eof()
+
+    async def write(self, data: bytes) -> None:
+        """One write. A consumer that takes none of it for ``RELEASE_SECONDS`` has the
+        stream let go of its open files (reopened where it was once the write is
+        taken); one that takes none for ``stall_seconds`` has the stream abandoned and
+        the connection dropped."""
+        task = asyncio.ensure_future(self.resp.write(data))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=RELEASE_SECONDS)
+            if not done:
+                self.files.release()
+                wait = max(0.0, self.st.config.stall_seconds - RELEASE_SECONDS)
+                done, _ = await asyncio.wait({task}, timeout=wait)
+                if not done:
+                    raise _Stalled
+            task.result()  # a consumer gone: ConnectionError
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def encode(self, messages: list[Any]) -> bytes:
+        for msg in messages:
+            self.encoder.write(msg)
+        self.encoder.flush()
+        data = self.sink.getvalue()
+        self.sink.seek(0)
+        self.sink.truncate()
+        return data
+
+    def count_sent(self, updates: int, data: bytes) -> None:
+        if updates:
+            self.metrics.updates.labels(self.feed, "", "pull").inc(updates)
+        if data:
+            self.metrics.bytes.labels(self.feed, "", "pull").inc(len(data))
+
+    async def send(self, messages: list[Any]) -> None:
+        """Encode in a worker thread, a bounded chunk at a time: a large time never holds
+        the event loop (other streams, pushes, /healthz) and never becomes one huge
+        write; each chunk is an update message of its own (consumers take any number
+        before the progress)."""
+        for chunk in _chunks(messages):
+            data = await asyncio.to_thread(self.encode, chunk)
+            self.count_sent(sum(len(x) for x in chunk if isinstance(x, Updates)), data)
+            if data:
+                await self.write(data)
+
+    def overtaken(self, at: int, since: int) -> Compacted:
+        return Compacted(
+            f"feed {self.feed!r} was compacted to {since} while this stream was at {at}: "
+            f"resume from a snapshot (snapshot=true), or pull from after={since} if you "
+            f"hold everything below {since}",
+            since=since,
+        )
+
+    async def catch_up(self) -> None:
+        """Every time committed since the last call, then the frontier."""
+        if self.fmt != "ndjson" and self.reader.info.schema != self.schema:
+            raise _SchemaMoved(self.lower)
+        frontier = self.reader.frontier  # one checkpoint for the times listed and the closing
+        if self.reader.since > self.lower:
+            raise self.overtaken(self.lower, self.reader.since)
+        for t in await asyncio.to_thread(self.reader.times, self.lower, frontier):
+            await self.send_time(t)
+            self.lower = t + 1
+        if self.lower < frontier:
+            await self.send([Progress(self.lower, frontier, ())])
+            self.lower = frontier
+
+    def step(self, t: int, count: int, sent: int) -> tuple[int, bytes]:
+        """The next batch of time ``t`` read and encoded (one worker-thread turn): its
+        size and bytes; the last one with the time's progress."""
+        if self.files.batches is None:  # opened and counted at the first batch
+            self.files.batches = self.reader.batches(t, STREAM_CHUNK_UPDATES, skip=sent)
+        batch = next(self.files.batches, None)
+        if batch is None:  # (the files were checked against the count)
+            raise CheckpointError(f"feed {self.feed!r}: time {t} ended after {sent} updates")
+        messages: list[Any] = [batch]
+        if sent + len(batch) >= count:
+            self.files.release()
+            messages.append(Progress(self.lower, t + 1, ((t, sent + len(batch)),)))
+        return len(batch), self.encode(messages)
+
+    async def send_time(self, t: int) -> None:
+        """Every update at committed time ``t``, a batch per write, read from its files
+        as the consumer takes them (opened again where it was after a release)."""
+        count = await asyncio.to_thread(self.reader.count, t)
+        sent = 0
+        try:
+            while sent < count:
+                try:
+                    n, data = await asyncio.to_thread(self.step, t, count, sent)
+                except CheckpointError:
+                    # its files are gone: folded by a compaction since this stream listed it?
+                    log_ = self.st.config.log
+                    since = (await asyncio.to_thread(FeedReader, log_, self.feed)).since
+                    if since <= t:
+                        raise
+                    raise self.overtaken(t, since) from None
+                sent += n
+                self.count_sent(n, data)
+                await self.write(data)  # (only the encoded bytes wait for the consumer)
+            if not count:
+                await self.send([Progress(self.lower, t + 1, ())])
+        finally:  # the time's open files, at once, also when the consumer is gone
+            self.files.release()
+
+
+def _chunks(messages: list[Any]) -> list[list[Any]]:
+    """``messages`` in groups to encode together: small messages share a group, update
+    batches are cut into slices of at most :data:`STREAM_CHUNK_UPDATES`."""
+    out: list[list[Any]] = [[]]
+    for msg in messages:
+        if isinstance(msg, Updates) and len(msg) > STREAM_CHUNK_UPDATES:
+            for i in range(0, len(msg), STREAM_CHUNK_UPDATES):
+                out.append([msg.slice(i, STREAM_CHUNK_UPDATES)])
+            out.append([])
+        else:
+            out[-1].append(msg)
+    return [c for c in out if c]
+
+
+async def _follow(
+    st: ServerState, reader: FeedReader, follow: bool, position: Any, catch_up: Any, send: Any
+) -> None:
+    """Keep streaming new commits; a heartbeat announcement when nothing came for a while."""
+    idle_since = time.monotonic()
+    while follow:
+        await asyncio.sleep(st.config.poll_seconds)
+        before = position()
+        await asyncio.to_thread(reader.refresh)
+        await catch_up()
+        if position() != before:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since >= st.config.heartbeat_seconds:
+            # heartbeat: an announcement is legal anywhere and nothing is pending here
+            await send([announcement(position())])
+            idle_since = time.monotonic()
