@@ -158,299 +158,390 @@ def assemble(
     delivered from that place on, as an incomplete one does (a table that changed shape
     there: feed/sources/shapes.py); ``hold_txns`` holds those source transactions (and what is
     delivered after them) too (held in another feed of a group: feed/emit/group.py)."""
-    log = logger or logging.getLogger("tidefeed.emit")
-    committed = committed_position(pos)
-    ends = (
-        changes.where(F.col("op") == "E")
-        .groupBy("txn")
-        .agg(
-            F.max("pos_hi").alias("commit_lsn"),
-            F.max("tx_count").alias("expected"),
+    run = _Assembly(changes, pos, snapshot_lsn, logger, feed)
+    run.first_job(bucket, also)
+    run.find_snapshots(new_feed)
+    if not (run.summary["meta"] or run.n_ends or run.repeats or run.fresh or hold_at or hold_txns):
+        return run.plain()
+    # Otherwise the figures per source transaction decide: a second job.
+    run.per_transaction()
+    if run.fresh:
+        run.new_snapshot()
+    if run.opened or run.held_from is not None or run.dropped or hold_at is not None or hold_txns:
+        run.hold(hold_at, hold_txns)
+    return run.result()
+
+
+class _Assembly:
+    """The steps of :func:`assemble`, and what each leaves for the next."""
+
+    def __init__(
+        self,
+        changes: DataFrame,
+        pos: Sequence[int],
+        snapshot_lsn: int | None,
+        logger: logging.Logger | None,
+        feed: str,
+    ) -> None:
+        self.changes, self.snapshot_lsn, self.feed = changes, snapshot_lsn, feed
+        self.log = logger or logging.getLogger("tidefeed.emit")
+        self.committed = committed_position(pos)
+        self.dropped: set[str] = set()  # superseded by a new snapshot
+        self.held_from: tuple[int, int] | None = None  # hold what is delivered from here on
+        self.replaces: tuple[int, str] | None = None
+        self.empty_at: tuple[int, int] | None = None  # where a new snapshot without rows is
+        self.held_txns: set[str] = set()
+        self.held_files: set[str] = set()
+        self.held_at: tuple[int, int] | None = None
+        self.persisted: tuple[DataFrame, ...] = ()
+
+    def first_job(self, bucket: Column | None, also: DataFrame | None) -> None:
+        """Figures over every event, none per source transaction (grouping 1 M
+        transactions costs seconds), whether any event is there twice, and the caller's
+        figures. Each part is a scan of the cached input: the counts share one."""
+        changes, committed = self.changes, self.committed
+        self.ends = ends = (
+            changes.where(F.col("op") == "E")
+            .groupBy("txn")
+            .agg(
+                F.max("pos_hi").alias("commit_lsn"),
+                F.max("tx_count").alias("expected"),
+            )
+            .persist()
         )
-        .persist()
-    )
-    is_data = F.col("op").isin(*DATA_OPS)
-    # every row with its commit LSN: the figures below are over all of them in one scan
-    joined = changes.join(F.broadcast(ends.select("txn", "commit_lsn")), "txn", "left").select(
-        *[
-            F.when(F.col("tx_meta") & is_data, F.col("commit_lsn"))
-            .otherwise(F.col("pos_hi"))
-            .alias(c)
-            if c == "pos_hi"
-            else F.col(c)
-            for c in changes.columns
+        is_data = F.col("op").isin(*DATA_OPS)
+        # every row with its commit LSN: the figures below are over all of them in one scan
+        joined = changes.join(F.broadcast(ends.select("txn", "commit_lsn")), "txn", "left")
+        joined = joined.select(
+            *[
+                F.when(F.col("tx_meta") & is_data, F.col("commit_lsn"))
+                .otherwise(F.col("pos_hi"))
+                .alias(c)
+                if c == "pos_hi"
+                else F.col(c)
+                for c in changes.columns
+            ]
+        )
+        keep, behind = position_filter(committed, self.snapshot_lsn)
+        dup = F.when(F.col("op") == "r", F.to_json("after")).otherwise(F.lit(""))
+        self.flagged = flagged = joined.where(is_data).withColumn("_keep", keep)
+        self.flagged = flagged = flagged.withColumn("_dup", dup)
+        self.bad = flagged.where(behind).select(
+            "_file", "_raw", F.lit(NEW_SNAPSHOT).alias("_error")
+        )
+        kept = is_data & keep
+        delivered = F.struct("ord_file", "ord_row")  # the place in delivery order
+        parts = [
+            joined.agg(
+                F.count(F.when(is_data, 1)).alias("total"),
+                F.count(F.when(kept, 1)).alias("kept_rows"),
+                F.max(F.when(is_data, F.col("tx_meta"))).alias("meta"),
+                F.max(F.when(kept, F.struct("pos_hi", "pos_lo", "pos_n"))).alias("last"),
+                F.max(F.when(is_data, delivered)).alias("latest"),
+                F.count(F.when(is_data & behind, 1)).alias("behind"),
+                F.count(F.when(F.col("op") == "E", 1)).alias("ends"),
+                F.count(F.when(_snapshot_row(), 1)).alias("snapshot_rows"),
+            ).withColumn("_kind", F.lit("summary")),
+            # an event read twice: its rows share the hash of what makes it one event (see
+            # EVENT). Two different events with one hash (about one in 10^7 reads of 2 M
+            # events) only send the read down the exact path below, which drops repeats by
+            # the event itself; a long key is cheaper to group than the event's columns.
+            flagged.where(F.col("_keep"))
+            .groupBy(F.xxhash64(*EVENT).alias("h"))
+            .agg(F.count(F.lit(1)).alias("copies"))
+            .where(F.col("copies") > 1)
+            .limit(1)
+            .select("copies", F.lit("repeat").alias("_kind")),
         ]
-    )
-    keep, behind = position_filter(committed, snapshot_lsn)
-    dup = F.when(F.col("op") == "r", F.to_json("after")).otherwise(F.lit(""))
-    flagged = joined.where(is_data).withColumn("_keep", keep).withColumn("_dup", dup)
-    bad = flagged.where(behind).select("_file", "_raw", F.lit(NEW_SNAPSHOT).alias("_error"))
-    kept_only = F.col("_keep")
-    kept = is_data & keep
-    delivered = F.struct("ord_file", "ord_row")  # the place in delivery order
-    # The first job: figures over every event, none per source transaction (grouping 1 M
-    # transactions costs seconds), whether any event is there twice, and the caller's
-    # figures. Each part is a scan of the cached input: the counts share one.
-    parts = [
-        joined.agg(
-            F.count(F.when(is_data, 1)).alias("total"),
-            F.count(F.when(kept, 1)).alias("kept_rows"),
-            F.max(F.when(is_data, F.col("tx_meta"))).alias("meta"),
-            F.max(F.when(kept, F.struct("pos_hi", "pos_lo", "pos_n"))).alias("last"),
-            F.max(F.when(is_data, delivered)).alias("latest"),
-            F.count(F.when(is_data & behind, 1)).alias("behind"),
-            F.count(F.when(F.col("op") == "E", 1)).alias("ends"),
-            F.count(F.when(_snapshot_row(), 1)).alias("snapshot_rows"),
-        ).withColumn("_kind", F.lit("summary")),
-        # an event read twice: its rows share the hash of what makes it one event (see
-        # EVENT). Two different events with one hash (about one in 10^7 reads of 2 M
-        # events) only send the read down the exact path below, which drops repeats by
-        # the event itself; a long key is cheaper to group than the event's columns.
-        flagged.where(kept_only)
-        .groupBy(F.xxhash64(*EVENT).alias("h"))
-        .agg(F.count(F.lit(1)).alias("copies"))
-        .where(F.col("copies") > 1)
-        .limit(1)
-        .select("copies", F.lit("repeat").alias("_kind")),
-    ]
-    if bucket is not None:
-        parts.append(
-            flagged.select(bucket.alias("bucket")).distinct().withColumn("_kind", F.lit("bucket"))
+        if bucket is not None:
+            parts.append(
+                flagged.select(bucket.alias("bucket"))
+                .distinct()
+                .withColumn("_kind", F.lit("bucket"))
+            )
+        if also is not None:
+            parts.append(also.withColumn("_kind", F.lit("also")))
+        figures = parts[0]
+        for part in parts[1:]:
+            figures = figures.unionByName(part, allowMissingColumns=True)
+        collected = figures.collect()
+        self.summary = next(r for r in collected if r["_kind"] == "summary")
+        self.n_ends = self.summary["ends"]
+        self.repeats = any(r["_kind"] == "repeat" for r in collected)
+        self.buckets = (
+            frozenset(r["bucket"] for r in collected if r["_kind"] == "bucket")
+            if bucket is not None
+            else None
         )
-    if also is not None:
-        parts.append(also.withColumn("_kind", F.lit("also")))
-    figures = parts[0]
-    for part in parts[1:]:
-        figures = figures.unionByName(part, allowMissingColumns=True)
-    collected = figures.collect()
-    summary = next(r for r in collected if r["_kind"] == "summary")
-    n_ends = summary["ends"]
-    repeats = any(r["_kind"] == "repeat" for r in collected)
-    buckets = (
-        frozenset(r["bucket"] for r in collected if r["_kind"] == "bucket")
-        if bucket is not None
-        else None
-    )
-    extra = tuple(r for r in collected if r["_kind"] == "also")
-    # the snapshots read, if any (a second, small job)
-    snap_rows = _snapshot_figures(changes).collect() if summary["snapshot_rows"] else []
-    snaps = sorted(
-        (r for r in snap_rows if r["s_first"] is not None),
-        key=lambda r: tuple(r["s_first"]),
-    )
-    own = (snaps[0]["lsn"] if snaps else None) if new_feed else snapshot_lsn
-    # (a new snapshot with only another table's end marker: the feed's table was empty)
-    fresh = [r for r in snaps if r["lsn"] != own and r["lsn"] > committed[0]]
-    last = summary["last"]
-    latest = summary["latest"]
-    # snapshots known to be whole: their end marker was read, or an event delivered after
-    # their last read (Debezium streams only once a snapshot is done)
-    whole = {
-        int(r["lsn"])
-        for r in snaps
-        if r["s_end"] or (latest is not None and tuple(latest) > tuple(r["s_last"] or r["s_first"]))
-    }
-    if not (summary["meta"] or n_ends or repeats or fresh or hold_at or hold_txns):
-        # The plain case (no transaction metadata, nothing delivered twice, no new
-        # snapshot): every source transaction is complete as read and released whole, in
-        # one pass over the cached input; no figure per transaction is needed.
+        self.extra = tuple(r for r in collected if r["_kind"] == "also")
+        self.last = self.summary["last"]
+        self.latest = self.summary["latest"]
+
+    def find_snapshots(self, new_feed: bool) -> None:
+        """The snapshots read, if any (a second, small job): which is the feed's own, which
+        are new, which are known whole."""
+        summary = self.summary
+        snap_rows = _snapshot_figures(self.changes).collect() if summary["snapshot_rows"] else []
+        self.snaps = snaps = sorted(
+            (r for r in snap_rows if r["s_first"] is not None),
+            key=lambda r: tuple(r["s_first"]),
+        )
+        own = (snaps[0]["lsn"] if snaps else None) if new_feed else self.snapshot_lsn
+        # (a new snapshot with only another table's end marker: the feed's table was empty)
+        self.fresh = [r for r in snaps if r["lsn"] != own and r["lsn"] > self.committed[0]]
+        latest = self.latest
+        # snapshots known to be whole: their end marker was read, or an event delivered
+        # after their last read (Debezium streams only once a snapshot is done)
+        self.whole = {
+            int(r["lsn"])
+            for r in snaps
+            if r["s_end"]
+            or (latest is not None and tuple(latest) > tuple(r["s_last"] or r["s_first"]))
+        }
+
+    def plain(self) -> Assembled:
+        """The plain case (no transaction metadata, nothing delivered twice, no new
+        snapshot): every source transaction is complete as read and released whole, in
+        one pass over the cached input; no figure per transaction is needed."""
+        summary = self.summary
         return Assembled(
-            changes=flagged.where(kept_only).select(*changes.columns),
+            changes=self.flagged.where(F.col("_keep")).select(*self.changes.columns),
             held_files=frozenset(),
             ready=None,
             held=0,
-            position=snapshot_done(last, whole),
+            position=snapshot_done(self.last, self.whole),
             redelivered=(summary["total"] or 0) - (summary["kept_rows"] or 0),
-            bad=bad,
+            bad=self.bad,
             bad_rows=summary["behind"] or 0,
-            cached=(ends,),
-            buckets=buckets,
-            also=extra,
+            cached=(self.ends,),
+            buckets=self.buckets,
+            also=self.extra,
             snapshot_rows=summary["snapshot_rows"],
         )
-    # Otherwise the figures per source transaction decide: a second job.
-    # (Without repeats an event's rows are its distinct events: no count_distinct, whose
-    # sort is the costliest part of this job.)
-    events_col = (
-        F.count_distinct(F.when(kept_only, F.struct(*EVENT[1:])))
-        if repeats
-        else F.count(F.when(kept_only, 1))
-    )
-    # (every aggregate here is a number: Spark keeps them in a hash table, where a struct
-    # would make it sort every row by transaction)
-    per_txn = (
-        flagged.groupBy("txn")
-        .agg(
-            events_col.alias("events"),
-            F.max("tx_meta").alias("meta"),
-            F.min(F.when(kept_only, place())).alias("first_at"),
-            F.max(F.when(kept_only, F.col("pos_hi"))).alias("last_hi"),
+
+    def per_transaction(self) -> None:
+        """The figures per source transaction: events, metadata, first place, last LSN;
+        only the incomplete ones (the tail of the input, at most) and a summary row come
+        to the driver."""
+        kept_only = F.col("_keep")
+        # (Without repeats an event's rows are its distinct events: no count_distinct,
+        # whose sort is the costliest part of this job.)
+        events_col = (
+            F.count_distinct(F.when(kept_only, F.struct(*EVENT[1:])))
+            if self.repeats
+            else F.count(F.when(kept_only, 1))
         )
-        # a transaction redelivered whole after it was turned into updates: its events
-        # are filtered out and its END is done with
-        .join(ends.where(F.col("commit_lsn") > committed[0]), "txn", "full")
-        .persist()
-    )
-    events = F.coalesce(F.col("events"), F.lit(0))
-    with_meta = F.coalesce(F.col("meta"), F.lit(False)) | F.col("expected").isNotNull()
-    # (a transaction whose every event read was turned into updates before, read again
-    # with a file held back for another one, waits for nothing)
-    incomplete = with_meta & (
-        (F.col("expected").isNull() & (events > 0)) | (events < F.col("expected"))
-    )
-    too_many = with_meta & (events > F.col("expected"))
-    # nothing per source transaction comes to the driver but the incomplete ones (the tail
-    # of the input, at most) and a summary row
-    txn_figures = per_txn.agg(
-        F.sum(events).alias("kept"),
-        F.count(F.when(events > 0, 1)).alias("ready"),
-    ).withColumn("_kind", F.lit("summary"))
-    txn_figures = txn_figures.unionByName(
-        per_txn.where(incomplete | too_many)
-        .select("txn", events.alias("events"), "expected", "first_at", incomplete.alias("open"))
-        .withColumn("_kind", F.lit("txn")),
-        allowMissingColumns=True,
-    )
-    collected = txn_figures.collect()
-    counted = next(r for r in collected if r["_kind"] == "summary")
-    odd = [
-        {**r.asDict(), "first": unplace(r["first_at"])} for r in collected if r["_kind"] == "txn"
-    ]
-    for r in odd:
-        if r["expected"] is not None and r["events"] > r["expected"]:
-            log.warning(
-                "feed %s: source transaction %s has %d events, its END record counts %d",
-                feed,
-                r["txn"],
-                r["events"],
-                r["expected"],
+        # (every aggregate here is a number: Spark keeps them in a hash table, where a
+        # struct would make it sort every row by transaction)
+        self.per_txn = per_txn = (
+            self.flagged.groupBy("txn")
+            .agg(
+                events_col.alias("events"),
+                F.max("tx_meta").alias("meta"),
+                F.min(F.when(kept_only, place())).alias("first_at"),
+                F.max(F.when(kept_only, F.col("pos_hi"))).alias("last_hi"),
             )
-    data = flagged.where(kept_only)
-    if repeats:
-        # an event delivered more than once (Kafka's at-least-once): keep one of each.
-        # Without repeats (the first job says so) the sort this takes is skipped.
-        data = data.dropDuplicates(EVENT)
-    data = data.drop("_keep", "_dup")
-    # Kept where repeats were dropped, so later scans do not shuffle again. Otherwise each
-    # later scan reads the cached input again, which costs less than caching it twice.
-    persisted: tuple[DataFrame, ...] = ()
-    if repeats:
-        data = data.persist()
-        persisted = (data,)
-    ready = counted["ready"]
-    opened = [r for r in odd if r["open"]]
-    dropped: set[str] = set()  # superseded by a new snapshot
-    held_from: tuple[int, int] | None = None  # hold what is delivered from here on
-    replaces: tuple[int, str] | None = None
-    empty_at: tuple[int, int] | None = None  # where a new snapshot without rows is
-    if fresh:
-        snap = fresh[0]
+            # a transaction redelivered whole after it was turned into updates: its events
+            # are filtered out and its END is done with
+            .join(self.ends.where(F.col("commit_lsn") > self.committed[0]), "txn", "full")
+            .persist()
+        )
+        self.events = events = F.coalesce(F.col("events"), F.lit(0))
+        with_meta = F.coalesce(F.col("meta"), F.lit(False)) | F.col("expected").isNotNull()
+        # (a transaction whose every event read was turned into updates before, read again
+        # with a file held back for another one, waits for nothing)
+        incomplete = with_meta & (
+            (F.col("expected").isNull() & (events > 0)) | (events < F.col("expected"))
+        )
+        too_many = with_meta & (events > F.col("expected"))
+        txn_figures = per_txn.agg(
+            F.sum(events).alias("kept"),
+            F.count(F.when(events > 0, 1)).alias("ready"),
+        ).withColumn("_kind", F.lit("summary"))
+        txn_figures = txn_figures.unionByName(
+            per_txn.where(incomplete | too_many)
+            .select("txn", events.alias("events"), "expected", "first_at", incomplete.alias("open"))
+            .withColumn("_kind", F.lit("txn")),
+            allowMissingColumns=True,
+        )
+        collected = txn_figures.collect()
+        self.counted = next(r for r in collected if r["_kind"] == "summary")
+        odd = [
+            {**r.asDict(), "first": unplace(r["first_at"])}
+            for r in collected
+            if r["_kind"] == "txn"
+        ]
+        for r in odd:
+            if r["expected"] is not None and r["events"] > r["expected"]:
+                self.log.warning(
+                    "feed %s: source transaction %s has %d events, its END record counts %d",
+                    self.feed,
+                    r["txn"],
+                    r["events"],
+                    r["expected"],
+                )
+        data = self.flagged.where(kept_only)
+        if self.repeats:
+            # an event delivered more than once (Kafka's at-least-once): keep one of each.
+            # Without repeats (the first job says so) the sort this takes is skipped.
+            data = data.dropDuplicates(EVENT)
+        data = data.drop("_keep", "_dup")
+        # Kept where repeats were dropped, so later scans do not shuffle again. Otherwise
+        # each later scan reads the cached input again, which costs less than caching it
+        # twice.
+        if self.repeats:
+            data = data.persist()
+            self.persisted = (data,)
+        self.data = data
+        self.ready = self.counted["ready"]
+        self.opened = [r for r in odd if r["open"]]
+
+    def new_snapshot(self) -> None:
+        """Debezium snapshotted the table again: the first new snapshot replaces the feed's
+        table in one time once it is whole and nothing delivered before it waits; what it
+        supersedes is dropped, what comes after it is held."""
+        snap = self.fresh[0]
         at = tuple(snap["s_first"])
-        dropped = {r["txn"] for r in opened if r["first"] is not None and r["first"] < at}
-        dropped |= {
-            r["s_txn"] for r in snaps if tuple(r["s_first"]) < at and not r["s_end"] and r["s_txn"]
+        self.dropped = dropped = {
+            r["txn"] for r in self.opened if r["first"] is not None and r["first"] < at
         }
-        opened = [r for r in opened if r["txn"] not in dropped]
+        dropped |= {
+            r["s_txn"]
+            for r in self.snaps
+            if tuple(r["s_first"]) < at and not r["s_end"] and r["s_txn"]
+        }
+        self.opened = [r for r in self.opened if r["txn"] not in dropped]
         before = ~first_from(at)
-        earlier = per_txn.where((events > 0) & before)
+        earlier = self.per_txn.where((self.events > 0) & before)
         if dropped:
             earlier = earlier.where(~F.col("txn").isin(sorted(dropped)))
         end_at = tuple(snap["s_last"] or snap["s_first"])
-        ended = snap["s_end"] or (latest is not None and tuple(latest) > end_at)
+        ended = snap["s_end"] or (self.latest is not None and tuple(self.latest) > end_at)
         if not earlier.isEmpty():
-            held_from = at  # what came before it goes first
+            self.held_from = at  # what came before it goes first
         elif ended:
             lsn = int(snap["lsn"])
-            replaces = (lsn, snap["s_txn"] or f"snapshot:{lsn}")
+            self.replaces = (lsn, snap["s_txn"] or f"snapshot:{lsn}")
             if snap["s_txn"] is None:
-                empty_at = at
-            if len(fresh) > 1:
-                held_from = tuple(fresh[1]["s_first"])  # one new snapshot at a time
+                self.empty_at = at
+            if len(self.fresh) > 1:
+                self.held_from = tuple(self.fresh[1]["s_first"])  # one new snapshot at a time
             # delivered after it but committed before it (Debezium streaming again from
             # an older slot position): the snapshot holds their effect
-            older = per_txn.where((events > 0) & ~before & (F.col("last_hi") < lsn))
+            older = self.per_txn.where((self.events > 0) & ~before & (F.col("last_hi") < lsn))
             dropped |= {r["txn"] for r in older.select("txn").collect()}
-            log.warning(
+            self.log.warning(
                 "feed %s: Debezium snapshotted the table again (at LSN %d): the feed moves "
                 "to that snapshot in one time, retracting the rows it does not hold",
-                feed,
+                self.feed,
                 snap["lsn"],
             )
         else:
-            held_from = at
-            log.info("feed %s: a new snapshot (LSN %d) is not complete yet", feed, snap["lsn"])
+            self.held_from = at
+            self.log.info(
+                "feed %s: a new snapshot (LSN %d) is not complete yet", self.feed, snap["lsn"]
+            )
         if dropped:
-            log.warning(
+            self.log.warning(
                 "feed %s: %d source transaction(s) dropped: delivered in part before the new "
                 "snapshot (never to be delivered whole again), or committed before it; the "
                 "snapshot holds their effect",
-                feed,
+                self.feed,
                 len(dropped),
             )
-    # transaction blocks and not one END record among them: where are the END records?
-    endless = 0 if n_ends else sum(1 for r in opened if r["expected"] is None)
-    held_txns: set[str] = set()
-    held_files: set[str] = set()
-    held_at: tuple[int, int] | None = None
-    ready_txns = per_txn.where(events > 0)
-    if opened or held_from is not None or dropped or hold_at is not None or hold_txns:
+
+    def hold(self, hold_at: tuple[int, int] | None, hold_txns: frozenset[str]) -> None:
+        """Hold back the first incomplete transaction in delivery order and every
+        transaction delivered after it (few: the tail of what was read), with what a new
+        snapshot, a change of shape (``hold_at``) or the group (``hold_txns``) holds;
+        the rest is released."""
         # the first incomplete transaction in delivery order holds back every transaction
         # delivered after it (few: the tail of what was read)
         held = F.lit(False)
-        if opened or hold_txns:
-            held = F.col("txn").isin(sorted({r["txn"] for r in opened} | set(hold_txns)))
-        starts = [r["first"] for r in opened if r["first"] is not None]
-        if held_from is not None:
-            starts.append(held_from)
+        if self.opened or hold_txns:
+            held = F.col("txn").isin(sorted({r["txn"] for r in self.opened} | set(hold_txns)))
+        starts = [r["first"] for r in self.opened if r["first"] is not None]
+        if self.held_from is not None:
+            starts.append(self.held_from)
         if hold_at is not None:
             starts.append(hold_at)
         if hold_txns:  # held elsewhere in the group: held from their first event here on
-            m = per_txn.where(F.col("txn").isin(sorted(hold_txns))).agg(F.min("first_at"))
+            m = self.per_txn.where(F.col("txn").isin(sorted(hold_txns))).agg(F.min("first_at"))
             first_held = unplace(m.collect()[0][0])
             if first_held is not None:
                 starts.append(first_held)
         if starts:
             held = held | first_from(min(starts))
-        if dropped:
-            held = held & ~F.col("txn").isin(sorted(dropped))
+        if self.dropped:
+            held = held & ~F.col("txn").isin(sorted(self.dropped))
         held = F.coalesce(held, F.lit(False))
-        held_rows = per_txn.where(held).select("txn", "first_at").collect()
-        held_txns = {r["txn"] for r in held_rows}
+        held_rows = self.per_txn.where(held).select("txn", "first_at").collect()
+        self.held_txns = held_txns = {r["txn"] for r in held_rows}
         firsts = [p for r in held_rows if (p := unplace(r["first_at"])) is not None]
         if hold_at is not None:
             firsts.append((hold_at[0], hold_at[1]))
-        held_at = min(firsts) if firsts else None
+        self.held_at = min(firsts) if firsts else None
         if held_txns:
             # the files holding their events and END records (asked for only here: a set
             # of files per source transaction would cost every read a second or more)
-            theirs = changes.where(
+            theirs = self.changes.where(
                 F.col("op").isin(*DATA_OPS, "E") & F.col("txn").isin(sorted(held_txns))
             )
-            held_files.update(r["_file"] for r in theirs.select("_file").distinct().collect())
-        if held_from is not None:  # a held snapshot's files, its end marker's too
-            for sn in snaps:
-                if tuple(sn["s_first"]) >= held_from:
-                    held_files.update(sn["s_files"] or ())
-        ready_txns = ready_txns.where(~held)
-        if dropped:
-            ready_txns = ready_txns.where(~F.col("txn").isin(sorted(dropped)))
-        ready = ready_txns.count()
-        spark = changes.sparkSession
-        out = spark.createDataFrame([(t,) for t in held_txns | dropped], "txn string")
-        data = data.join(F.broadcast(out), "txn", "left_anti")
+            self.held_files.update(r["_file"] for r in theirs.select("_file").distinct().collect())
+        if self.held_from is not None:  # a held snapshot's files, its end marker's too
+            for sn in self.snaps:
+                if tuple(sn["s_first"]) >= self.held_from:
+                    self.held_files.update(sn["s_files"] or ())
+        ready_txns = self.per_txn.where(self.events > 0).where(~held)
+        if self.dropped:
+            ready_txns = ready_txns.where(~F.col("txn").isin(sorted(self.dropped)))
+        self.ready = ready_txns.count()
+        spark = self.changes.sparkSession
+        out = spark.createDataFrame([(t,) for t in held_txns | self.dropped], "txn string")
+        self.data = data = self.data.join(F.broadcast(out), "txn", "left_anti")
         # the highest position released (a scan, no shuffle)
-        last = data.agg(F.max(F.struct("pos_hi", "pos_lo", "pos_n")).alias("m")).collect()[0]["m"]
+        self.last = data.agg(F.max(F.struct("pos_hi", "pos_lo", "pos_n")).alias("m")).collect()[0][
+            "m"
+        ]
         if held_txns:
-            log.info(
+            self.log.info(
                 "feed %s: %d source transaction(s) incomplete or behind an incomplete one "
                 "or a new snapshot: held back until the rest arrives",
-                feed,
+                self.feed,
                 len(held_txns),
             )
-    order: DataFrame | None = None  # (assign_units finds it from the changes)
-    if replaces is not None and empty_at is not None:
-        # the table was empty in the new snapshot: its time holds only retractions
-        lsn, (f, row) = replaces[0], empty_at
+
+    def result(self) -> Assembled:
+        order: DataFrame | None = None  # (assign_units finds it from the changes)
+        if self.replaces is not None and self.empty_at is not None:
+            order = self.empty_snapshot(self.replaces, self.empty_at)
+        summary = self.summary
+        # transaction blocks and not one END record among them: where are the END records?
+        endless = 0 if self.n_ends else sum(1 for r in self.opened if r["expected"] is None)
+        return Assembled(
+            changes=self.data.select(*self.changes.columns),
+            held_files=frozenset(self.held_files),
+            ready=self.ready,
+            held=len(self.held_txns),
+            position=snapshot_done(self.last, self.whole),
+            order=order,
+            redelivered=(summary["total"] or 0) - (self.counted["kept"] or 0),
+            bad=self.bad,
+            bad_rows=summary["behind"] or 0,
+            cached=(self.ends, *self.persisted, self.per_txn),
+            buckets=self.buckets,
+            also=self.extra,
+            replaces=self.replaces,
+            snapshot_rows=summary["snapshot_rows"],
+            endless=endless,
+            held_txns=frozenset(self.held_txns),
+            held_at=self.held_at,
+        )
+
+    def empty_snapshot(self, replaces: tuple[int, str], at: tuple[int, int]) -> DataFrame:
+        """The table was empty in the new snapshot: its time holds only retractions, in a
+        transaction without rows placed in the source order."""
+        lsn, (f, row) = replaces[0], at
         at_snap = F.struct(
             *[
                 F.lit(v).cast("long").alias(n)
@@ -463,29 +554,10 @@ def assemble(
                 )
             ]
         )
-        empty = changes.sparkSession.range(1).select(
+        empty = self.changes.sparkSession.range(1).select(
             F.lit(replaces[1]).alias("txn"), at_snap.alias("o")
         )
-        order = source_order(data).unionByName(empty)
-        ready = (ready or 0) + 1
+        self.ready = (self.ready or 0) + 1
         mark = (lsn, lsn, 0)
-        last = mark if last is None or tuple(last) < mark else last
-    return Assembled(
-        changes=data.select(*changes.columns),
-        held_files=frozenset(held_files),
-        ready=ready,
-        held=len(held_txns),
-        position=snapshot_done(last, whole),
-        order=order,
-        redelivered=(summary["total"] or 0) - (counted["kept"] or 0),
-        bad=bad,
-        bad_rows=summary["behind"] or 0,
-        cached=(ends, *persisted, per_txn),
-        buckets=buckets,
-        also=extra,
-        replaces=replaces,
-        snapshot_rows=summary["snapshot_rows"],
-        endless=endless,
-        held_txns=frozenset(held_txns),
-        held_at=held_at,
-    )
+        self.last = mark if self.last is None or tuple(self.last) < mark else self.last
+        return source_order(self.data).unionByName(empty)
