@@ -3,14 +3,16 @@
 On a terminal (stderr is a TTY) a live status line (rich) shows the transaction, its stage,
 the rows read so far and the seconds spent, refreshed while Spark works; the log line of
 each committed transaction (``tidefeed.emit``) is the summary. Elsewhere (a service, CI, a
-pipe) nothing is drawn and each stage is a DEBUG log line, so logs stay one line per
-transaction.
+pipe) nothing is drawn and each stage is a DEBUG log line; a transaction still under way
+after ``every`` seconds (10) gets an INFO line with its stage and figures, and another
+each ``every`` seconds after, so a long one is never silent and a short one stays one line.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -33,8 +35,10 @@ class TxnProgress:
         live: bool | None = None,
         stream: IO[str] | None = None,
         logger: logging.Logger | None = None,
+        every: float = 10.0,
     ) -> None:
         self.feed = feed
+        self.every = every
         self.stream = stream or sys.stderr
         self.live = self.stream.isatty() if live is None else live
         self.log = logger or logging.getLogger("tidefeed.emit")
@@ -43,6 +47,8 @@ class TxnProgress:
         self.facts: dict[str, Any] = {}
         self.started = 0.0
         self._live: Any = None
+        self._ticker: threading.Thread | None = None
+        self._over = threading.Event()
 
     def start(self, seq: int, files: int) -> None:
         """A transaction begins (``files`` input files)."""
@@ -54,7 +60,18 @@ class TxnProgress:
             console = Console(file=self.stream, force_terminal=True)
             self._live = Live(_Line(self), console=console, refresh_per_second=4, transient=True)
             self._live.start()
+        elif not self.live and self._ticker is None:
+            self._over.clear()
+            self._ticker = threading.Thread(
+                target=self._tick, name="tidefeed-progress", daemon=True
+            )
+            self._ticker.start()
         self.stage(STAGES[0])
+
+    def _tick(self) -> None:
+        """Off a terminal: an INFO line each ``every`` seconds while the transaction lasts."""
+        while not self._over.wait(self.every):
+            self.log.info("feed %s: %s (under way)", self.feed, self.line())
 
     def stage(self, name: str, **facts: Any) -> None:
         """The transaction moves to stage ``name``; ``facts`` (rows=…) add to what it knows."""
@@ -67,6 +84,10 @@ class TxnProgress:
         if self._live is not None:
             self._live.stop()
             self._live = None
+        if self._ticker is not None:
+            self._over.set()
+            self._ticker.join()
+            self._ticker = None
 
     def line(self) -> str:
         elapsed = time.monotonic() - self.started if self.started else 0.0
