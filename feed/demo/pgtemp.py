@@ -20,7 +20,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from protocol import SourceError
@@ -52,6 +52,9 @@ class TempPostgres:
 
     port: int = 0
     root: str = ""
+    _as_user: list[str] = field(default_factory=list, init=False, repr=False)
+    _pg_ctl: str = field(default="", init=False, repr=False)
+    _data: str = field(default="", init=False, repr=False)
 
     def start(self) -> TempPostgres:
         pg_bin = find_pg_bin()
@@ -62,12 +65,20 @@ class TempPostgres:
             )
         self.port = self.port or _free_port()
         self.root = tempfile.mkdtemp(prefix="tidefeed-pg-")
+        try:
+            return self._start(pg_bin)
+        except BaseException:  # (a failed initdb, a Ctrl-C): no cluster folder left behind
+            self.stop()
+            raise
+
+    def _start(self, pg_bin: str) -> TempPostgres:
         as_user: list[str] = []
         if os.geteuid() == 0:
             # the server refuses to run as root
             as_user = ["runuser", "-u", "postgres", "--"]
             shutil.chown(self.root, user="postgres")
         data = os.path.join(self.root, "data")
+        self._as_user, self._pg_ctl, self._data = as_user, f"{pg_bin}/pg_ctl", data
         self._run(
             [
                 *as_user,
@@ -87,9 +98,6 @@ class TempPostgres:
             f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c wal_level=logical "
             "-c max_wal_senders=8 -c max_replication_slots=8 -c fsync=off"
         )
-        self._as_user = as_user
-        self._pg_ctl = f"{pg_bin}/pg_ctl"
-        self._data = data
         self._run(
             [
                 *as_user,
@@ -119,14 +127,24 @@ class TempPostgres:
         return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
 
     def stop(self) -> None:
-        if self.root:
+        """Stop the server and delete the cluster's folder. A server already shutting
+        down (a Ctrl-C reaches it too) may still write into the folder for a moment: the
+        deletion is tried again until the folder is gone (at most 10 s)."""
+        if not self.root:
+            return
+        if self._pg_ctl and os.path.isdir(self._data):
             subprocess.run(
                 [*self._as_user, self._pg_ctl, "-D", self._data, "-m", "immediate", "stop"],
                 capture_output=True,
                 check=False,
             )
+        deadline = time.monotonic() + 10
+        while True:
             shutil.rmtree(self.root, ignore_errors=True)
-            self.root = ""
+            if not os.path.exists(self.root) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        self.root = ""
 
     @staticmethod
     def _run(cmd: list[str], what: str) -> None:

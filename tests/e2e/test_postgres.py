@@ -226,7 +226,9 @@ def cluster_and_capture(out: Path, logs: Path, tables: str) -> Iterator[tuple[Ca
     finally:
         if capture.proc is not None and capture.proc.poll() is None:
             capture.proc.kill()
+        root = pg.root
         pg.stop()
+    assert not os.path.exists(root)  # the cluster's folder is gone with it
 
 
 @pytest.fixture(scope="module")
