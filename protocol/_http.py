@@ -38,6 +38,7 @@ __all__ = [
     "encoding_middleware",
     "error_middleware",
     "json_response",
+    "outcome_of",
     "token_middleware",
 ]
 
@@ -147,6 +148,18 @@ def _refused(request: web.Request, response: web.Response, detail: str) -> web.R
             f"{detail[:200]}",
         )
     return response
+
+
+def outcome_of(e: BaseException) -> str:
+    """How a request that raised ``e`` is answered, as ``<status>_<code>`` (for metrics)."""
+    if isinstance(e, HttpError):
+        return f"{e.status}_{e.code}"
+    if isinstance(e, web.HTTPException):
+        return f"{e.status}_{e.reason.lower().replace(' ', '_')}"
+    for cls, status, code in ERROR_TABLE:
+        if isinstance(e, cls):
+            return f"{status}_{code}"
+    return "500_internal_error"
 
 
 @web.middleware

@@ -33,6 +33,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from prometheus_client import generate_latest
 
 from ._http import (
     IDLE_TIMEOUT,
@@ -40,12 +41,14 @@ from ._http import (
     encoding_middleware,
     error_middleware,
     json_response,
+    outcome_of,
     settle,
     token_middleware,
 )
 from .codecs import codec_for_content_type
 from .errors import CodecError, ProtocolError, TidefeedError
 from .messages import Updates, _json_default
+from .receiver_metrics import ReceiverMetrics
 from .sqlite_store import FoldGaveWay, SqliteDatabase
 from .state import Consumer
 
@@ -83,6 +86,8 @@ FOLDING = web.AppKey("folding", dict)
 #: when each feed last had a push session's request (its handshake or a body)
 LAST_PUSH = web.AppKey("last_push", dict)
 FOLD_TURN = web.AppKey("fold_turn", asyncio.Lock)
+METRICS = web.AppKey("metrics", ReceiverMetrics)
+BODY_BYTES = web.RequestKey("body_bytes", int)
 #: the thread background folds run in, at a lower CPU priority
 FOLDER = web.AppKey("folder", concurrent.futures.ThreadPoolExecutor)
 #: how much nicer than the receiver's other threads the fold thread runs (Linux)
@@ -142,6 +147,24 @@ async def get_push(request: web.Request) -> web.Response:
 
 async def post_push(request: web.Request) -> web.Response:
     feed = _feed(request)
+    metrics = request.app[METRICS]
+    try:
+        response = await _post_push(request, feed)
+    except Exception as e:
+        # counted under the feed only if the receiver holds it: invented names add no series
+        c = request.app[CONSUMERS].get(feed)
+        held = c is not None and (c.frontier is not None or c.pending > 0)
+        label = feed if held else ""
+        metrics.bodies.labels(label, outcome_of(e)).inc()
+        metrics.bytes.labels(label).inc(request.get(BODY_BYTES, 0))
+        raise
+    metrics.bodies.labels(feed, "accepted").inc()
+    metrics.bytes.labels(feed).inc(request.get(BODY_BYTES, 0))
+    return response
+
+
+async def _post_push(request: web.Request, feed: str) -> web.Response:
+    metrics = request.app[METRICS]
     ctype = request.headers.get("Content-Type", "")
     codec = codec_for_content_type(ctype)
     if codec is None:
@@ -165,6 +188,7 @@ async def post_push(request: web.Request) -> web.Response:
         )
     request.app[LAST_PUSH][feed] = time.monotonic()  # background folds wait for a pause
     body = await request.read()
+    request[BODY_BYTES] = len(body)
     async with _lock(request.app, feed):
         consumer = await asyncio.to_thread(_consumer, request.app, feed)
         before = consumer.frontier
@@ -181,7 +205,10 @@ async def post_push(request: web.Request) -> web.Response:
             request.app[LAST_PUSH][feed] = time.monotonic()
     if result.committed:
         _fold_soon(request.app, feed)
+    if result.committed:
+        metrics.updates.labels(feed).inc(sum(t.num_rows for t in result.committed))
     if result.frontier != before:
+        metrics.commits.labels(feed).inc()
         log.info(
             "feed %s: committed [%s, %s), %d update(s) (epoch %d)",
             feed,
@@ -334,6 +361,18 @@ async def healthz(_request: web.Request) -> web.Response:
     return json_response({"status": "ok"})
 
 
+async def get_metrics(request: web.Request) -> web.Response:
+    app = request.app
+
+    def every_feed() -> None:  # feeds in the database not pushed to since the start
+        for feed in app[DB].feeds():
+            _consumer(app, feed)
+
+    await asyncio.to_thread(every_feed)
+    body = await asyncio.to_thread(generate_latest, app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
 def make_receiver_app(config: ReceiverConfig) -> web.Application:
     app = web.Application(
         client_max_size=config.max_body,
@@ -345,6 +384,8 @@ def make_receiver_app(config: ReceiverConfig) -> web.Application:
     app[FOLDING] = {}
     app[LAST_PUSH] = {}
     app[FOLD_TURN] = asyncio.Lock()
+    consumers: dict[str, Consumer] = app[CONSUMERS]
+    app[METRICS] = ReceiverMetrics(lambda: dict(consumers))
     app[FOLDER] = concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="fold", initializer=_fold_thread_niceness
     )
@@ -367,6 +408,7 @@ def make_receiver_app(config: ReceiverConfig) -> web.Application:
     app.router.add_post("/v1/push/{feed}", post_push)
     app.router.add_get("/v1/collections/{feed}", get_collection)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", get_metrics)
     return app
 
 

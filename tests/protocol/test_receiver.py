@@ -318,3 +318,43 @@ async def test_refused_requests_are_logged_a_line_each_rate_limited_per_client(
     assert len([r for r in caplog.records if r.name == "tidefeed.http"]) == 2
     head, _ = await state(base)
     assert head["frontier"] is None  # nothing refused changed the feed
+
+
+def scrape(text: str) -> dict[str, float]:
+    """The samples of a Prometheus text page: ``name{labels}`` -> value."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+async def test_metrics_count_bodies_commits_and_refusals_and_show_each_feeds_state(
+    receiver, tmp_path
+):
+    base = await receiver()
+    body = NDJSON.encode(FEED[:4])  # time 1 committed, time 3's updates pending
+    assert (await raw_post(base, body))[0] == 200
+    bad = NDJSON.encode([Progress(0, 9, ((5, 1),))])  # counts an update it never sent
+    assert (await raw_post(base, bad))[0] == 409
+    assert (await raw_post(base, bad, feed="nobody"))[0] == 409  # no such feed before it
+    async with aiohttp.ClientSession() as s, s.get(f"{base}/metrics") as r:
+        assert r.status == 200
+        m = scrape(await r.text())
+    assert m['tidefeed_receiver_frontier{feed="f"}'] == 2
+    assert m['tidefeed_receiver_epoch{feed="f"}'] == 1
+    assert m['tidefeed_receiver_pending_updates{feed="f"}'] == 2
+    assert m['tidefeed_receiver_commits_total{feed="f"}'] == 1
+    assert m['tidefeed_receiver_committed_updates_total{feed="f"}'] == 2
+    assert m['tidefeed_receiver_bodies_total{feed="f",outcome="accepted"}'] == 1
+    assert m['tidefeed_receiver_bodies_total{feed="f",outcome="409_count_mismatch"}'] == 1
+    # a refused body naming a feed the receiver did not hold adds no series of its own
+    assert not any('feed="nobody"' in k for k in m if "bodies" in k or "bytes" in k)
+    assert m['tidefeed_receiver_body_bytes_total{feed="f"}'] == len(body) + len(bad)
+    # a restarted receiver shows the feeds its database holds before any push
+    base2 = await receiver()
+    async with aiohttp.ClientSession() as s, s.get(f"{base2}/metrics") as r:
+        m2 = scrape(await r.text())
+    assert m2['tidefeed_receiver_frontier{feed="f"}'] == 2
+    assert m2["tidefeed_receiver_feeds"] >= 1
