@@ -58,9 +58,6 @@ def _local_path_exists(path: str, what: str) -> None:
 
 
 def cmd_emit(args: argparse.Namespace) -> int:
-    from feed.emit.emitter import Emitter, EmitterConfig, load_schema_file
-    from feed.emit.session import parse_conf
-
     kind, path = _parse_source(args.source)
     _token(args.token, "emit")
     if args.eager and not args.push:
@@ -75,7 +72,22 @@ def cmd_emit(args: argparse.Namespace) -> int:
         _local_path_exists(args.schema, "--schema file")
     if args.tx_metadata and not args.follow:  # a follower waits for it to appear
         _local_path_exists(args.tx_metadata, "--tx-metadata path")
-    config = EmitterConfig(
+    config = _emitter_config(args, kind, path)
+    stopping = _stop_on_signals()
+    if grouped:
+        configs = [
+            replace(config, feed=f, table=t, granularity="transaction")
+            for f, t in zip(feeds, tables, strict=True)
+        ]
+        return _emit_group(configs, stopping)
+    return _emit_one(args, config, stopping)
+
+
+def _emitter_config(args: argparse.Namespace, kind: str, path: str) -> Any:
+    from feed.emit.emitter import EmitterConfig, load_schema_file
+    from feed.emit.session import parse_conf
+
+    return EmitterConfig(
         source_kind=kind,
         source_path=path,
         feed=args.feed,
@@ -97,11 +109,11 @@ def cmd_emit(args: argparse.Namespace) -> int:
         driver_txn_bytes=args.driver_txn_bytes,
         take_over=args.take_over,
     )
-    if grouped:
-        configs = [
-            replace(config, feed=f, table=t, granularity="transaction")
-            for f, t in zip(feeds, tables, strict=True)
-        ]
+
+
+def _stop_on_signals() -> list[int]:
+    """SIGINT and SIGTERM finish the transaction under way, then stop (the signal is
+    appended to the list returned); a second one stops at once."""
     stopping: list[int] = []
 
     def request_stop(signum: int, _frame: Any) -> None:
@@ -123,15 +135,18 @@ def cmd_emit(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    return stopping
+
+
+def _emit_one(args: argparse.Namespace, config: Any, stopping: list[int]) -> int:
+    from feed.emit.emitter import Emitter
+    from feed.emit.progress import TxnProgress
+
     deliver = (
         _push_delivery(args, config, lambda: emitter.eager, lambda: bool(stopping))
         if args.push
         else None
     )
-    from feed.emit.progress import TxnProgress
-
-    if grouped:
-        return _emit_group(configs, stopping)
     emitter = Emitter(config, on_commit=deliver, progress=TxnProgress(config.feed))
     emitter.open()
     if args.eager:
