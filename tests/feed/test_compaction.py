@@ -255,11 +255,11 @@ async def test_a_stream_overtaken_by_compaction_ends_with_a_clear_last_line(log_
     entered, gate = threading.Event(), threading.Event()
     read = FeedReader.batches
 
-    def held_once(self, t, rows):
+    def held_once(self, t, rows, skip=0):
         if not entered.is_set():  # the stream's first read waits for the compaction
             entered.set()
             gate.wait(60)
-        yield from read(self, t, rows)
+        yield from read(self, t, rows, skip)
 
     monkeypatch.setattr(FeedReader, "batches", held_once)
     times = FeedReader(str(log_copy), "bank").times()
