@@ -27,12 +27,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy protocol feed
 
-# two workers (pytest-xdist), each module's tests on one of them (module fixtures are
-# shared, each worker has its own Spark session); TEST_WORKERS=0 runs them in one process
-TEST_WORKERS ?= 2
-PARALLEL := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 pytest: $(STAMP) java-check
-	$(BIN)/python -m pytest $(PARALLEL)
+	$(BIN)/python -m pytest
 
 test: lint typecheck pytest
 
