@@ -150,12 +150,17 @@ def _refused(request: web.Request, response: web.Response, detail: str) -> web.R
     return response
 
 
+def _reason_code(e: web.HTTPException) -> str:
+    """aiohttp's own refusals (405, 413, …) as an error code: their reason, snake-cased."""
+    return e.reason.lower().replace(" ", "_")
+
+
 def outcome_of(e: BaseException) -> str:
     """How a request that raised ``e`` is answered, as ``<status>_<code>`` (for metrics)."""
     if isinstance(e, HttpError):
         return f"{e.status}_{e.code}"
     if isinstance(e, web.HTTPException):
-        return f"{e.status}_{e.reason.lower().replace(' ', '_')}"
+        return f"{e.status}_{_reason_code(e)}"
     for cls, status, code in ERROR_TABLE:
         if isinstance(e, cls):
             return f"{status}_{code}"
@@ -187,7 +192,7 @@ async def error_middleware(
     except web.HTTPException as e:
         if e.status >= 400:
             detail = e.text or e.reason
-            code = e.reason.lower().replace(" ", "_")
+            code = _reason_code(e)
             return _refused(request, _error(e.status, code, detail), detail)
         raise
     except TidefeedError as e:

@@ -147,20 +147,20 @@ async def get_push(request: web.Request) -> web.Response:
 
 async def post_push(request: web.Request) -> web.Response:
     feed = _feed(request)
-    metrics = request.app[METRICS]
+    label, outcome = feed, "accepted"
     try:
-        response = await _post_push(request, feed)
+        return await _post_push(request, feed)
     except Exception as e:
         # counted under the feed only if the receiver holds it: invented names add no series
         c = request.app[CONSUMERS].get(feed)
-        held = c is not None and (c.frontier is not None or c.pending > 0)
-        label = feed if held else ""
-        metrics.bodies.labels(label, outcome_of(e)).inc()
-        metrics.bytes.labels(label).inc(request.get(BODY_BYTES, 0))
+        if c is None or (c.frontier is None and c.pending == 0):
+            label = ""
+        outcome = outcome_of(e)
         raise
-    metrics.bodies.labels(feed, "accepted").inc()
-    metrics.bytes.labels(feed).inc(request.get(BODY_BYTES, 0))
-    return response
+    finally:
+        metrics = request.app[METRICS]
+        metrics.bodies.labels(label, outcome).inc()
+        metrics.bytes.labels(label).inc(request.get(BODY_BYTES, 0))
 
 
 async def _post_push(request: web.Request, feed: str) -> web.Response:
