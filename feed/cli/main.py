@@ -142,27 +142,24 @@ def _emit_one(args: argparse.Namespace, config: Any, stopping: list[int]) -> int
     from feed.emit.emitter import Emitter
     from feed.emit.progress import TxnProgress
 
-    deliver = (
-        _push_delivery(args, config, lambda: emitter.eager, lambda: bool(stopping))
-        if args.push
-        else None
+    push: Any = None  # the background publisher of --push, once the feed is open
+    emitter = Emitter(
+        config,
+        on_commit=(lambda cp: _delivered_on_commit(push, emitter.eager, cp)) if args.push else None,
+        progress=TxnProgress(config.feed),
     )
-    emitter = Emitter(config, on_commit=deliver, progress=TxnProgress(config.feed))
     emitter.open()
-    if args.eager:
-        from feed.emit.eager import EagerPusher
-
-        # executors encode the pushes with the feed's schema, known once the feed is open
-        emitter.eager = EagerPusher(
-            url=args.push, fmt=args.format, schema=emitter.info.schema, token=args.token
-        )
+    delivered = True
     try:
-        if deliver is not None:
-            assert emitter.cp is not None
-            deliver(emitter.cp, fresh=True)  # the announcement and any backlog first
+        if args.push:
+            push = _start_push(args, config, emitter)
         reports = emitter.run(stop=lambda: bool(stopping))
+        if push is not None and not stopping:
+            delivered = _finish_push(args, push, lambda: bool(stopping))
     finally:
         emitter.close()
+        if push is not None:
+            push.close()
     cp = emitter.cp
     assert cp is not None
     updates = sum(r.updates for r in reports)
@@ -182,7 +179,75 @@ def _emit_one(args: argparse.Namespace, config: Any, stopping: list[int]) -> int
             file=sys.stderr,
         )
         return EXIT_INCOMPLETE
-    return EXIT_OK
+    return EXIT_OK if delivered else EXIT_FAILED
+
+
+def _start_push(args: argparse.Namespace, config: Any, emitter: Any) -> Any:
+    """The publisher of ``--push`` (feed/serve/background.py), started on what is
+    committed; with ``--eager``, the executors' pusher, used while the receiver is caught
+    up."""
+    from feed.serve.background import BackgroundPublisher
+
+    push = BackgroundPublisher(
+        config.log, config.feed, args.push, fmt=args.format, token=args.token
+    )
+    if args.eager:
+        from feed.emit.eager import EagerPusher
+
+        # executors encode the pushes with the feed's schema, known once the feed is open
+        emitter.eager = EagerPusher(
+            url=args.push,
+            fmt=args.format,
+            schema=emitter.info.schema,
+            token=args.token,
+            ready=push.idle,
+        )
+    assert emitter.cp is not None
+    push.start(emitter.cp.frontier)  # the announcement and any backlog first
+    return push
+
+
+def _delivered_on_commit(push: Any, eager: Any, cp: Any) -> None:
+    """After each commit: with eager delivery the receiver holds the transaction's updates
+    already and its progress alone closes it; otherwise (or when that fails) the publisher
+    delivers the commit from the log. Never waits for a receiver that is down."""
+    if push is None:
+        return  # (the commit of a new schema version, made while the feed opens)
+    if eager is not None and not eager.skipped and push.idle():
+        acked = eager.close(cp.progress, cp.epoch)
+        if acked is not None:
+            push.acked_directly(acked)
+    push.notify(cp.frontier)
+
+
+def _finish_push(args: argparse.Namespace, push: Any, stop: Callable[[], bool]) -> bool:
+    """At the end of a run: wait up to ``--push-timeout`` for the receiver to ACK the last
+    commit. Not delivered is not lost: the log has it, and the next start delivers it."""
+    if push.finish(0.5, stop):
+        return True
+    if push.stopped is None and not stop():
+        print(
+            f"tidefeed emit: everything is committed (frontier {push.wanted}); waiting up to "
+            f"{args.push_timeout:g}s for {args.push} to ACK it (Ctrl-C stops waiting)",
+            file=sys.stderr,
+        )
+        if push.finish(args.push_timeout, stop):
+            return True
+    if stop():
+        print(
+            f"tidefeed emit: delivery to {args.push} stopped; it goes on from the "
+            "receiver's frontier at the next start",
+            file=sys.stderr,
+        )
+        return True
+    if push.stopped is None:
+        print(
+            f"tidefeed emit: {args.push} did not ACK the last commit within --push-timeout "
+            f"({args.push_timeout:g}s; it is at {push.acked}). Everything is committed: the "
+            "next start of emit delivers it, or a subscription of tidefeed serve",
+            file=sys.stderr,
+        )
+    return False
 
 
 def _check_group(args: argparse.Namespace, kind: str, tables: list[str], feeds: list[str]) -> None:
@@ -245,43 +310,6 @@ def _emit_group(configs: list[Any], stopping: list[int]) -> int:
         )
         return EXIT_INCOMPLETE
     return EXIT_OK
-
-
-def _push_delivery(
-    args: argparse.Namespace,
-    config: Any,
-    eager_of: Callable[[], Any],
-    stop: Callable[[], bool],
-) -> Callable[..., None]:
-    """A commit hook that pushes the committed feed to ``--push`` before going on. With
-    eager delivery, a transaction's updates are at the receiver already: its progress
-    alone closes it, and only when that fails is the log delivered again."""
-    from feed.serve.publisher import deliver_log
-
-    def deliver(cp: Any, *, fresh: bool = False) -> None:
-        eager = eager_of()
-        acked = eager.close(cp.progress, cp.epoch) if eager is not None and not fresh else None
-        if acked is None or acked < cp.frontier:
-            acked = deliver_log(
-                config.log,
-                config.feed,
-                args.push,
-                epoch=cp.epoch,
-                fmt=args.format,
-                token=args.token,
-                give_up_after=args.push_timeout,
-                stop=stop,
-            )
-        if acked is None and stop():
-            print(
-                f"tidefeed emit: delivery to {args.push} stopped; it goes on from the "
-                "receiver's frontier at the next start",
-                file=sys.stderr,
-            )
-            return
-        print(f"tidefeed emit: {args.push} ACKed frontier {acked}", file=sys.stderr)
-
-    return deliver
 
 
 def _listening(command: str, host: str, port: int, run: Callable[[], None]) -> int:

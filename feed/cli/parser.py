@@ -165,7 +165,12 @@ def _emit(command: Callable[..., OptionParser]) -> None:
         help="take the feed from an emitter that holds it (it stops at its next commit); "
         "without it, a second emitter of a feed is refused",
     )
-    p.option("--push", metavar="URL", help="push each commit to this receiver")
+    p.option(
+        "--push",
+        metavar="URL",
+        help="deliver the feed to this receiver as it is committed (from a background "
+        "publisher: a receiver that is down never holds back the commits)",
+    )
     p.option("--eager", action="store_true", help="push updates before the commit (with --push)")
     p.option("--format", choices=FORMATS, default="ndjson", help="push format")
     p.option("--token", help="bearer token the receiver expects")
@@ -173,7 +178,8 @@ def _emit(command: Callable[..., OptionParser]) -> None:
         "--push-timeout",
         type=non_negative_float,
         default=DEFAULT_PUSH_TIMEOUT,
-        help="seconds to keep retrying an unreachable receiver before failing",
+        help="at the end of a run, seconds to wait for the receiver to take the last commit "
+        "before exiting with 1 (the log keeps it; the next start delivers it)",
     )
     p.option("--master", help=f"Spark master (default: {DEFAULT_MASTER})")
     p.add_argument(

@@ -62,8 +62,8 @@ def feed_status(log: str, feed: str) -> dict[str, Any]:
         subs.append(
             {
                 "name": sub.name,
-                "kind": "push" if sub.url else "pull",
-                "url": sub.url,
+                "kind": sub.kind,
+                "url": sub.url or sub.held_by or None,
                 "acked": sub.acked,
                 "acked_at": sub.acked_at,
                 "lag_times": reader.frontier - (sub.acked or 0),

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -96,18 +96,25 @@ def _push_batches(
     return run
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EagerPusher:
-    """Pushes a transaction's staged time segments from the executors, then closes them."""
+    """Pushes a transaction's staged time segments from the executors, then closes them.
+
+    ``ready()`` says whether the receiver is caught up with the log (the emitter's
+    publisher is idle). While it is not, a transaction is not pushed eagerly (``skipped``):
+    its updates would cross the publisher's session; the publisher delivers it instead."""
 
     url: str
     fmt: str
     schema: Any
     token: str | None = None
+    ready: Callable[[], bool] | None = None
+    skipped: bool = field(default=False, init=False)
 
     def push(self, spark: Any, paths: list[str], epoch: int) -> EagerReport:
         """Push the update files ``paths`` (``…/times/<t>/part-….parquet``) from Spark tasks."""
-        if not paths:
+        self.skipped = self.ready is not None and not self.ready()
+        if not paths or self.skipped:
             return EagerReport(0, 0)
         from pyspark.sql import functions as F
 

@@ -1,10 +1,15 @@
-"""Durable subscriptions of the feed server: push (a receiver URL) or named pull.
+"""Durable subscriptions of a feed: push (a receiver URL), named pull, and the emitter's hold.
 
 Each subscription is a small JSON file ``<log>/<feed>/_subscriptions/<name>.json`` with its
 URL, format, the last ACKed frontier and its status. ACKs arrive many times a second while
 a subscription catches up, so positions are kept in memory and written in batches (at most
 every :data:`FLUSH_SECONDS`), never per request. A lost batch only means a receiver is asked
 again for its frontier, which the push session does anyway.
+
+The emitter's own ``--push`` target is a subscription too (:class:`PushHold`, named
+:data:`EMITTER_HOLD`): the emitter writes its receiver's ACKs there, so retention keeps what
+that receiver still needs exactly as it does for the server's subscriptions. It has no
+``url`` (the server does not push to it) and ``held_by`` names the receiver.
 """
 
 from __future__ import annotations
@@ -19,9 +24,18 @@ import orjson
 from feed.log.store import FeedLog
 from protocol import CODECS
 
-__all__ = ["FLUSH_SECONDS", "Subscription", "SubscriptionStore", "valid_subscription"]
+__all__ = [
+    "EMITTER_HOLD",
+    "FLUSH_SECONDS",
+    "PushHold",
+    "Subscription",
+    "SubscriptionStore",
+    "valid_subscription",
+]
 
 FLUSH_SECONDS = 2.0
+#: the name of the subscription that holds retention for ``tidefeed emit --push``
+EMITTER_HOLD = "emit-push"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -43,11 +57,16 @@ class Subscription:
     created: float = field(default_factory=time.time)
     last_error: str = ""  # push: the last failure (kept after recovery, for operators)
     retrying_since: float | None = None  # push: failing since then; None once an ACK came
+    held_by: str = ""  # the emitter's hold: the receiver its --push delivers to
+
+    @property
+    def kind(self) -> str:
+        return "push" if self.url else "emitter push" if self.held_by else "pull"
 
     def public(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("token")
-        d["kind"] = "push" if self.url else "pull"
+        d["kind"] = self.kind
         return d
 
     @classmethod
@@ -131,3 +150,53 @@ class SubscriptionStore:
     def _write(self, sub: Subscription) -> None:
         # (it may hold the receiver's bearer token)
         self.log.write_bytes(f"{self.dir}/{sub.name}.json", orjson.dumps(asdict(sub)), private=True)
+
+
+class PushHold:
+    """The emitter's ``--push`` receiver as a subscription (:data:`EMITTER_HOLD`), so that
+    retention never folds a time it has not ACKed.
+
+    Made before the emitter's first delivery: it keeps the last run's ACK when the receiver
+    is the same one, and holds everything (no ACK) for a new receiver until it answers.
+    ACKs are written at most every :data:`FLUSH_SECONDS` (and by :meth:`flush`): the file
+    may lag behind the receiver, which only keeps more than needed."""
+
+    def __init__(self, log: FeedLog, url: str) -> None:
+        self.log = log
+        self.path = f"{log.path('_subscriptions')}/{EMITTER_HOLD}.json"
+        old = None
+        if log.exists(self.path):
+            old = Subscription(**orjson.loads(log.read_bytes(self.path)))
+        if old is not None and old.held_by == url:
+            self.sub = old
+            self.sub.status, self.sub.reason = "active", ""
+        else:
+            self.sub = Subscription(name=EMITTER_HOLD, feed=log.feed, held_by=url)
+        self._dirty = False
+        self._last = 0.0
+        self._write()
+
+    def ack(self, frontier: int | None) -> None:
+        sub = self.sub
+        if frontier is not None and (sub.acked is None or frontier > sub.acked):
+            sub.acked, sub.acked_at, sub.retrying_since = frontier, time.time(), None
+            self._dirty = True
+        if self._dirty and time.monotonic() - self._last >= FLUSH_SECONDS:
+            self._write()
+
+    def failed(self, error: str) -> None:
+        self.sub.last_error = error[:1000]
+        if self.sub.retrying_since is None:
+            self.sub.retrying_since = time.time()
+
+    def stop(self, reason: str) -> None:
+        self.sub.status, self.sub.reason = "stopped", reason[:1000]
+        self._write()
+
+    def flush(self) -> None:
+        if self._dirty:
+            self._write()
+
+    def _write(self) -> None:
+        self.log.write_bytes(self.path, orjson.dumps(asdict(self.sub)), private=True)
+        self._dirty, self._last = False, time.monotonic()

@@ -1,6 +1,6 @@
 """The feed server's automatic retention (``serve --retain T``, DESIGN §8): every
 ``--compact-every`` seconds, each feed is compacted to ``frontier - 1 - T``, never past the
-lowest ACK of any subscription (push or named pull)."""
+lowest ACK of any subscription (push, named pull, or an emitter's own ``--push``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import logging
 
 from feed.log.compaction import compact, retention_target
+from feed.log.subscriptions import SubscriptionStore
 from feed.serve.state import ServerState
 from protocol import CheckpointError
 
@@ -24,9 +25,9 @@ def _apply_retention(st: ServerState) -> list[str]:
         reader = st.reader(feed)
         store = st.sub_store(feed)
         store.flush(force=True)  # compaction checks the ACKs on disk
-        target = retention_target(
-            reader.frontier, reader.since, st.config.retain, store.lowest_ack()
-        )
+        # read back from disk: an emitter's --push hold is written by the emitter, not here
+        lowest = SubscriptionStore(reader.log).lowest_ack()
+        target = retention_target(reader.frontier, reader.since, st.config.retain, lowest)
         if target is None:
             continue
         try:

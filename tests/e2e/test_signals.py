@@ -110,13 +110,19 @@ def test_a_second_ctrl_c_abandons_the_transaction_at_once(tmp_path):
     assert_valid_then_whole_after_a_restart(src, log)
 
 
-def test_sigterm_with_an_unreachable_push_target_exits_at_once(tmp_path):
+def test_a_dead_push_target_holds_back_no_commit_and_sigterm_ends_the_wait_at_once(tmp_path):
+    """emit --push to a receiver that is not there: the whole input is committed all the
+    same; the end-of-run wait for the receiver stops at once on SIGTERM (143), and runs
+    out after --push-timeout with exit 1 and a line saying the log has everything."""
     src, _ = bank_input(tmp_path, 2)
     log, err = tmp_path / "log", tmp_path / "emit.err"
     dead = f"http://127.0.0.1:{free_port()}/v1/push/bank"  # nothing listens there
     proc = start(*bank_emit_args(src, log, "--push", dead, "--push-timeout", "300"), log=err)
     try:
         wait_for_text(err, "retrying", proc)  # the publisher is backing off
+        # and the emitter, done committing, waits for it
+        wait_for_text(err, "waiting up to 300s", proc)
+        assert collection_of(FeedReader(str(log), "bank")) == as_multiset(BANK.final.values())
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=30)
@@ -127,6 +133,11 @@ def test_sigterm_with_an_unreachable_push_target_exits_at_once(tmp_path):
     text = stderr_of(err)
     assert code == 143, text[-2000:]
     assert took < 5, f"SIGTERM took {took:.1f}s"
+    assert "Traceback" not in text, text[-3000:]
+    again = tidefeed(*bank_emit_args(src, log, "--push", dead, "--push-timeout", "1"))
+    text = again.stderr.decode()
+    assert again.returncode == 1, text[-3000:]
+    assert f"{dead} did not ACK the last commit within --push-timeout (1s" in text, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
 
 

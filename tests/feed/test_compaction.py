@@ -17,7 +17,7 @@ import pytest
 from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 from feed.log.compaction import compact, retention_target
 from feed.log.reader import FeedReader
-from feed.log.subscriptions import Subscription, SubscriptionStore
+from feed.log.subscriptions import PushHold, Subscription, SubscriptionStore
 from feed.serve.server import ServerConfig, make_server_app
 from protocol import (
     CheckpointError,
@@ -232,6 +232,82 @@ async def test_serve_retain_compacts_automatically_up_to_the_lowest_ack(log_copy
     r = FeedReader(str(log_copy), "bank")
     assert r.since == min(r.frontier - 2, times[-3]) == times[-3]
     assert collection_of(r) == truth_multiset()
+
+
+async def test_serve_retain_keeps_what_the_emitters_push_receiver_has_not_acked(log_copy):
+    """The emitter's --push hold is written by the emitter, after the server started: the
+    server's retention still stops at its ACK (it reads the ACKs back from the log)."""
+    r = FeedReader(str(log_copy), "bank")
+    times = r.times()
+    SubscriptionStore(r.log).put(Subscription(name="puller", feed="bank", acked=times[1]))
+    config = ServerConfig(log=str(log_copy), retain=1, compact_seconds=0.05)
+    base, runner = await serve(make_server_app(config))
+    try:
+        while FeedReader(str(log_copy), "bank").since != times[1]:
+            await asyncio.sleep(0.05)
+        hold = PushHold(r.log, "http://127.0.0.1:9/v1/push/bank")  # an emitter starts
+        hold.ack(times[3])
+        hold.flush()
+        async with aiohttp.ClientSession() as s:  # the puller moves on, past the hold
+            ack = {"frontier": r.frontier - 1}
+            async with s.post(f"{base}/v1/feeds/bank/subscriptions/puller/ack", json=ack) as a:
+                assert a.status == 200, await a.text()
+        for _ in range(400):
+            if FeedReader(str(log_copy), "bank").since == times[3]:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # ten more passes
+    finally:
+        await runner.cleanup()
+    r = FeedReader(str(log_copy), "bank")
+    assert r.since == times[3]
+    assert collection_of(r) == truth_multiset()
+    with pytest.raises(CheckpointError, match=r"emit-push \(acked"):
+        compact(str(log_copy), "bank", times[4])
+    assert FeedReader(str(log_copy), "bank").since == times[3]  # the refusal changed nothing
+
+
+async def test_the_emitters_publisher_waits_out_a_dead_receiver_then_delivers_all(
+    log_copy, tmp_path
+):
+    """emit --push's background publisher (feed/serve/background.py) against a receiver
+    that is not there yet: it retries without ever blocking its caller, then delivers the
+    whole feed once the receiver listens, and its ACK is the hold on retention."""
+    from feed.serve.background import BackgroundPublisher
+    from tests.e2e.helpers import free_port
+
+    r = FeedReader(str(log_copy), "bank")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1/push/bank"
+    push = BackgroundPublisher(str(log_copy), "bank", url, fmt="arrow", token=None)
+    push.start(r.frontier)
+    try:
+        for _ in range(400):
+            if push.hold.sub.retrying_since is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert push.hold.sub.last_error  # it tried, and failed: nothing listens
+        assert not await asyncio.to_thread(push.finish, 0.2, lambda: False)
+        rbase, rrunner = await serve(
+            make_receiver_app(ReceiverConfig(db=str(tmp_path / "r.db"))), port
+        )
+        try:
+            assert await asyncio.to_thread(push.finish, 60, lambda: False)
+            async with (
+                aiohttp.ClientSession() as s,
+                s.get(f"{rbase}/v1/collections/bank") as resp,
+            ):
+                rows = [orjson.loads(x) for x in (await resp.read()).splitlines()]
+        finally:
+            await rrunner.cleanup()
+    finally:
+        await asyncio.to_thread(push.close)
+    got: Counter = Counter()
+    for row in rows:
+        got[record_key(row["data"])] += row["count"]
+    assert got == truth_multiset()
+    held = SubscriptionStore(r.log).subs["emit-push"]
+    assert (held.acked, held.held_by, held.kind) == (r.frontier, url, "emitter push")
 
 
 def test_cli_compact_reports_and_refuses_with_exit_1(log_copy, capsys):
