@@ -7,15 +7,18 @@ STAMP  := $(VENV)/.installed
 .PHONY: test test-fast demo lint typecheck pytest bench java-check clean reliability notebook
 
 $(BIN)/python:
+	@echo "creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # compat mode puts the checkout itself on the path, so PySpark's search for pyspark_*
 # modules finds pyspark_tidefeed (format("tidefeed") with no registration)
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[spark,postgres,delta,dev,bench]' \
+	@echo "installing tidefeed and its dependencies into $(VENV) (the first time takes a few minutes: pyspark alone is ~400 MB)"
+	$(BIN)/python -m pip install --progress-bar off -e '.[spark,postgres,delta,dev,bench]' \
 		--config-settings editable_mode=compat
 	touch $(STAMP)
+	@echo "installed: $(BIN)/tidefeed (or run 'source $(BIN)/activate' to have tidefeed on the PATH)"
 
 java-check:
 	@$(BIN)/python -m feed._java
