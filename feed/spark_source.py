@@ -26,6 +26,11 @@ most :data:`PARTITION_UPDATES` updates.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,8 +55,44 @@ _BATCH_ROWS = 65_536  # rows per Arrow record batch handed to Spark
 
 
 def register_spark(spark: Any) -> None:
-    """Make ``format("tidefeed")`` readable on this SparkSession."""
+    """Make ``format("tidefeed")`` readable on this SparkSession. On a local master, also
+    check that Spark's Python workers can import tidefeed (a warning says how to fix it
+    when they cannot)."""
     spark.dataSource.register(TidefeedDataSource)
+    problem = worker_python_problem(spark)
+    if problem:
+        warnings.warn(problem, RuntimeWarning, stacklevel=3)
+
+
+def worker_python_problem(spark: Any) -> str | None:
+    """Why Spark's Python workers on this machine cannot import tidefeed, or ``None``.
+
+    Spark starts them with ``spark.pyspark.python``, else ``$PYSPARK_PYTHON``, else
+    ``python3`` from the PATH: in a virtual environment that is not activated, that is
+    another Python, and every read of a feed fails in the workers with
+    ``No module named 'feed'``. Checked on a local master only (a cluster's workers are
+    other machines)."""
+    if not str(spark.sparkContext.master).startswith("local"):
+        return None
+    python = (
+        spark.conf.get("spark.pyspark.python", None)
+        or os.environ.get("PYSPARK_PYTHON")
+        or shutil.which("python3")
+    )
+    if python is None:
+        return "Spark's Python workers: no python3 on the PATH; set PYSPARK_PYTHON"
+    # (from "/": a probe run in the checkout would find feed/ in its folder, the workers not)
+    probe = subprocess.run(
+        [python, "-c", "import feed, pyarrow"], capture_output=True, timeout=60, cwd="/"
+    )
+    if probe.returncode == 0:
+        return None
+    return (
+        f"Spark's Python workers run {python}, which cannot import tidefeed, so reading a "
+        f"feed will fail in them. Start the session with PYSPARK_PYTHON={sys.executable} "
+        f"in the environment (or .config('spark.pyspark.python', {sys.executable!r})), "
+        "or activate the virtual environment tidefeed is installed in"
+    )
 
 
 @dataclass(frozen=True)

@@ -213,3 +213,32 @@ def test_a_new_schema_version_reads_whole_and_ends_a_running_stream_at_it(regist
     assert restarted.streamReader(restarted.schema()).latestOffset({"time": version}) == {
         "time": feed.frontier
     }
+
+
+def test_workers_that_cannot_import_tidefeed_are_named_before_any_read(spark, tmp_path):
+    """A session whose Python workers are another interpreter (a plain SparkSession in a
+    virtual environment that is not activated): register_spark says so, naming the
+    interpreter and the fix. The shared session's workers are this Python: no warning."""
+    import sys
+    import warnings
+    from types import SimpleNamespace
+
+    import feed
+    from feed.spark_source import worker_python_problem
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        feed.register_spark(spark)  # this Python: nothing to say
+    # a real interpreter that has no tidefeed: a fresh virtual environment
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "v")], check=True)
+    other = str(tmp_path / "v" / "bin" / "python")
+    conf = {"spark.pyspark.python": other}
+    elsewhere = SimpleNamespace(
+        sparkContext=SimpleNamespace(master="local[2]"),
+        conf=SimpleNamespace(get=lambda key, default=None: conf.get(key, default)),
+    )
+    problem = worker_python_problem(elsewhere)
+    assert problem is not None
+    assert other in problem and f"PYSPARK_PYTHON={sys.executable}" in problem
+    on_a_cluster = SimpleNamespace(sparkContext=SimpleNamespace(master="spark://m:7077"))
+    assert worker_python_problem(on_a_cluster) is None  # (its workers are other machines)
