@@ -243,7 +243,7 @@ def _finish_push(args: argparse.Namespace, push: Any, stop: Callable[[], bool]) 
     if push.stopped is None:
         print(
             f"tidefeed emit: {args.push} did not ACK the last commit within --push-timeout "
-            f"({args.push_timeout:g}s; it is at {push.acked}). Everything is committed: the "
+            f"({args.push_timeout:g}s; {_acked(push.acked)}). Everything is committed: the "
             "next start of emit delivers it, or a subscription of tidefeed serve",
             file=sys.stderr,
         )
@@ -310,6 +310,10 @@ def _emit_group(configs: list[Any], stopping: list[int]) -> int:
         )
         return EXIT_INCOMPLETE
     return EXIT_OK
+
+
+def _acked(frontier: int | None) -> str:
+    return "it has ACKed nothing yet" if frontier is None else f"it is at {frontier}"
 
 
 def _listening(command: str, host: str, port: int, run: Callable[[], None]) -> int:

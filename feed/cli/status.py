@@ -66,7 +66,7 @@ def feed_status(log: str, feed: str) -> dict[str, Any]:
                 "url": sub.url or sub.held_by or None,
                 "acked": sub.acked,
                 "acked_at": sub.acked_at,
-                "lag_times": reader.frontier - (sub.acked or 0),
+                "lag_times": None if sub.acked is None else reader.frontier - sub.acked,
                 "status": sub.status,
                 "reason": sub.reason or sub.last_error,
             }
@@ -115,10 +115,13 @@ def print_status(log: str, fmt: str, out: IO[str]) -> int:
         for s in f["subscriptions"]:
             where = f" -> {s['url']}" if s["url"] else ""
             why = f" ({s['reason'][:120]})" if s["reason"] else ""
+            behind = (
+                "nothing ACKed yet"
+                if s["acked"] is None
+                else f"acked {s['acked']} ({_when(s['acked_at'])}), {s['lag_times']} time(s) behind"
+            )
             print(
-                f"  {s['kind']} subscription {s['name']}{where}: acked {s['acked']} "
-                f"({_when(s['acked_at'])}), {s['lag_times']} time(s) behind, "
-                f"{s['status']}{why}",
+                f"  {s['kind']} subscription {s['name']}{where}: {behind}, {s['status']}{why}",
                 file=out,
             )
     return 0

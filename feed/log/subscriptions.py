@@ -66,6 +66,8 @@ class Subscription:
     def public(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("token")
+        if not self.held_by:
+            d.pop("held_by")
         d["kind"] = self.kind
         return d
 
@@ -188,6 +190,9 @@ class PushHold:
         self.sub.last_error = error[:1000]
         if self.sub.retrying_since is None:
             self.sub.retrying_since = time.time()
+        self._dirty = True  # (shown by tidefeed status)
+        if time.monotonic() - self._last >= FLUSH_SECONDS:
+            self._write()
 
     def stop(self, reason: str) -> None:
         self.sub.status, self.sub.reason = "stopped", reason[:1000]

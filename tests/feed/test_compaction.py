@@ -308,6 +308,13 @@ async def test_the_emitters_publisher_waits_out_a_dead_receiver_then_delivers_al
     assert got == truth_multiset()
     held = SubscriptionStore(r.log).subs["emit-push"]
     assert (held.acked, held.held_by, held.kind) == (r.frontier, url, "emitter push")
+    assert "Cannot connect" in held.last_error  # kept for operators after the recovery
+    from feed.cli.status import log_status
+
+    (status,) = log_status(str(log_copy))
+    assert [(s["name"], s["kind"], s["url"], s["lag_times"]) for s in status["subscriptions"]] == [
+        ("emit-push", "emitter push", url, 0)
+    ]
 
 
 def test_cli_compact_reports_and_refuses_with_exit_1(log_copy, capsys):
