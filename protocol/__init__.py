@@ -1,6 +1,7 @@
 """What both ends of a tidefeed speak: messages, semantics, codecs (no Spark needed)."""
 
 from .checker import FeedChecker, Violation, check_messages
+from .client import ClientError, CompleteTime, FeedClient
 from .codecs import CODECS, Codec, Decoder, Encoder, codec_for_content_type, get_codec
 from .consolidate import consolidate
 from .errors import (
@@ -25,16 +26,19 @@ __all__ = [
     "CODECS",
     "ApplyResult",
     "CheckpointError",
+    "ClientError",
     "Codec",
     "CodecError",
     "CommitConflict",
     "Compacted",
+    "CompleteTime",
     "Conflict",
     "Consumer",
     "CountMismatch",
     "Decoder",
     "Encoder",
     "FeedChecker",
+    "FeedClient",
     "Gap",
     "MemoryStore",
     "Message",
