@@ -110,3 +110,27 @@ def test_an_s3_log_comes_with_the_s3a_jars_and_a_bucket():
     assert (
         "make-bucket" in emitter["depends_on"] and "make-bucket" in SERVICES["server"]["depends_on"]
     )
+
+
+def test_hadoop_aws_matches_the_hadoop_of_the_pyspark_wheel():
+    """hadoop-aws only works beside the very Hadoop version Spark carries."""
+    import re
+
+    jars = Path(pyspark.__file__).parent / "jars"
+    (api,) = jars.glob("hadoop-client-api-*.jar")
+    wheel = api.name.removeprefix("hadoop-client-api-").removesuffix(".jar")
+    args = SERVICES["emitter"]["environment"]["PYSPARK_SUBMIT_ARGS"]
+    (pinned,) = re.findall(r"org\.apache\.hadoop:hadoop-aws:([0-9.]+)", args)
+    assert pinned == wheel
+
+
+def test_the_workers_see_the_input_where_the_emitter_names_it():
+    """Executors on the workers read the input files: the folder is mounted there too."""
+    emitter = SERVICES["emitter"]
+    source = emitter["command"][emitter["command"].index("--source") + 1]
+    folder = source.split(":", 1)[1]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in emitter["volumes"]}
+    assert folder in mounts
+    for name in ("spark-worker-1", "spark-worker-2"):
+        theirs = {v.split(":")[1]: v.split(":")[0] for v in SERVICES[name].get("volumes", [])}
+        assert theirs.get(folder) == mounts[folder], name

@@ -5,15 +5,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import socket
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["DEFAULT_MASTER", "get_spark", "parse_conf", "small_shuffles"]
+__all__ = ["DEFAULT_MASTER", "driver_address", "get_spark", "parse_conf", "small_shuffles"]
 
 log = logging.getLogger("tidefeed.spark")
 #: settings the start-up log line shows
-SHOWN = ("spark.sql.shuffle.partitions", "spark.driver.memory", "spark.sql.session.timeZone")
+SHOWN = (
+    "spark.driver.host",
+    "spark.sql.shuffle.partitions",
+    "spark.driver.memory",
+    "spark.sql.session.timeZone",
+)
 DEFAULT_MASTER = "local[*]"
 DEFAULT_DRIVER_MEMORY = "4g"
 
@@ -27,7 +34,8 @@ def get_spark(
     (``--master``); then what Spark itself was given (``spark-submit --conf``,
     ``PYSPARK_SUBMIT_ARGS``, ``spark-defaults.conf`` in ``$SPARK_CONF_DIR``); then tidefeed's
     defaults: ``local[*]``, the driver bound to 127.0.0.1 unless ``SPARK_LOCAL_IP`` says
-    otherwise, no UI, few shuffle partitions (tidefeed's transactions are many and small).
+    otherwise (on a cluster master, at :func:`driver_address`, which its executors can
+    reach), no UI, few shuffle partitions (tidefeed's transactions are many and small).
     """
     from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
@@ -35,7 +43,17 @@ def get_spark(
     active = SparkSession.getActiveSession()
     if active is not None:
         return active
-    host = os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # also read by the launcher
+    conf = dict(conf or {})
+    if master:
+        conf["spark.master"] = master
+    if str(conf.get("spark.master", DEFAULT_MASTER)).startswith("local"):
+        host = bind = os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # (the launcher's)
+    else:
+        # executors on other machines connect back to the driver: it must advertise an
+        # address they can reach (127.0.0.1 or 0.0.0.0 would send them to themselves)
+        host = driver_address(str(conf["spark.master"]))
+        bind = os.environ.get("SPARK_LOCAL_IP") or host  # (0.0.0.0 in docker/: every interface)
+        os.environ.setdefault("SPARK_LOCAL_IP", host)
     conf_dir = os.environ.get("SPARK_CONF_DIR")
     if not (conf_dir and os.path.exists(os.path.join(conf_dir, "log4j2.properties"))):
         # Spark's start-up chatter (WARN lines, "default log4j profile") stays out of
@@ -47,9 +65,6 @@ def get_spark(
     # Python workers (eager pushes) must run this interpreter, which has tidefeed installed,
     # not whatever "python3" is first on the PATH
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    conf = dict(conf or {})
-    if master:
-        conf["spark.master"] = master
     # The heap is fixed when the JVM starts, so the driver's memory is settled here, not in
     # the builder (which would only show the value). The launcher ranks SPARK_DRIVER_MEMORY
     # below spark-submit's flags and spark-defaults.conf: the right place for a default.
@@ -76,7 +91,7 @@ def get_spark(
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.shuffle.partitions": "4",
         "spark.driver.host": host,
-        "spark.driver.bindAddress": host,
+        "spark.driver.bindAddress": bind,
         "spark.sql.files.maxPartitionBytes": str(1 << 30),
         "spark.sql.session.timeZone": "UTC",
         "spark.pyspark.python": os.environ["PYSPARK_PYTHON"],
@@ -120,6 +135,31 @@ def get_spark(
         f" (--conf: {', '.join(sorted(conf))})" if conf else "",
     )
     return spark
+
+
+def driver_address(master: str) -> str:
+    """The address a cluster's executors reach this driver at (``spark.driver.host``):
+    ``SPARK_LOCAL_IP`` when it names one address; else, for ``spark://HOST:PORT``, this
+    machine's address on the route to the master (asked of the kernel: nothing is sent);
+    else the address of this machine's name. ``--conf spark.driver.host=…`` overrides it."""
+    given = os.environ.get("SPARK_LOCAL_IP", "")
+    if given and given not in ("0.0.0.0", "::"):
+        return given
+    m = re.match(r"spark://(\[[^\]]+\]|[^,:/]+)(?::(\d+))?", master)
+    if m:
+        target = (m.group(1).strip("[]"), int(m.group(2) or 7077))
+        try:
+            family = socket.AF_INET6 if ":" in target[0] else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(target)  # (a UDP connect only picks the route)
+                address: str = s.getsockname()[0]
+                return address
+        except OSError:
+            pass  # no route, or a name that does not resolve: the machine's name below
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def parse_conf(pairs: list[str] | None, *, command: str = "emit") -> dict[str, str]:

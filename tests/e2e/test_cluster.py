@@ -135,9 +135,11 @@ def test_emit_on_a_standalone_cluster_equals_local(cluster, tmp_path):
             str(schema),
             "--master",
             m,
-            env={"SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable},
+            env={"PYSPARK_PYTHON": sys.executable},
         )
         assert run.returncode == 0, run.stderr.decode()[-3000:]
+        # on the cluster the driver advertised the address on its route to the master
+        assert b"spark.driver.host=127.0.0.1" in run.stderr, run.stderr.decode()[-3000:]
         inspected = tidefeed("inspect", "--log", str(log), "--feed", "bank", "--format", "ndjson")
         assert inspected.returncode == 0
         outputs.append(inspected.stdout)

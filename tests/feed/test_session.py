@@ -44,3 +44,22 @@ def test_a_malformed_conf_flag_is_a_usage_error():
     assert parse_conf(["a.b=1", "c= x=y"]) == {"a.b": "1", "c": " x=y"}
     with pytest.raises(SystemExit, match=r"--conf takes KEY=VALUE, got 'spark\.sql'"):
         parse_conf(["spark.sql"])
+
+
+def test_the_driver_advertises_an_address_a_clusters_executors_can_reach(monkeypatch):
+    """On a cluster master, spark.driver.host is the address on the route to the master
+    (never 0.0.0.0, the docker image's SPARK_LOCAL_IP); one address given in
+    SPARK_LOCAL_IP is taken as it is."""
+    import ipaddress
+
+    from feed.emit.session import driver_address
+
+    monkeypatch.delenv("SPARK_LOCAL_IP", raising=False)
+    assert driver_address("spark://127.0.0.1:7077") == "127.0.0.1"  # the loopback route
+    monkeypatch.setenv("SPARK_LOCAL_IP", "0.0.0.0")
+    assert driver_address("spark://127.0.0.1:7077") == "127.0.0.1"
+    elsewhere = driver_address("spark://10.255.255.1:7077")  # another network
+    assert not ipaddress.ip_address(elsewhere).is_unspecified
+    assert driver_address("spark://master.invalid:7077")  # a name that does not resolve
+    monkeypatch.setenv("SPARK_LOCAL_IP", "10.1.2.3")
+    assert driver_address("spark://127.0.0.1:7077") == "10.1.2.3"
