@@ -48,7 +48,7 @@ import pyarrow.compute as pc
 
 from .codecs import get_codec
 from .errors import CodecError, Compacted, TidefeedError
-from .messages import Message
+from .messages import Message, Updates
 from .state import Consumer
 from .stores import StoreState
 
@@ -58,6 +58,9 @@ log = logging.getLogger("tidefeed.client")
 
 BACKOFF_START = 0.2
 BACKOFF_MAX = 10.0
+#: updates the consumer state machine takes in one step: each step sorts what the time
+#: holds pending, so one step per batch (4 096 updates) was quadratic in a large time
+BODY_UPDATES = 1 << 18
 
 
 class ClientError(TidefeedError):
@@ -218,9 +221,17 @@ class FeedClient:
                 with self._stream(url) as stream:
                     if not follow and stop_at is None:
                         stop_at = self.info()["frontier"]  # where this stream ends
+                    body: list[Message] = []  # updates are applied together, up to a bound
+                    held = 0
                     for message in self.codec.decoder(stream):
                         failing_since, backoff = None, BACKOFF_START
-                        yield from self._apply(consumer, store, message)
+                        body.append(message)
+                        if isinstance(message, Updates):
+                            held += len(message)
+                            if held < BODY_UPDATES:
+                                continue
+                        yield from self._apply(consumer, store, body)
+                        body, held = [], 0
                         if stop_at is not None and (consumer.frontier or 0) >= stop_at:
                             break
                 if stop_at is not None and (consumer.frontier or 0) >= stop_at:
@@ -257,10 +268,10 @@ class FeedClient:
             raise _refusal(e, url) from None
 
     def _apply(
-        self, consumer: Consumer, store: _Handover, message: Message
+        self, consumer: Consumer, store: _Handover, body: list[Message]
     ) -> Iterator[CompleteTime]:
         before = consumer.frontier
-        consumer.apply([message])
+        consumer.apply(body)
         if consumer.frontier == before:
             return
         tables, store.committed = store.committed, []
