@@ -246,7 +246,16 @@ class FeedClient:
                         f"feed {self.feed!r}: {self.base} unreachable for {self.retry_for:g}s: {e}"
                     ) from e
                 wait = backoff * random.uniform(0.5, 1.5)
-                log.warning("feed %s: stream broke (%s); resuming in %.1fs", self.feed, e, wait)
+                why = getattr(e, "reason", e)  # (urllib wraps a refused connection)
+                log.warning(
+                    "feed %s: %s: %s; retrying from %s in %.1fs%s",
+                    self.feed,
+                    self.base,
+                    why,
+                    "the start" if consumer.frontier is None else f"frontier {consumer.frontier}",
+                    wait,
+                    "" if self.retry_for is None else f" (gives up after {self.retry_for:g}s)",
+                )
                 time.sleep(wait)
                 backoff = min(backoff * 2, BACKOFF_MAX)
                 self.reconnects += 1
