@@ -59,6 +59,12 @@ class Subscription:
     retrying_since: float | None = None  # push: failing since then; None once an ACK came
     held_by: str = ""  # the emitter's hold: the receiver its --push delivers to
 
+    def failed(self, error: str) -> None:
+        """A delivery failed (it is retried): keep the error, and since when it fails."""
+        self.last_error = error[:1000]
+        if self.retrying_since is None:
+            self.retrying_since = time.time()
+
     @property
     def kind(self) -> str:
         return "push" if self.url else "emitter push" if self.held_by else "pull"
@@ -187,9 +193,7 @@ class PushHold:
             self._write()
 
     def failed(self, error: str) -> None:
-        self.sub.last_error = error[:1000]
-        if self.sub.retrying_since is None:
-            self.sub.retrying_since = time.time()
+        self.sub.failed(error)
         self._dirty = True  # (shown by tidefeed status)
         if time.monotonic() - self._last >= FLUSH_SECONDS:
             self._write()

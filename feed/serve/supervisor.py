@@ -67,9 +67,7 @@ async def _push_loop(app: web.Application, sub: Subscription) -> None:
 
 
 def _failed(sub: Subscription, e: Exception) -> None:
-    sub.last_error = f"{type(e).__name__}: {e}"[:1000]
-    if sub.retrying_since is None:
-        sub.retrying_since = time.time()
+    sub.failed(f"{type(e).__name__}: {e}")
 
 
 async def _push_sessions(app: web.Application, store: SubscriptionStore, sub: Subscription) -> None:
