@@ -37,7 +37,7 @@ from protocol import check_messages
 from .helpers import start
 
 # a real cluster, a JVM for Debezium and two Spark emitters: generous on a loaded machine
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.realsource, pytest.mark.timeout(900)]
 
 
 def _require() -> None:

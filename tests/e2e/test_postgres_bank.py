@@ -29,7 +29,7 @@ from protocol import check_messages
 from .helpers import start
 from .test_postgres import cluster_and_capture
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.realsource, pytest.mark.timeout(900)]
 
 ACCOUNTS, OPENING, CLIENTS, PER_CLIENT = 8, 1000, 3, 100
 TABLES = "public.accounts,public.transfers"

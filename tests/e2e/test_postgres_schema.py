@@ -21,7 +21,7 @@ from protocol import SourceError, Updates, check_messages, get_codec, record_key
 
 from .test_postgres import cluster_and_capture
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.realsource, pytest.mark.timeout(600)]
 
 # per table: its DDL, the ALTER, and the DML after it (old-shape rows and new ones)
 TABLES = {

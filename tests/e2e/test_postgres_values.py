@@ -22,7 +22,7 @@ from protocol import check_messages
 
 from .test_postgres import cluster_and_capture
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.realsource, pytest.mark.timeout(600)]
 
 SCHEMA_SQL = """
 CREATE TABLE vals (
