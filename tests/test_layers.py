@@ -84,3 +84,22 @@ def test_no_import_cycles() -> None:
 def test_feed_holds_few_files_directly() -> None:
     assert len(list(FEED.glob("*.py"))) <= 12
     assert {p.name for p in FEED.iterdir() if p.is_dir() and p.name != "__pycache__"} >= set(RANK)
+
+
+def test_only_the_sources_package_tells_source_kinds_apart_by_name() -> None:
+    """Outside ``feed/sources`` a kind is asked what it does (feed/sources/registry.py),
+    never compared with a kind's name."""
+    from feed.sources.registry import KINDS
+
+    found = []
+    for path in sorted(FEED.rglob("*.py")):
+        if path.relative_to(FEED).parts[0] == "sources":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            values = [e for s in sides for e in (s.elts if isinstance(s, ast.Tuple) else [s])]
+            if any(isinstance(v, ast.Constant) and v.value in KINDS for v in values):
+                found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []

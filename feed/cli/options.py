@@ -37,6 +37,7 @@ __all__ = [
     "EXIT_USAGE",
     "SHARED",
     "OptionParser",
+    "checked_token",
     "configure_logging",
     "env_names",
     "UsageError",
@@ -281,3 +282,14 @@ def configure_logging(level: str = DEFAULT_LOG_LEVEL, fmt: str = "text") -> None
     logging.getLogger("tidefeed").setLevel(level.upper())
     logging.getLogger("py4j").setLevel(logging.WARNING)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def checked_token(token: str | None, command: str) -> str | None:
+    """``--token`` as given; an empty one (``--token ""``, an empty ``TIDEFEED_TOKEN``) is
+    refused rather than taken as "no token": that would turn authentication off."""
+    if token is not None and not token.strip():
+        raise SystemExit(
+            f"tidefeed {command}: --token is empty; give a token, or leave the flag (and "
+            "TIDEFEED_TOKEN) out to run without one"
+        )
+    return token

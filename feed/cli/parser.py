@@ -28,6 +28,7 @@ from feed.emit.settings import (
     DEFAULT_TRIGGER,
 )
 from feed.serve.state import COMPACT_SECONDS, MAX_STREAMS, MAX_STREAMS_PER_CLIENT, STALL_SECONDS
+from feed.sources.registry import KINDS
 from protocol import CODECS
 from protocol._http import IDLE_TIMEOUT
 from protocol.destinations import DEFAULT_PUSH_ALLOW
@@ -129,12 +130,12 @@ def _convert(command: Callable[..., OptionParser]) -> None:
 
 def _emit(command: Callable[..., OptionParser]) -> None:
     p = command("emit", help="turn row changes into a consolidated feed (Spark)")
+    folders = ", ".join(k.name for k in KINDS.values() if k.files)
     p.option(
         "--source",
         required=True,
-        help="KIND:PATH, a file or folder of change files, local or s3://… (kinds: debezium, "
-        "cdf, upsert, snapshot, weighted), or delta:TABLE_URI for a Delta table's change "
-        "data feed",
+        help=f"KIND:PATH, a file or folder of change files, local or s3://… (kinds: {folders}), "
+        "or delta:TABLE_URI for a Delta table's change data feed",
     )
     p.option("--feed", required=True, help="feed name (a list A,B with --table A,B: a group)")
     p.option("--log", required=True, help="feed log: a local folder or s3://…")
@@ -152,6 +153,14 @@ def _emit(command: Callable[..., OptionParser]) -> None:
         help="one time per emitter transaction, or one per source transaction (default: the "
         f"feed's; a new feed: {DEFAULT_GRANULARITY})",
     )
+    _emit_run(p)
+    _emit_push(p)
+    _emit_spark(p)
+    _emit_source_options(p)
+
+
+def _emit_run(p: OptionParser) -> None:
+    """``emit``: how the run goes."""
     p.option("--follow", action="store_true", help="keep running and pick up new files")
     p.option(
         "--trigger",
@@ -165,6 +174,22 @@ def _emit(command: Callable[..., OptionParser]) -> None:
         help="take the feed from an emitter that holds it (it stops at its next commit); "
         "without it, a second emitter of a feed is refused",
     )
+    p.option(
+        "--on-bad-record",
+        choices=("quarantine", "fail"),
+        default="quarantine",
+        help="set a bad input row aside with its reason and go on, or stop with nothing committed",
+    )
+    p.option(
+        "--max-files-per-txn",
+        type=positive_int,
+        default=DEFAULT_MAX_FILES,
+        help="input files read by one transaction at most",
+    )
+
+
+def _emit_push(p: OptionParser) -> None:
+    """``emit``: delivering the feed as it is committed."""
     p.option(
         "--push",
         metavar="URL",
@@ -181,24 +206,16 @@ def _emit(command: Callable[..., OptionParser]) -> None:
         help="at the end of a run, seconds to wait for the receiver to take the last commit "
         "before exiting with 1 (the log keeps it; the next start delivers it)",
     )
+
+
+def _emit_spark(p: OptionParser) -> None:
+    """``emit``: where the transactions run."""
     p.option("--master", help=f"Spark master (default: {DEFAULT_MASTER})")
     p.add_argument(
         "--conf",
         action="append",
         metavar="KEY=VALUE",
         help="a Spark setting, over spark-submit --conf and spark-defaults.conf (repeatable)",
-    )
-    p.option(
-        "--on-bad-record",
-        choices=("quarantine", "fail"),
-        default="quarantine",
-        help="set a bad input row aside with its reason and go on, or stop with nothing committed",
-    )
-    p.option(
-        "--max-files-per-txn",
-        type=positive_int,
-        default=DEFAULT_MAX_FILES,
-        help="input files read by one transaction at most",
     )
     p.option(
         "--driver-txn-bytes",
@@ -208,6 +225,11 @@ def _emit(command: Callable[..., OptionParser]) -> None:
         "on the driver, without Spark's per-job cost, when its input is plain (0: always "
         "in Spark; docs/emitter.md)",
     )
+
+
+def _emit_source_options(p: OptionParser) -> None:
+    """``emit``: the options of one kind of source (feed/sources/registry.py); the others
+    refuse them."""
     p.option("--order", help="upsert source: the column that orders the upserts")
     p.option("--deleted", help="upsert source: the boolean column that marks a delete")
     p.option(

@@ -51,13 +51,14 @@ from feed.emit.settings import (
 )
 from feed.log.checkpoint import Checkpoint, fixed
 from feed.log.commits import Committer
+from feed.log.info import SchemaVersion
 from feed.log.manifest import Segment
-from feed.log.store import FeedLog, SchemaVersion
+from feed.log.store import FeedLog
 from feed.sources.inputs import InputWindow, next_source
 from feed.sources.shapes import Evolve
 from feed.txn import driver as driver_txn
 from feed.txn import spark as spark_txn
-from feed.txn.dataflow import NEED_MORE, TxnContext
+from feed.txn.context import NEED_MORE, TxnContext
 from feed.txn.segments import Written
 from protocol import CheckpointError, Progress, SourceError
 
@@ -90,7 +91,7 @@ def widening(
     progress: TxnProgress | None,
 ) -> TxnReport | None:
     """``txn(files, more=…)``, over twice as many of the ``pending`` files each time it
-    finds nothing complete (:data:`~feed.txn.dataflow.NEED_MORE`: a source transaction is
+    finds nothing complete (:data:`~feed.txn.context.NEED_MORE`: a source transaction is
     longer than the window); ``None`` without input or when nothing is complete."""
     if not files:
         return None
@@ -249,7 +250,7 @@ class Emitter:
     def pending_files(self) -> list[str]:
         """Input files not consumed yet, in name order (also noted for the next commit)."""
         assert self.cp is not None
-        if self.config.source_kind == "delta":
+        if not self.config.kind.files:
             return []
         return self.inputs.pending(self.cp.source)
 
@@ -263,12 +264,12 @@ class Emitter:
         """Run one transaction over the pending input; ``None`` when there was none, or when
         every source transaction in it is still incomplete (held back for more input)."""
         self._require(State.OPENED)
-        if self.config.source_kind == "delta":
+        if not self.config.kind.files:
             return self._delta_step()
         pending = self.pending_files()
         # a source transaction (a Delta commit version: always) is never split
-        kind, limit = self.config.source_kind, self.config.max_files_per_txn
-        whole = self.config.granularity == "transaction" or kind == "cdf"
+        kind, limit = self.config.kind, self.config.max_files_per_txn
+        whole = self.config.granularity == "transaction" or kind.versions
         files = self.inputs.first(pending, limit, kind=kind, whole_txns=whole)
         return widening(pending, files, self._txn, self.progress)
 
@@ -504,14 +505,14 @@ class Emitter:
         source = next_source(
             cp.source,
             position=w.position,
-            cdf=cfg.source_kind == "cdf",
+            cdf=cfg.kind.versions,
             replaces=w.replaces,
             files=None if source_update is not None else (self.inputs.listed, files),
             tx_files=(self.inputs.tx_listed, tx_files) if tx_files else None,
             held=set(w.held_files if held is None else held),
             update=source_update,
         )
-        if cfg.source_kind == "debezium" and "snapshot_lsn" not in source:
+        if cfg.kind.events and "snapshot_lsn" not in source:
             source["snapshot_lsn"] = w.snapshot_lsn
         return Planned(progress=progress, next=next_time, source=source, state=w.state_ref)
 

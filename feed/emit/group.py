@@ -12,7 +12,7 @@ one transaction loop.
 * **Held back together.** A source transaction held back in one feed (its END record, or
   some of that table's events, not read yet) is held back in all of them, with everything
   delivered after it: each feed's reading is done again with the group's hold
-  (:class:`~feed.txn.dataflow.GroupHold`) until every feed holds the same.
+  (:class:`~feed.txn.context.GroupHold`) until every feed holds the same.
 * **One commit point.** After every feed has written its segments (and keyed state), a
   group commit file ``<log>/_groups/<a+b>/<seq:020d>.json`` is created exclusively: it
   names, for each feed, the checkpoint to commit (progress, ``next``, input position,
@@ -51,7 +51,8 @@ from feed.log.commits import Committer
 from feed.log.manifest import Segment
 from feed.log.store import FeedLog
 from feed.sources.shapes import Evolve
-from feed.txn.dataflow import NEED_MORE, GroupHold, ReadChanges, read_input
+from feed.txn.context import NEED_MORE, GroupHold, ReadChanges
+from feed.txn.dataflow import read_input
 from feed.txn.segments import Written
 from protocol import CheckpointError, CommitConflict, Progress
 
@@ -305,7 +306,7 @@ class GroupEmitter:
         first = self.members[0]
         pending = first.pending_files()
         files = first.inputs.first(
-            pending, self.config.max_files_per_txn, kind="debezium", whole_txns=True
+            pending, self.config.max_files_per_txn, kind=first.config.kind, whole_txns=True
         )
         return widening(pending, files, self._txn, self.progress)
 

@@ -46,40 +46,7 @@ def get_spark(
     conf = dict(conf or {})
     if master:
         conf["spark.master"] = master
-    if str(conf.get("spark.master", DEFAULT_MASTER)).startswith("local"):
-        host = bind = os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # (the launcher's)
-    else:
-        # executors on other machines connect back to the driver: it must advertise an
-        # address they can reach (127.0.0.1 or 0.0.0.0 would send them to themselves)
-        host = driver_address(str(conf["spark.master"]))
-        bind = os.environ.get("SPARK_LOCAL_IP") or host  # (0.0.0.0 in docker/: every interface)
-        os.environ.setdefault("SPARK_LOCAL_IP", host)
-    conf_dir = os.environ.get("SPARK_CONF_DIR")
-    if not (conf_dir and os.path.exists(os.path.join(conf_dir, "log4j2.properties"))):
-        # Spark's start-up chatter (WARN lines, "default log4j profile") stays out of
-        # tidefeed's output; errors still show
-        os.environ.setdefault(
-            "LOG4J_CONFIGURATION_FILE",
-            os.path.join(os.path.dirname(os.path.dirname(__file__)), "log4j2.properties"),
-        )
-    # Python workers (eager pushes) must run this interpreter, which has tidefeed installed,
-    # not whatever "python3" is first on the PATH
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    # The heap is fixed when the JVM starts, so the driver's memory is settled here, not in
-    # the builder (which would only show the value). The launcher ranks SPARK_DRIVER_MEMORY
-    # below spark-submit's flags and spark-defaults.conf: the right place for a default.
-    # A --conf given to tidefeed ranks above them all, as a spark-submit flag.
-    if "spark.driver.memory" in conf:
-        submit = os.environ.get("PYSPARK_SUBMIT_ARGS", "pyspark-shell")
-        os.environ["PYSPARK_SUBMIT_ARGS"] = (
-            f"--driver-memory {conf['spark.driver.memory']} {submit}"
-        )
-    elif str(conf.get("spark.master", DEFAULT_MASTER)).startswith("local"):
-        # in local mode the driver does all the work: the JVM's 1 GiB default is too small
-        os.environ.setdefault(
-            "SPARK_DRIVER_MEMORY",
-            os.environ.get("TIDEFEED_DRIVER_MEMORY", DEFAULT_DRIVER_MEMORY),
-        )
+    host, bind = _launch_environment(conf)
     # start the JVM first: its system properties are what spark-submit and
     # spark-defaults.conf set, and those win over tidefeed's own defaults
     SparkContext._ensure_initialized()
@@ -135,6 +102,47 @@ def get_spark(
         f" (--conf: {', '.join(sorted(conf))})" if conf else "",
     )
     return spark
+
+
+def _launch_environment(conf: dict[str, Any]) -> tuple[str, str]:
+    """Settle what the JVM launch reads from the environment (the driver's address and
+    heap, Spark's logging, the Python of the workers); the driver's advertised and bound
+    addresses."""
+    if str(conf.get("spark.master", DEFAULT_MASTER)).startswith("local"):
+        host = bind = os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # (the launcher's)
+    else:
+        # executors on other machines connect back to the driver: it must advertise an
+        # address they can reach (127.0.0.1 or 0.0.0.0 would send them to themselves)
+        host = driver_address(str(conf["spark.master"]))
+        bind = os.environ.get("SPARK_LOCAL_IP") or host  # (0.0.0.0 in docker/: every interface)
+        os.environ.setdefault("SPARK_LOCAL_IP", host)
+    conf_dir = os.environ.get("SPARK_CONF_DIR")
+    if not (conf_dir and os.path.exists(os.path.join(conf_dir, "log4j2.properties"))):
+        # Spark's start-up chatter (WARN lines, "default log4j profile") stays out of
+        # tidefeed's output; errors still show
+        os.environ.setdefault(
+            "LOG4J_CONFIGURATION_FILE",
+            os.path.join(os.path.dirname(os.path.dirname(__file__)), "log4j2.properties"),
+        )
+    # Python workers (eager pushes) must run this interpreter, which has tidefeed installed,
+    # not whatever "python3" is first on the PATH
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    # The heap is fixed when the JVM starts, so the driver's memory is settled here, not in
+    # the builder (which would only show the value). The launcher ranks SPARK_DRIVER_MEMORY
+    # below spark-submit's flags and spark-defaults.conf: the right place for a default.
+    # A --conf given to tidefeed ranks above them all, as a spark-submit flag.
+    if "spark.driver.memory" in conf:
+        submit = os.environ.get("PYSPARK_SUBMIT_ARGS", "pyspark-shell")
+        os.environ["PYSPARK_SUBMIT_ARGS"] = (
+            f"--driver-memory {conf['spark.driver.memory']} {submit}"
+        )
+    elif str(conf.get("spark.master", DEFAULT_MASTER)).startswith("local"):
+        # in local mode the driver does all the work: the JVM's 1 GiB default is too small
+        os.environ.setdefault(
+            "SPARK_DRIVER_MEMORY",
+            os.environ.get("TIDEFEED_DRIVER_MEMORY", DEFAULT_DRIVER_MEMORY),
+        )
+    return host, bind
 
 
 def driver_address(master: str) -> str:

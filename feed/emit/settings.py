@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
-from feed.log.store import FeedInfo, FeedLog
+from feed.log.info import Clock, FeedInfo, Granularity
+from feed.log.store import FeedLog
+from feed.sources.registry import SourceKind, source_kind
 from protocol import SourceError, fingerprint
 
 __all__ = [
@@ -35,8 +37,10 @@ DEFAULT_MAX_FILES = 1000
 #: keyed Debezium input of at most this many bytes is computed on the driver
 #: (feed/txn/driver.py; ``--driver-txn-bytes``)
 DEFAULT_DRIVER_TXN_BYTES = 1 << 20
-DEFAULT_CLOCK = "wallclock"  # a new feed's, when --clock is left out
-DEFAULT_GRANULARITY = "batch"  # a new feed's, when --granularity is left out
+#: a bad input row is quarantined (kept with its reason) or stops the transaction
+BadRecords = Literal["quarantine", "fail"]
+DEFAULT_CLOCK: Clock = "wallclock"  # a new feed's, when --clock is left out
+DEFAULT_GRANULARITY: Granularity = "batch"  # a new feed's, when --granularity is left out
 RESERVED = ("time", "diff")
 #: a follow-mode emitter warns once input has been held back this long (incomplete source
 #: transactions: an END record or events not arrived), and again as often while it lasts
@@ -51,12 +55,12 @@ class EmitterConfig:
     log: str
     key: tuple[str, ...] = ()
     schema: dict[str, Any] | None = None
-    clock: str | None = None  # None: the feed's, else wallclock
-    granularity: str | None = None  # None: the feed's, else batch
+    clock: Clock | None = None  # None: the feed's, else wallclock
+    granularity: Granularity | None = None  # None: the feed's, else batch
     follow: bool = False
     trigger: float = DEFAULT_TRIGGER
     master: str | None = None
-    on_bad_record: str = "quarantine"
+    on_bad_record: BadRecords = "quarantine"
     max_files_per_txn: int = DEFAULT_MAX_FILES
     order: str | None = None  # upsert: the column that orders upserts
     deleted: str | None = None  # upsert: the boolean column that marks deletes
@@ -71,6 +75,11 @@ class EmitterConfig:
     group: tuple[str, ...] = ()
     #: take the feed from an emitter that holds its lease (feed/log/lease.py)
     take_over: bool = False
+
+    @property
+    def kind(self) -> SourceKind:
+        """What the source's kind is and does (:mod:`feed.sources.registry`)."""
+        return source_kind(self.source_kind)
 
 
 def create_feed(
@@ -90,16 +99,16 @@ def create_feed(
 
     schema = cfg.schema
     table = cfg.table
-    if cfg.source_kind == "debezium" and table is None:
+    if cfg.kind.events and table is None:
         # a feed is one table: the first change event's, unless --table names it
         table = debezium_table(files())
-    if schema is None and cfg.source_kind == "delta":
+    if schema is None and cfg.kind.own_schema:
         schema = delta_schema()
     if schema is None:
         schema = infer_record_schema(
             spark(),
-            cfg.source_kind,
-            files() if cfg.source_kind == "debezium" else files()[:5],
+            cfg.kind.reader,
+            files()[: cfg.kind.infer_files],
             exclude=tuple(c for c in (cfg.order, cfg.deleted) if c),
             table=table,
         )

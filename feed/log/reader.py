@@ -17,8 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from feed.log.checkpoint import Checkpoint, CheckpointStore
+from feed.log.info import FeedInfo
 from feed.log.manifest import ManifestStore
-from feed.log.store import FeedInfo, FeedLog
+from feed.log.store import FeedLog
 from protocol import (
     CheckpointError,
     Compacted,

@@ -150,8 +150,55 @@ def read_debezium(
     a total order; a snapshot's rows share everything but their row.
     """
     table = options.get("table")
-    encodings = connect_names(options.get("schema") or {})
-    scales = connect_scales(options.get("schema") or {})
+    df = _envelopes(spark, files, record, options.get("schema") or {})
+    before, after = F.col("t_before"), F.col("t_after")
+    lsn = F.col("src.lsn").try_cast("long")
+    seq = F.from_json(F.col("src.sequence"), T.ArrayType(T.StringType()))
+    op = F.col("op")
+    skip = _skip_reason(table)
+    is_end = (F.col("status") == "END") & skip.isNull()
+    # the transaction: the xid part of transaction.id ("<xid>:<lsn>", whose LSN part
+    # differs from event to event), else source.txId
+    tx_xid = F.substring_index(F.col("tx.id"), ":", 1)
+    end_xid = F.substring_index(F.col("tx_id"), ":", 1)
+    end_lsn = F.substring_index(F.col("tx_id"), ":", -1).try_cast("long")
+    txn = F.coalesce(tx_xid, F.col("src.txId"), F.concat(F.lit("lsn:"), F.col("src.lsn")))
+    # Debezium/Postgres puts ["<last commit LSN>", "<LSN>"] in source.sequence; the commit
+    # LSN orders changes across concurrent transactions, so it is the major position.
+    # Without a last commit LSN (a snapshot read; the first transaction streamed after a
+    # start) the event's own LSN takes its place: a snapshot's LSN is its consistent
+    # point, after every transaction it holds and before every one streamed after it, so
+    # a second snapshot falls in order among the streamed transactions; a first streamed
+    # event's LSN is below its commit, which the next transaction's events carry.
+    pos_hi = F.coalesce(seq.getItem(0).try_cast("long"), lsn, F.lit(0).cast("long"))
+    return canonical(
+        df,
+        op=F.when(skip.isNotNull(), F.lit("x")).when(is_end, F.lit("E")).otherwise(op),
+        before=before,
+        after=after,
+        weight=F.lit(1),
+        pos_hi=F.when(is_end, end_lsn).otherwise(pos_hi),
+        pos_lo=F.when(is_end, end_lsn).otherwise(lsn),
+        pos_n=F.coalesce(F.col("tx.total_order"), F.lit(0)),
+        txn=F.when(is_end, end_xid).otherwise(txn),
+        tx_meta=F.col("tx").isNotNull() | is_end,
+        tx_count=F.when(is_end, _end_count(table)),
+        ord_file=F.col("ord_file"),
+        ord_row=F.col("ord_row"),
+        error=_event_error(skip, is_end, lsn, key),
+        skip=skip,
+        toast=_toast_columns(after, record),
+        # "first", "true", "last", "last_in_data_collection", "incremental", … : where a
+        # snapshot ends (feed/sources/transactions.py), also on the reads of other tables
+        snap=F.col("src.snapshot"),
+        # the table's shape as this event's Connect schema gives it (feed/sources/shapes.py)
+        shape=F.when(skip.isNull() & op.isin("c", "u", "d", "r"), _shape_of(F.col("p.schema"))),
+    )
+
+
+def _line_type(record: T.StructType) -> T.StructType:
+    """What one input line may hold, parsed in one pass: an event or a transaction
+    metadata record, wrapped (``{"schema", "payload": {…}}``) or bare."""
     raw_record = as_strings(record)
     source = T.StructType(
         [
@@ -182,8 +229,7 @@ def read_debezium(
         T.StructField("event_count", T.LongType()),
         T.StructField("data_collections", collections),
     ]
-    # one parse reads both shapes: {"schema", "payload": {…}} and the bare envelope
-    line = T.StructType(
+    return T.StructType(
         [
             T.StructField("schema", _WRAPPER_SCHEMA),
             T.StructField("payload", T.StructType(envelope)),
@@ -191,9 +237,19 @@ def read_debezium(
             T.StructField(CORRUPT, T.StringType()),
         ]
     )
-    text = read_text(spark, files)
-    parsed = F.from_json("_raw", line, PARSE_OPTIONS)
-    df = text.select("*", parsed.alias("p"))
+
+
+def _envelopes(
+    spark: SparkSession, files: Sequence[str], record: T.StructType, schema: dict[str, Any]
+) -> DataFrame:
+    """The lines of ``files`` parsed (``p``), their envelope's fields as columns whether
+    wrapped or not (``raw_before``, ``src``, ``op``, ``tx``, ``status``, ``tx_id``, …), and
+    the images typed as ``record`` (``t_before``, ``t_after``; ``t_mism`` lists the values
+    that do not fit). ``schema``, the feed's Avro schema, says how Connect encoded each
+    column."""
+    encodings, scales = connect_names(schema), connect_scales(schema)
+    parsed = F.from_json("_raw", _line_type(record), PARSE_OPTIONS)
+    df = read_text(spark, files).select("*", parsed.alias("p"))
     wrapped = F.col("p.payload").isNotNull()
 
     def field(name: str) -> Column:
@@ -213,23 +269,25 @@ def read_debezium(
     )
     typed_before, mism_b = typed_record(F.col("raw_before"), record, "before.", encodings, scales)
     typed_after, mism_a = typed_record(F.col("raw_after"), record, "after.", encodings, scales)
-    # typed once, in their own projection: the checks below refer to them many times
-    df = df.select(
+    # typed once, in their own projection: the checks refer to them many times
+    return df.select(
         "*",
         typed_before.alias("t_before"),
         typed_after.alias("t_after"),
         F.concat_ws(", ", *mism_b, *mism_a).alias("t_mism"),
     )
-    before, after = F.col("t_before"), F.col("t_after")
-    lsn = F.col("src.lsn").try_cast("long")
-    seq = F.from_json(F.col("src.sequence"), T.ArrayType(T.StringType()))
-    op = F.col("op")
-    status = F.col("status")
-    event_table = F.concat_ws(".", F.col("src.schema"), F.col("src.table"))
-    malformed = F.col("p").isNull() | F.col(f"p.{CORRUPT}").isNotNull()
+
+
+def _malformed() -> Column:
+    return F.col("p").isNull() | F.col(f"p.{CORRUPT}").isNotNull()
+
+
+def _skip_reason(table: str | None) -> Column:
+    """Why a line carries no change of the feed's table (null: it does, or it is bad)."""
+    op, status = F.col("op"), F.col("status")
     skip = (
         F.when(F.trim(F.col("_raw")) == "null", F.lit(SKIP_TOMBSTONE))
-        .when(malformed, F.lit(None))
+        .when(_malformed(), F.lit(None))
         .when(status.isNotNull() & (status != "END"), F.lit(SKIP_TX_METADATA))
         .when(
             op.isNull() & status.isNull() & F.col("raw_after").isNull(),
@@ -237,23 +295,28 @@ def read_debezium(
         )
     )
     if table:
+        event_table = F.concat_ws(".", F.col("src.schema"), F.col("src.table"))
         skip = skip.when(
             op.isNotNull() & F.col("src.table").isNotNull() & (event_table != table),
             F.lit(SKIP_OTHER_TABLE),
         )
-    is_end = (status == "END") & skip.isNull()
-    mism_list = F.col("t_mism")
+    return skip
+
+
+def _event_error(skip: Column, is_end: Column, lsn: Column, key: Sequence[str]) -> Column:
+    """Why an event is bad (null: it is good, or skipped, or an END record)."""
+    op = F.col("op")
     key_cols = list(key)
-    image = F.when(op == "d", before).otherwise(after)
+    image = F.when(op == "d", F.col("t_before")).otherwise(F.col("t_after"))
     missing_key = (
         F.concat_ws(", ", *[F.when(image[k].isNull(), F.lit(k)) for k in key_cols])
         if key_cols
         else F.lit("")
     )
-    error = first_error(
+    return first_error(
         (skip.isNotNull(), F.lit(None).cast("string")),
         (F.col("ord_file").isNull(), "input file could not be placed in order"),
-        (malformed, "malformed JSON"),
+        (_malformed(), "malformed JSON"),
         (is_end & F.col("tx_id").isNull(), "transaction END record without an 'id'"),
         (is_end, F.lit(None).cast("string")),
         (op.isNull(), "missing 'op'"),
@@ -262,7 +325,7 @@ def read_debezium(
             "truncate events are not supported: re-snapshot the table into a new feed",
         ),
         (~op.isin("c", "u", "d", "r"), F.concat(F.lit("unknown op '"), op, F.lit("'"))),
-        mismatch_error(mism_list),
+        mismatch_error(F.col("t_mism")),
         (lsn.isNull(), "missing source.lsn"),
         (
             op.isin("c", "u", "r") & F.col("raw_after").isNull(),
@@ -275,50 +338,16 @@ def read_debezium(
             "update without a before-image: give --key so the emitter keeps state",
         ),
     )
-    # the transaction: the xid part of transaction.id ("<xid>:<lsn>", whose LSN part
-    # differs from event to event), else source.txId
-    tx_xid = F.substring_index(F.col("tx.id"), ":", 1)
-    end_xid = F.substring_index(F.col("tx_id"), ":", 1)
-    end_lsn = F.substring_index(F.col("tx_id"), ":", -1).try_cast("long")
-    if table:
-        ours = F.filter(F.col("tx_tables"), lambda c: c["data_collection"] == table)
-        end_count = F.coalesce(
-            F.aggregate(ours, F.lit(0).cast("long"), lambda acc, c: acc + c["event_count"]),
-            F.lit(0).cast("long"),
-        )
-    else:
-        end_count = F.col("tx_events")
-    txn = F.coalesce(tx_xid, F.col("src.txId"), F.concat(F.lit("lsn:"), F.col("src.lsn")))
-    # Debezium/Postgres puts ["<last commit LSN>", "<LSN>"] in source.sequence; the commit
-    # LSN orders changes across concurrent transactions, so it is the major position.
-    # Without a last commit LSN (a snapshot read; the first transaction streamed after a
-    # start) the event's own LSN takes its place: a snapshot's LSN is its consistent
-    # point, after every transaction it holds and before every one streamed after it, so
-    # a second snapshot falls in order among the streamed transactions; a first streamed
-    # event's LSN is below its commit, which the next transaction's events carry.
-    pos_hi = F.coalesce(seq.getItem(0).try_cast("long"), lsn, F.lit(0).cast("long"))
-    return canonical(
-        df,
-        op=F.when(skip.isNotNull(), F.lit("x")).when(is_end, F.lit("E")).otherwise(op),
-        before=before,
-        after=after,
-        weight=F.lit(1),
-        pos_hi=F.when(is_end, end_lsn).otherwise(pos_hi),
-        pos_lo=F.when(is_end, end_lsn).otherwise(lsn),
-        pos_n=F.coalesce(F.col("tx.total_order"), F.lit(0)),
-        txn=F.when(is_end, end_xid).otherwise(txn),
-        tx_meta=F.col("tx").isNotNull() | is_end,
-        tx_count=F.when(is_end, end_count),
-        ord_file=F.col("ord_file"),
-        ord_row=F.col("ord_row"),
-        error=error,
-        skip=skip,
-        toast=_toast_columns(after, record),
-        # "first", "true", "last", "last_in_data_collection", "incremental", … : where a
-        # snapshot ends (feed/sources/transactions.py), also on the reads of other tables
-        snap=F.col("src.snapshot"),
-        # the table's shape as this event's Connect schema gives it (feed/sources/shapes.py)
-        shape=F.when(skip.isNull() & op.isin("c", "u", "d", "r"), _shape_of(F.col("p.schema"))),
+
+
+def _end_count(table: str | None) -> Column:
+    """On an END record: how many of the feed table's events its transaction has."""
+    if not table:
+        return F.col("tx_events")
+    ours = F.filter(F.col("tx_tables"), lambda c: c["data_collection"] == table)
+    return F.coalesce(
+        F.aggregate(ours, F.lit(0).cast("long"), lambda acc, c: acc + c["event_count"]),
+        F.lit(0).cast("long"),
     )
 
 

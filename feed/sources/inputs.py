@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from feed.sources.events import debezium_event
+from feed.sources.registry import SourceKind
 from protocol import SourceError
 
 __all__ = [
@@ -251,10 +252,10 @@ def next_source(
     return out
 
 
-def edge_txn(kind: str, path: str, *, last: bool) -> str | None:
+def edge_txn(kind: SourceKind, path: str, *, last: bool) -> str | None:
     """The source transaction of the first (or last) change of a JSON-lines file, if known.
     Lines that carry no change (tombstones, heartbeats, transaction metadata) are passed."""
-    if kind not in ("debezium", "cdf") or path.endswith(".parquet"):
+    if not (kind.events or kind.versions) or path.endswith(".parquet"):
         return None
     try:
         if last:
@@ -266,7 +267,7 @@ def edge_txn(kind: str, path: str, *, last: bool) -> str | None:
     except (OSError, SourceError):
         return None
     for line in lines:
-        if kind == "cdf":
+        if kind.versions:
             try:
                 row = orjson.loads(line)
             except orjson.JSONDecodeError:
@@ -318,7 +319,7 @@ class InputWindow:
         return FilePosition.from_source(source, "tx_file").pending(listed)
 
     @staticmethod
-    def first(pending: list[str], limit: int, *, kind: str, whole_txns: bool) -> list[str]:
+    def first(pending: list[str], limit: int, *, kind: SourceKind, whole_txns: bool) -> list[str]:
         """The files of a transaction: the first ``limit`` pending ones and, when source
         transactions are not split (``whole_txns``), the next ones while they go on with
         the transaction the last file ended in (``kind``: the source kind)."""

@@ -40,7 +40,7 @@ Debezium's reader is :mod:`feed.sources.debezium`, the Kafka Connect value decod
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -51,6 +51,7 @@ from pyspark.sql import types as T
 from feed.sources.connect import as_strings, typed_record
 from feed.sources.debezium import debezium_schema, read_debezium
 from feed.sources.inputs import input_lines, spark_input
+from feed.sources.registry import SOURCE_KINDS
 from feed.sources.rows import (
     CORRUPT,
     PARSE_OPTIONS,
@@ -66,13 +67,9 @@ from feed.sources.rows import (
 from protocol import SourceError
 
 __all__ = [
-    "SOURCE_KINDS",
     "infer_record_schema",
     "read_changes",
 ]
-
-#: ``delta`` is read through :mod:`feed.sources.delta` and then as ``cdf`` rows
-SOURCE_KINDS = ("debezium", "cdf", "upsert", "snapshot", "weighted", "delta")
 
 
 _META_COLUMNS = ("_change_type", "_commit_version", "_commit_timestamp")
@@ -133,7 +130,13 @@ def _in_first_row_order(fields: list[T.StructField], files: Sequence[str]) -> li
     return fields
 
 
-def _read_weighted(spark: SparkSession, files: Sequence[str], record: T.StructType) -> DataFrame:
+def _read_weighted(
+    spark: SparkSession,
+    files: Sequence[str],
+    record: T.StructType,
+    key: Sequence[str],
+    options: dict[str, Any],
+) -> DataFrame:
     line = T.StructType(
         [
             T.StructField("record", as_strings(record)),
@@ -173,7 +176,11 @@ _CDF_TYPES = ("insert", "update_preimage", "update_postimage", "delete")
 
 
 def _read_cdf(
-    spark: SparkSession, files: Sequence[str], record: T.StructType, key: Sequence[str]
+    spark: SparkSession,
+    files: Sequence[str],
+    record: T.StructType,
+    key: Sequence[str],
+    options: dict[str, Any],
 ) -> DataFrame:
     cols = T.StructType(
         [
@@ -222,7 +229,7 @@ def _read_upsert(
     files: Sequence[str],
     record: T.StructType,
     key: Sequence[str],
-    options: dict[str, str],
+    options: dict[str, Any],
 ) -> DataFrame:
     order = options.get("order")
     deleted = options.get("deleted")
@@ -263,7 +270,11 @@ def _read_upsert(
 
 
 def _read_snapshot(
-    spark: SparkSession, files: Sequence[str], record: T.StructType, key: Sequence[str]
+    spark: SparkSession,
+    files: Sequence[str],
+    record: T.StructType,
+    key: Sequence[str],
+    options: dict[str, Any],
 ) -> DataFrame:
     df = read_rows(spark, files, record)
     rec = record_of(F.col("r"), record)
@@ -297,14 +308,18 @@ def read_changes(
     attributes say how Debezium encoded each column).
     """
     options = options or {}
-    if kind == "debezium":
-        return read_debezium(spark, files, record, key, options)
-    if kind == "weighted":
-        return _read_weighted(spark, files, record)
-    if kind == "cdf":
-        return _read_cdf(spark, files, record, key)
-    if kind == "upsert":
-        return _read_upsert(spark, files, record, key, options)
-    if kind == "snapshot":
-        return _read_snapshot(spark, files, record, key)
-    raise SourceError(f"unknown source kind {kind!r}; known kinds: {', '.join(SOURCE_KINDS)}")
+    reader = _READERS.get(kind)
+    if reader is None:
+        raise SourceError(f"unknown source kind {kind!r}; known kinds: {', '.join(SOURCE_KINDS)}")
+    return reader(spark, files, record, key, options)
+
+
+#: the reader of each ``SourceKind.reader`` name (feed/sources/registry.py); each takes
+#: the same arguments, and the key and options it has no use for
+_READERS: dict[str, Callable[..., DataFrame]] = {
+    "debezium": read_debezium,
+    "weighted": _read_weighted,
+    "cdf": _read_cdf,
+    "upsert": _read_upsert,
+    "snapshot": _read_snapshot,
+}

@@ -22,6 +22,7 @@ from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
+from feed.log.info import Granularity
 from feed.sources.positions import order_column
 from feed.txn.state import GONE_COLUMN, POS_COLUMN, POS_TYPE
 
@@ -291,7 +292,7 @@ def consolidate_diffs(diffs: DataFrame, next_time: int) -> DataFrame:
 
 
 def snapshot_diffs(
-    changes: DataFrame, state: DataFrame | None, key: Sequence[str], granularity: str
+    changes: DataFrame, state: DataFrame | None, key: Sequence[str], granularity: Granularity
 ) -> Diffs:
     """Successive full snapshots -> diffs: each snapshot minus the one before it.
 

@@ -4,7 +4,7 @@ A follow-mode transaction of ten changes against a large keyed table costs the S
 (:mod:`feed.txn.dataflow`) about two seconds whatever the table's size: a dozen small jobs
 (transaction figures, state buckets, updates, the state write) and about a second of
 planning on the driver, all for a few rows. Here Spark runs one job: it parses the input
-exactly as the Spark path does (:func:`feed.txn.dataflow.read_source`, so typing, errors and
+exactly as the Spark path does (:func:`feed.txn.context.read_source`, so typing, errors and
 skipped lines are the same) and gives each event its state bucket (the same xxhash64);
 the result comes to the driver as Arrow. The rest is done there, following
 :mod:`feed.sources.transactions`, :mod:`feed.txn.times` and :mod:`feed.txn.diffs` for the
@@ -44,7 +44,8 @@ from feed.log.manifest import Segment
 from feed.log.store import PARQUET_PAGES
 from feed.sources.positions import committed_position
 from feed.sources.rows import CHANGE_COLUMNS
-from feed.txn.dataflow import TxnContext, read_source, unfit_shape
+from feed.txn.assembly import unfit_shape
+from feed.txn.context import TxnContext, read_source
 from feed.txn.driver_diffs import (
     assign_units,
     complete,
@@ -88,7 +89,7 @@ def committed_state(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[st
     ``--tx-metadata`` files, or a state :meth:`~feed.txn.state.BucketedState.committed` does
     not give."""
     cfg = ctx.config
-    if cfg.source_kind != "debezium" or not ctx.info.key or tx_files or not files:
+    if not cfg.kind.events or not ctx.info.key or tx_files or not files:
         return None
     from feed.sources.inputs import input_bytes
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from feed.log.info import Granularity
+
 __all__ = [
     "assign_units",
     "by_key",
@@ -65,7 +67,7 @@ def counted(
     return meta <= expected.keys() and all(events[x] == n for x, n in expected.items())
 
 
-def assign_units(events: list[dict[str, Any]], granularity: str | None) -> int:
+def assign_units(events: list[dict[str, Any]], granularity: Granularity | None) -> int:
     """Each event's ``unit`` (:func:`feed.txn.times.assign_units`); returns how many."""
     if granularity == "batch":
         for e in events:

@@ -19,7 +19,7 @@ this step at the next time ``T``:
 ``T`` stands for the ``ALTER TABLE`` itself, which is a PostgreSQL transaction of its
 own: at every complete time the collection equals the table. A crash before the commit
 leaves the version file of an uncommitted time, which readers never take
-(:meth:`feed.log.store.FeedInfo.at`) and the redo writes again. Readers read every time through
+(:meth:`feed.log.info.FeedInfo.at`) and the redo writes again. Readers read every time through
 the newest version (feed/log/reader.py): a record read that way is the record as it was,
 because a null column counts as absent (:func:`protocol.messages.record_key`).
 """
@@ -30,10 +30,10 @@ from typing import Any
 
 import orjson
 
+from feed.log.info import SchemaVersion
 from feed.log.manifest import Segment
-from feed.log.store import SchemaVersion
 from feed.sources.shapes import Evolve
-from feed.txn.dataflow import TxnContext
+from feed.txn.context import TxnContext
 from protocol import SourceError
 
 __all__ = ["rewrite"]

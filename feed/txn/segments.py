@@ -17,7 +17,7 @@ from typing import Any
 
 from feed.log.manifest import Segment
 from feed.log.store import FeedLog
-from feed.txn.dataflow import Computed, TxnContext
+from feed.txn.context import Computed, TxnContext
 from feed.txn.grouped import by_group, write_groups
 
 __all__ = [

@@ -9,14 +9,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from feed.txn.dataflow import (
-    NEED_MORE,
-    ReadChanges,
-    TxnContext,
-    base_name,
-    compute_updates,
-    read_input,
-)
+from feed.txn.context import NEED_MORE, ReadChanges, TxnContext, base_name
+from feed.txn.dataflow import compute_updates, read_input
 from feed.txn.segments import Written, write_transaction
 
 __all__ = ["compute_and_write", "run"]
@@ -35,7 +29,7 @@ def run(
     """Read, compute and write one transaction over ``files`` (and the pending
     ``--tx-metadata`` files ``tx_files``), timing its stages into ``secs`` and telling
     ``reached`` each step. ``None``: nothing to do yet (every source transaction read is
-    incomplete); :data:`~feed.txn.dataflow.NEED_MORE`: the same, with more input pending."""
+    incomplete); :data:`~feed.txn.context.NEED_MORE`: the same, with more input pending."""
     t0 = time.perf_counter()
     read = read_input(ctx, files, tx_files, more=more)
     if read is NEED_MORE or read is None:
@@ -75,11 +69,7 @@ def compute_and_write(
             eager.push(ctx.spark, paths, cp.epoch).log(ctx.log, cfg.feed)
             secs["eager"] = time.perf_counter() - t_eager
         snapshot_lsn = None
-        if (
-            cfg.source_kind == "debezium"
-            and "snapshot_lsn" not in cp.source
-            and read.snapshot_reads
-        ):
+        if cfg.kind.events and "snapshot_lsn" not in cp.source and read.snapshot_reads:
             # the first snapshot read committed: later reads at another LSN are a new one
             reads = done.good.where(snapshot_read()).agg(F.min("pos_lo").alias("m"))
             snapshot_lsn = reads.collect()[0]["m"]  # None: the feed had none

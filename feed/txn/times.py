@@ -13,6 +13,7 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
+from feed.log.info import Granularity
 from feed.sources.positions import source_order
 
 __all__ = ["LISTED_TXNS", "assign_units"]
@@ -24,7 +25,7 @@ LISTED_TXNS = 50_000
 
 
 def assign_units(
-    changes: DataFrame, granularity: str, order: DataFrame | None = None
+    changes: DataFrame, granularity: Granularity, order: DataFrame | None = None
 ) -> tuple[DataFrame, int, DataFrame | None]:
     """Add ``unit`` (0, 1, …: the offset from ``next``); return the changes, how many units
     there are, and a persisted frame to unpersist after the commit (or None).

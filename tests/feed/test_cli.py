@@ -153,6 +153,15 @@ def test_unknown_option_value_is_a_usage_error():
         (("emit", "--source", "x", "--feed", "f", "--log", "l"), b"KIND:PATH"),
         (("emit", "--source", "debezium:.", "--feed", "f", "--log", "l", "--eager"), b"--push"),
         (("emit", "--source", "debezium:.", "--feed", "a,b", "--log", "l"), b"--table lists"),
+        # an option of another kind would be ignored: refused, naming whose it is
+        (
+            ("emit", "--source", "debezium:.", "--feed", "f", "--log", "l", "--order", "v"),
+            b"--order is an option of upsert sources; --source debezium: does not take it",
+        ),
+        (
+            ("emit", "--source", "upsert:.", "--feed", "f", "--log", "l", "--tx-metadata", "m"),
+            b"--tx-metadata is an option of debezium sources",
+        ),
         (
             ("capture", "postgres", "--dsn", "d", "--table", "t", "--out", "o", "--debezium", "x"),
             b"KEY=VALUE",

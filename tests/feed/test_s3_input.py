@@ -28,6 +28,7 @@ from feed.sources.inputs import (
     spark_file_path,
     spark_input,
 )
+from feed.sources.registry import KINDS
 from protocol import SourceError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,14 +80,14 @@ def test_a_prefix_is_listed_in_name_order_and_its_files_read_through_pyarrow(buc
         orjson.loads(_event(4, 12)),
     ]
     # the first and last source transaction of a file (tombstones passed over)
-    assert edge_txn("debezium", files[0], last=False) == "10"
-    assert edge_txn("debezium", files[0], last=True) == "10"
-    assert edge_txn("debezium", files[1], last=False) == "11"
-    assert edge_txn("debezium", files[1], last=True) == "12"
+    assert edge_txn(KINDS["debezium"], files[0], last=False) == "10"
+    assert edge_txn(KINDS["debezium"], files[0], last=True) == "10"
+    assert edge_txn(KINDS["debezium"], files[1], last=False) == "11"
+    assert edge_txn(KINDS["debezium"], files[1], last=True) == "12"
     assert debezium_table(files) == "public.accounts"
     assert input_bytes(files) == sum(len(b"\n".join(x)) + 1 for x in _lines_of(files))
     # a window never ends inside a source transaction: b ends in 12, which c goes on with
-    assert InputWindow.first(files, 2, kind="debezium", whole_txns=True) == files
+    assert InputWindow.first(files, 2, kind=KINDS["debezium"], whole_txns=True) == files
     assert InputWindow(uri, None).pending({"file": "a-001.json"}) == files[1:]
 
 

@@ -1,0 +1,203 @@
+"""A Debezium transaction's assembly, for :func:`feed.txn.dataflow.read_input`: the source
+transactions released in order or held back until complete
+(:mod:`feed.sources.transactions`), and a change of the table's shape found and cut at
+(:mod:`feed.sources.shapes`, :mod:`feed.txn.evolve`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from feed.txn.context import NEED_MORE, GroupHold, TxnContext, base_name, tally
+from protocol import SourceError
+
+__all__ = ["DebeziumRead", "assemble_debezium", "unfit_shape"]
+
+
+def unfit_shape(
+    ctx: TxnContext, files: Sequence[str], shapes: Iterable[int]
+) -> tuple[int, Any] | None:
+    """The first source table shape in ``files`` that does not fit the feed's record
+    schema, and how (:mod:`feed.sources.shapes`); None when all fit."""
+    from feed.sources.shapes import first_unfit, sample_in
+
+    return first_unfit(
+        feed_schema=ctx.info.schema,
+        shapes=shapes,
+        known=ctx.shapes,
+        sample=sample_in(ctx.spark, files),
+        gone=ctx.info.dropped,
+    )
+
+
+def _first_of_shape(changes: Any, shape: int) -> tuple[Any, str]:
+    """Where the source transaction of the first event of table shape ``shape`` begins
+    (``ord_file``, ``ord_row``, ``_file``): from there on, everything is held back (DDL may
+    sit between two changes of one PostgreSQL transaction); and the file of that event."""
+    from pyspark.sql import functions as F
+
+    at = F.struct("ord_file", "ord_row", "_file")
+    txn = (
+        changes.where(F.col("_shape") == F.lit(shape))
+        .agg(F.min(F.struct(at.alias("at"), F.col("txn"))).alias("m"))
+        .collect()[0]["m"]
+    )
+    start = (
+        changes.where(F.col("txn") == F.lit(txn["txn"])).agg(F.min(at).alias("m")).collect()[0]["m"]
+    )
+    return start, base_name(txn["at"]["_file"])
+
+
+@dataclass(frozen=True)
+class DebeziumRead:
+    """What assembling a Debezium read gave :func:`read_input`."""
+
+    assembled: Any  # feed.sources.transactions.Assembled
+    touched: frozenset[int] | None  # the state buckets this transaction meets
+    tally_rows: list[Any]  # the input's figures per file
+    shape_held: frozenset[str]  # files read again: the table changed shape in them
+    shape_stop: Exception | None  # a group's feed: the change of shape, for the group
+
+
+def assemble_debezium(
+    ctx: TxnContext,
+    changes: Any,
+    good: Any,
+    files: Sequence[str],
+    *,
+    more: bool,
+    group: GroupHold | None,
+    keyed: bool,
+    image: Any,
+) -> DebeziumRead | object | None:
+    """Debezium's source transactions decided (feed/sources/transactions.py), cut before
+    a change of the table's shape; ``None`` or :data:`NEED_MORE` as for
+    :func:`read_input` when nothing is released. Refusals raise, with the cache let go."""
+    from pyspark.sql import functions as F
+
+    from feed.sources.positions import committed_position, position_filter
+    from feed.sources.transactions import assemble
+    from feed.txn.state import bucket_of
+
+    cfg, cp = ctx.config, ctx.cp
+    buckets = ctx.state.buckets(cp.state) if keyed else None
+    # the events assemble keeps (an event read again, committed already, is not)
+    fresh, _ = position_filter(
+        committed_position(cp.source.get("pos", [0, 0])), cp.source.get("snapshot_lsn")
+    )
+
+    def assembled_with(hold_at: tuple[int, int] | None = None) -> Any:
+        # the counts and the state buckets come with the transaction figures: one job
+        if group is not None and group.at is not None:
+            hold_at = group.at if hold_at is None else min(hold_at, group.at)
+        return assemble(
+            good,
+            cp.source.get("pos", [0, 0]),
+            snapshot_lsn=cp.source.get("snapshot_lsn"),
+            new_feed="snapshot_lsn" not in cp.source,
+            logger=ctx.log,
+            feed=cfg.feed,
+            bucket=bucket_of(image, ctx.info.key, buckets) if buckets else None,
+            also=tally(changes.groupBy("_file", "_skip"), F.lit(False), fresh),
+            hold_at=hold_at,
+            hold_txns=group.txns if group is not None else frozenset(),
+        )
+
+    assembled = assembled_with()
+    shape_held: frozenset[str] = frozenset()
+    shape_stop: Exception | None = None
+    touched, tally_rows = assembled.buckets, list(assembled.also)
+    unfit = unfit_shape(ctx, files, (h for r in tally_rows for h in r["shapes"] or ()))
+    if unfit is not None:
+        for df in assembled.cached:
+            df.unpersist()
+        assembled, shape_held, shape_stop = _cut_at_shape(
+            ctx, changes, unfit, group, assembled_with
+        )
+        touched, tally_rows = assembled.buckets, list(assembled.also)
+    txn_cached = assembled.cached
+    replaces = assembled.replaces
+    if replaces is not None and not keyed:
+        for df in (changes, *txn_cached):
+            df.unpersist()
+        raise SourceError(
+            f"feed {cfg.feed!r}: Debezium snapshotted {cfg.table or 'the table'} "
+            f"again (snapshot LSN {replaces[0]}); an unkeyed feed cannot tell which "
+            "rows the new snapshot no longer holds, so nothing was committed: give "
+            "the feed --key, or start a new feed from the new snapshot"
+        )
+    if replaces is not None and buckets:
+        touched = frozenset(range(buckets))  # every key may have gone
+    if assembled.endless > 1 and not more and not cfg.tx_metadata:
+        # Debezium writes a transaction's END before the next transaction's events:
+        # two transactions without one END in all the input mean the END records
+        # are not in it, and without them no transaction would ever be released
+        for df in (changes, *txn_cached):
+            df.unpersist()
+        raise SourceError(
+            f"feed {cfg.feed!r}: {assembled.endless} source transactions in "
+            f"{cfg.source_path} carry Debezium 'transaction' blocks, but no "
+            "transaction END record was read; give --tx-metadata PATH (the folder of "
+            "the connector's transaction metadata topic), or capture with "
+            "provide.transaction.metadata=false. Nothing was committed."
+        )
+    if assembled.held and not assembled.ready and group is None:
+        for df in (changes, *txn_cached):
+            df.unpersist()
+        if more:
+            return NEED_MORE
+        ctx.log.info(
+            "feed %s: waiting for the rest of %d source transaction(s)", cfg.feed, assembled.held
+        )
+        return None
+    return DebeziumRead(assembled, touched, tally_rows, shape_held, shape_stop)
+
+
+def _cut_at_shape(
+    ctx: TxnContext,
+    changes: Any,
+    unfit: Any,
+    group: GroupHold | None,
+    assembled_with: Callable[[tuple[int, int] | None], Any],
+) -> tuple[Any, frozenset[str], Exception | None]:
+    """The table changed shape in this read: assemble again holding everything from its
+    first event of the new shape (committed first is what came before), and find the
+    feed's next schema version when that event heads the input. The assembly, the files
+    read again, and for a group's feed the change (a lone feed's is raised)."""
+    from pyspark.sql import functions as F
+
+    from feed.sources.inputs import list_files
+    from feed.sources.shapes import next_version, with_renames
+
+    cfg = ctx.config
+    first, shape_file = _first_of_shape(changes, unfit[0])
+    assembled = assembled_with((first["ord_file"], first["ord_row"]))
+    shape_stop: Exception | None = None
+    if not assembled.ready:
+        # at the head of the input: the feed's next schema version, if any
+        where = base_name(first["_file"])
+        change = with_renames(unfit[1], list_files(cfg.source_path), ctx.info.table, shape_file)
+        found = next_version(cfg.feed, ctx.info.table, ctx.info, change, where)
+        if group is None:
+            for df in (changes, *assembled.cached):
+                df.unpersist()
+            raise found
+        shape_stop = found  # the group commits it with its other feeds
+    ctx.log.info(
+        "feed %s: the source table changed shape in %s (%s): committing what came before it first",
+        cfg.feed,
+        base_name(first["_file"]),
+        unfit[1].describe(),
+    )
+    # every file from there on is read again (and none of its rows quarantined: a
+    # row of the new shape may not fit the old record, and its transaction's END
+    # may sit in a later file than the row)
+    shape_held = frozenset(
+        r["_file"]
+        for r in changes.where(F.col("ord_file") >= F.lit(first["ord_file"]))
+        .select("_file")
+        .distinct()
+        .collect()
+    )
+    return assembled, shape_held, shape_stop
