@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from feed.log.store import FeedLog
-from protocol import CODECS
+from protocol import CODECS, CheckpointError
 
 __all__ = [
     "EMITTER_HOLD",
@@ -30,6 +30,7 @@ __all__ = [
     "PushHold",
     "Subscription",
     "SubscriptionStore",
+    "read_subscription",
     "valid_subscription",
 ]
 
@@ -41,6 +42,28 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 def valid_subscription(name: str) -> bool:
     return bool(_NAME.fullmatch(name)) and ".." not in name
+
+
+def read_subscription(log: FeedLog, path: str) -> Subscription:
+    """The subscription in file ``path``; a file that is not one (damaged or edited by
+    hand) is a :class:`~protocol.CheckpointError` naming it: nothing starts on a guess
+    about what a receiver holds, and retention folds nothing meanwhile."""
+    try:
+        d = orjson.loads(log.read_bytes(path))
+        sub = Subscription(**d)
+        stem = path.rsplit("/", 1)[-1].removesuffix(".json")
+        if sub.name != stem or not valid_subscription(stem):
+            raise TypeError(f"its name is {sub.name!r}, not the file's")
+        if not isinstance(sub.feed, str):
+            raise TypeError("'feed' must be a string")
+        if sub.acked is not None and (type(sub.acked) is not int or sub.acked < 0):
+            raise TypeError(f"'acked' must be a frontier, got {sub.acked!r}")
+    except (orjson.JSONDecodeError, TypeError) as e:
+        raise CheckpointError(
+            f"subscription file {path} is damaged ({e}); restore it, or delete it to drop "
+            "that subscription (its receiver then starts again from a snapshot)"
+        ) from None
+    return sub
 
 
 @dataclass(slots=True)
@@ -109,8 +132,8 @@ class SubscriptionStore:
         self._last_flush = 0.0
         for info in log.list_dir(self.dir):
             if info.base_name.endswith(".json"):
-                d = orjson.loads(log.read_bytes(info.path))
-                self.subs[d["name"]] = Subscription(**d)
+                sub = read_subscription(log, info.path)
+                self.subs[sub.name] = sub
 
     def put(self, sub: Subscription) -> None:
         self.subs[sub.name] = sub
@@ -174,7 +197,7 @@ class PushHold:
         self.path = f"{log.path('_subscriptions')}/{EMITTER_HOLD}.json"
         old = None
         if log.exists(self.path):
-            old = Subscription(**orjson.loads(log.read_bytes(self.path)))
+            old = read_subscription(log, self.path)
         if old is not None and old.held_by == url:
             self.sub = old
             self.sub.status, self.sub.reason = "active", ""

@@ -25,14 +25,13 @@ def _apply_retention(st: ServerState) -> list[str]:
         reader = st.reader(feed)
         store = st.sub_store(feed)
         store.flush(force=True)  # compaction checks the ACKs on disk
-        # read back from disk: an emitter's --push hold is written by the emitter, not here
-        lowest = SubscriptionStore(reader.log).lowest_ack()
-        target = retention_target(reader.frontier, reader.since, st.config.retain, lowest)
-        if target is None:
-            continue
         try:
-            done.append(compact(st.config.log, feed, target).summary())
-        except CheckpointError as e:
+            # read back from disk: an emitter's --push hold is written by the emitter
+            lowest = SubscriptionStore(reader.log).lowest_ack()
+            target = retention_target(reader.frontier, reader.since, st.config.retain, lowest)
+            if target is not None:
+                done.append(compact(st.config.log, feed, target).summary())
+        except CheckpointError as e:  # (this feed waits; the others go on)
             log.warning("retention: feed %s: %s", feed, e)
     return done
 

@@ -267,6 +267,36 @@ async def test_serve_retain_keeps_what_the_emitters_push_receiver_has_not_acked(
     assert FeedReader(str(log_copy), "bank").since == times[3]  # the refusal changed nothing
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [b'{"name": "emit-push", "feed": "ba', b"[1, 2]", b'{"name": "../x", "feed": "bank"}'],
+    ids=["truncated", "not-an-object", "another-name"],
+)
+def test_a_damaged_hold_file_is_named_and_nothing_is_compacted_past_it(log_copy, damage):
+    """A subscription file that is not one (cut short, edited by hand) stops what reads
+    it with one error naming the file: the emitter's --push, compact and the server's
+    retention hold everything rather than guess what its receiver has."""
+    r = FeedReader(str(log_copy), "bank")
+    since = r.since
+    hold = PushHold(r.log, "http://127.0.0.1:9/v1/push/bank")
+    hold.ack(r.times()[1])
+    hold.flush()
+    with open(hold.path, "wb") as f:
+        f.write(damage)
+    for reading in (
+        lambda: SubscriptionStore(r.log),
+        lambda: PushHold(r.log, "http://127.0.0.1:9/v1/push/bank"),
+        lambda: compact(str(log_copy), "bank", r.times()[4]),
+    ):
+        with pytest.raises(
+            CheckpointError, match=r"subscription file .*emit-push\.json is damaged"
+        ):
+            reading()
+    assert FeedReader(str(log_copy), "bank").since == since  # nothing was folded
+    with open(hold.path, "rb") as f:
+        assert f.read() == damage  # nor the file rewritten
+
+
 async def test_the_emitters_publisher_waits_out_a_dead_receiver_then_delivers_all(
     log_copy, tmp_path
 ):
