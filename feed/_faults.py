@@ -1,33 +1,65 @@
-"""Fault injection for the crash tests: ``TIDEFEED_TEST_KILL_AT=STEP[:N]`` SIGKILLs this
-process the N-th time it reaches STEP (``after_read``, ``after_write``, ``after_commit``,
-``during_publish``, ``compact_before_commit``, ``compact_after_commit``; ``before_commit``
-just before the checkpoint is written, ``before_link`` inside every whole-file publication,
-between the fsync of the temporary file and its link to the real name, and
-``before_link:<folder>`` for the publications into one folder: ``_commits``,
-``_manifests``, ``parts``, ``state``). The count is the part after the last colon:
-``before_link:_commits:2`` is the second commit file. Unset, it costs one dictionary
+"""Fault points for the crash tests: places in the commit, compaction and delivery paths
+where a test may have the process killed (``after_read``, ``after_write``,
+``after_commit``, ``during_publish``, ``compact_before_commit``, ``compact_after_commit``;
+``before_commit`` just before the checkpoint is written, ``before_link`` inside every
+whole-file publication, between the fsync of the temporary file and its link to the real
+name, and ``before_link:<folder>`` for the publications into one folder: ``_commits``,
+``_manifests``, ``parts``, ``state``; the group and schema-version steps of
+feed/emit/group.py and feed/emit/emitter.py).
+
+The library only calls :func:`maybe_die` at each point; what happens there is a hook
+installed by whoever runs it (:func:`install`), by default nothing. The ``tidefeed``
+command installs :func:`kill_at` from ``TIDEFEED_TEST_KILL_AT=STEP[:N]`` (SIGKILL the
+N-th time the process reaches STEP; the count is the part after the last colon:
+``before_link:_commits:2`` is the second commit file), which is how the crash tests and
+the reliability harness reach real processes. Without a hook a point costs one global
 lookup."""
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 
-__all__ = ["KILL_ENV", "maybe_die"]
+__all__ = ["KILL_ENV", "FaultHook", "install", "install_from_env", "kill_at", "maybe_die"]
 
 KILL_ENV = "TIDEFEED_TEST_KILL_AT"
-_seen: dict[str, int] = {}
+#: called with the name of every fault point the process reaches
+FaultHook = Callable[[str], None]
+_hook: FaultHook | None = None
+
+
+def install(hook: FaultHook | None) -> None:
+    """Have ``hook`` called at every fault point from now on (None: nothing happens)."""
+    global _hook
+    _hook = hook
+
+
+def kill_at(spec: str) -> FaultHook:
+    """A hook that SIGKILLs this process the N-th time it reaches STEP (``STEP[:N]``)."""
+    name, _, nth = spec.rpartition(":")
+    if not nth.isdigit():
+        name, nth = spec, "1"
+    want, seen = int(nth or 1), 0
+
+    def hook(step: str) -> None:
+        nonlocal seen
+        if step == name:
+            seen += 1
+            if seen == want:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+def install_from_env() -> None:
+    """Install :func:`kill_at` when ``TIDEFEED_TEST_KILL_AT`` is set (the command line)."""
+    spec = os.environ.get(KILL_ENV)
+    if spec:
+        install(kill_at(spec))
 
 
 def maybe_die(step: str) -> None:
-    want = os.environ.get(KILL_ENV)
-    if not want:
-        return
-    name, _, nth = want.rpartition(":")
-    if not nth.isdigit():
-        name, nth = want, "1"
-    if name != step:
-        return
-    _seen[step] = _seen.get(step, 0) + 1
-    if _seen[step] == int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+    """A fault point: the installed hook, if any, decides."""
+    if _hook is not None:
+        _hook(step)

@@ -279,7 +279,8 @@ def _check_group(
 
 def _emit_group(configs: list[Any], stopping: list[int]) -> int:
     """``emit`` of a group of feeds (feed/emit/group.py): one transaction loop for all."""
-    from feed.emit.group import GroupEmitter, group_name
+    from feed.emit.group import GroupEmitter
+    from feed.emit.group_commits import group_name
     from feed.emit.progress import TxnProgress
 
     emitter = GroupEmitter(configs, progress=TxnProgress(group_name([c.feed for c in configs])))

@@ -17,6 +17,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
+from feed._faults import install_from_env
 from feed.cli import parser as cli_parser
 from feed.cli.emit import cmd_emit
 from feed.cli.files import cmd_check, cmd_convert
@@ -180,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     args = parser.parse_args(with_env(raw, parser.get_default("_parsers")))
     configure_logging(args.log_level, args.log_format)
+    install_from_env()  # the crash tests' fault points (feed/_faults.py)
     try:
         command: Callable[[argparse.Namespace], int] = args._commands[args.command]
         return command(args)

@@ -33,147 +33,28 @@ complete CDCv2 stream on its own. Its ``feed.json`` names the group, and emittin
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import orjson
-
 from feed._faults import maybe_die
 from feed.emit.emitter import Emitter, Planned, State, now_ms, widening
+from feed.emit.group_commits import FORMAT, GroupCommits, commit_entry, group_name, roll_forward
 from feed.emit.progress import TxnProgress, TxnReport
 from feed.emit.session import small_shuffles
 from feed.emit.settings import EmitterConfig
 from feed.log.checkpoint import Checkpoint
-from feed.log.commits import Committer
 from feed.log.manifest import Segment
-from feed.log.store import FeedLog
 from feed.sources.shapes import Evolve
 from feed.txn.context import NEED_MORE, GroupHold, ReadChanges
 from feed.txn.dataflow import read_input
 from feed.txn.segments import Written
-from protocol import CheckpointError, CommitConflict, Progress
+from protocol import CheckpointError, Progress
 
-__all__ = ["GROUPS_DIR", "GroupCommits", "GroupEmitter", "group_name"]
+__all__ = ["GroupEmitter"]
 
 log = logging.getLogger("tidefeed.emit")
-
-#: the folder of the log that holds every group's commit files
-GROUPS_DIR = "_groups"
-#: group commit files kept (older ones are pruned)
-KEEP_GROUP_COMMITS = 5
-_NAME = re.compile(r"^(\d{20})\.json$")
-FORMAT = 1
-
-
-def group_name(feeds: Sequence[str]) -> str:
-    """The group's folder name: its feeds joined by ``+`` (a character feed names lack)."""
-    return "+".join(feeds)
-
-
-class GroupCommits:
-    """The commit files of one group, ``<log>/_groups/<name>/<seq:020d>.json``."""
-
-    def __init__(self, log_uri: str, feeds: Sequence[str]) -> None:
-        self.fl = FeedLog(log_uri, GROUPS_DIR, own_folder=True)
-        self.feeds = tuple(feeds)
-        self.name = group_name(feeds)
-        self.dir = self.fl.path(self.name)
-
-    def path_of(self, seq: int) -> str:
-        return f"{self.dir}/{seq:020d}.json"
-
-    def seqs(self) -> list[int]:
-        return sorted(
-            int(m.group(1))
-            for i in self.fl.list_dir(self.dir)
-            if (m := _NAME.match(i.base_name)) is not None
-        )
-
-    def latest(self) -> dict[str, Any] | None:
-        """The newest group commit, or None for a group never started."""
-        seqs = self.seqs()
-        if not seqs:
-            return None
-        path = self.path_of(seqs[-1])
-        try:
-            body = orjson.loads(self.fl.read_bytes(path))
-        except (OSError, orjson.JSONDecodeError) as e:
-            raise CheckpointError(f"group {self.name}: cannot read {path}: {e}") from e
-        if not isinstance(body, dict) or body.get("format") != FORMAT:
-            raise CheckpointError(f"group {self.name}: {path} is not a group commit")
-        return body
-
-    def commit(self, body: dict[str, Any]) -> None:
-        """Create group commit ``body["seq"]`` exclusively: the group's commit point."""
-        seq = int(body["seq"])
-        data = orjson.dumps(body, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
-        if not self.fl.create_exclusive(self.path_of(seq), data):
-            raise CommitConflict(
-                f"group {self.name}: commit {seq} already exists: another emitter (epoch > "
-                f"{body['epoch']}) has taken over this group; this one is stale and stops"
-            )
-        for old in self.seqs():
-            if old <= seq - KEEP_GROUP_COMMITS:
-                self.fl.delete_file(self.path_of(old))
-
-
-def _entry(plan: Planned, segments: Sequence[Segment]) -> dict[str, Any]:
-    """What a group commit records of one feed's part of the transaction."""
-    p = plan.progress
-    return {
-        "lower": p.lower,
-        "upper": p.upper,
-        "counts": [[t, n] for t, n in p.counts],
-        "next": plan.next,
-        "source": plan.source,
-        "state": plan.state,
-        "segments": [[s.time, s.epoch, s.count, list(s.files)] for s in segments],
-        **({"schema": plan.schema} if plan.schema is not None else {}),
-    }
-
-
-def _from_entry(e: dict[str, Any]) -> tuple[Planned, list[Segment]]:
-    plan = Planned(
-        progress=Progress(e["lower"], e["upper"], tuple((t, n) for t, n in e["counts"])),
-        next=e["next"],
-        source=e["source"],
-        state=e["state"],
-        schema=e.get("schema"),
-    )
-    return plan, [Segment(t, ep, n, tuple(f)) for t, ep, n, f in e["segments"]]
-
-
-def roll_forward(log_uri: str, latest: dict[str, Any], logger: logging.Logger) -> dict[str, int]:
-    """Commit each feed's checkpoint of the group transaction ``latest`` that a crash left
-    uncommitted (its data is in the log: the group file is written after it); return the
-    feeds rolled forward with their new frontiers."""
-    done: dict[str, int] = {}
-    for feed, e in (latest.get("members") or {}).items():
-        committer = Committer(FeedLog(log_uri, feed), feed=feed, logger=logger)
-        cp = committer.store.latest(repair=True)
-        frontier = cp.frontier if cp is not None else 0
-        if frontier >= e["upper"]:
-            continue
-        if cp is None or frontier != e["lower"]:
-            raise CheckpointError(
-                f"group {latest.get('group')}: feed {feed!r} is at frontier {frontier}, but "
-                f"the group's last commit ({latest['seq']}) takes it from {e['lower']} to "
-                f"{e['upper']}: the feed was changed outside its group"
-            )
-        plan, segments = _from_entry(e)
-        new_cp = committer.commit(cp, plan.build, segments)
-        done[feed] = new_cp.frontier
-    if done:
-        logger.info(
-            "group %s: finished group commit %d left in part by a crash: %s",
-            latest.get("group"),
-            latest["seq"],
-            ", ".join(f"{f} to frontier {u}" for f, u in done.items()),
-        )
-    return done
 
 
 def _cp(member: Emitter) -> Checkpoint:
@@ -517,7 +398,7 @@ class GroupEmitter:
     def _commit(self, plans: Sequence[Planned], segments: Sequence[Sequence[Segment]]) -> list[Any]:
         """The group commit file (the commit point), then each feed's checkpoint."""
         members = {
-            m.config.feed: _entry(p, s)
+            m.config.feed: commit_entry(p, s)
             for m, p, s in zip(self.members, plans, segments, strict=True)
         }
         maybe_die("before_group_commit")
