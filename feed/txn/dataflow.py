@@ -50,18 +50,7 @@ def read_input(
     from pyspark.sql import functions as F
 
     cfg, cp = ctx.config, ctx.cp
-    changes = read_source(ctx, [*files, *tx_files])
-    # keep the raw text only where a bad row may need it (parse errors; deletes and
-    # snapshot rows, which the keyed checks may still find bad): the cache stays small
-    keep_raw = F.col("_error").isNotNull() | (F.col("op") == "d") | F.col("_toast").isNotNull()
-    if cfg.kind.whole_table:
-        keep_raw = F.lit(True)
-    changes = changes.withColumn("_raw", F.when(keep_raw, F.col("_raw"))).persist(spillable())
-    bad = changes.where(F.col("_error").isNotNull()).select("_file", "_raw", "_error")
-    # (another table's last snapshot read stays: it says where a snapshot ends)
-    good = changes.where(
-        F.col("_error").isNull() & ((F.col("op") != "x") | (F.col("_snap") == "last"))
-    )
+    changes, good, bad = _cached_changes(ctx, [*files, *tx_files])
     held_files: frozenset[str] = frozenset()
     order: Any = None  # the released source transactions in order (a DataFrame)
     position: Any = None  # the highest source position, when the source tells it
@@ -112,15 +101,9 @@ def read_input(
         tally_rows = tally(counted.groupBy("_skip"), stale).collect()
     else:  # by file: a file that is read again later is counted then
         tally_rows = [r for r in tally_rows if r["_file"] not in held_files]
-    input_rows, toast_rows, suspect_rows = 0, 0, behind
-    skipped: dict[str, int] = {}
-    for r in tally_rows:
-        input_rows += r["n"]
-        toast_rows += r["toast"]
-        redelivered += r["stale"]
-        suspect_rows += r["errors"] + r["deletes"] + r["toast"]
-        if r["_skip"] is not None:
-            skipped[r["_skip"]] = skipped.get(r["_skip"], 0) + r["n"]
+    input_rows, toast_rows, stale_rows, suspect_rows, skipped = _figures(tally_rows)
+    redelivered += stale_rows
+    suspect_rows += behind
     return ReadChanges(
         changes=changes,
         good=good,
@@ -143,6 +126,41 @@ def read_input(
         held_at=held_at,
         shape_error=shape_stop,
     )
+
+
+def _cached_changes(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, Any, Any]:
+    """The changes of ``files``, cached, with those that may turn into updates and the bad
+    rows found while reading."""
+    from pyspark.sql import functions as F
+
+    changes = read_source(ctx, files)
+    # keep the raw text only where a bad row may need it (parse errors; deletes and
+    # snapshot rows, which the keyed checks may still find bad): the cache stays small
+    keep_raw = F.col("_error").isNotNull() | (F.col("op") == "d") | F.col("_toast").isNotNull()
+    if ctx.config.kind.whole_table:
+        keep_raw = F.lit(True)
+    changes = changes.withColumn("_raw", F.when(keep_raw, F.col("_raw"))).persist(spillable())
+    bad = changes.where(F.col("_error").isNotNull()).select("_file", "_raw", "_error")
+    # (another table's last snapshot read stays: it says where a snapshot ends)
+    good = changes.where(
+        F.col("_error").isNull() & ((F.col("op") != "x") | (F.col("_snap") == "last"))
+    )
+    return changes, good, bad
+
+
+def _figures(tally_rows: list[Any]) -> tuple[int, int, int, int, dict[str, int]]:
+    """Input rows, TOAST placeholders, redelivered rows, rows that may be bad, and the
+    skipped lines by reason, summed over :func:`~feed.txn.context.tally`'s rows."""
+    input_rows = toast_rows = stale_rows = suspect_rows = 0
+    skipped: dict[str, int] = {}
+    for r in tally_rows:
+        input_rows += r["n"]
+        toast_rows += r["toast"]
+        stale_rows += r["stale"]
+        suspect_rows += r["errors"] + r["deletes"] + r["toast"]
+        if r["_skip"] is not None:
+            skipped[r["_skip"]] = skipped.get(r["_skip"], 0) + r["n"]
+    return input_rows, toast_rows, stale_rows, suspect_rows, skipped
 
 
 def compute_updates(ctx: TxnContext, r: ReadChanges) -> Computed:
