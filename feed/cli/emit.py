@@ -20,7 +20,8 @@ from feed.cli.options import (
     checked_token,
     exit_code_for_signal,
 )
-from feed.sources.registry import KINDS, SourceKind
+from feed.sources.registry import KINDS, SourceKind, source_kind
+from protocol import SourceError
 
 __all__ = ["cmd_emit"]
 
@@ -28,22 +29,22 @@ __all__ = ["cmd_emit"]
 def _parse_source(spec: str, args: argparse.Namespace) -> tuple[SourceKind, str]:
     """``--source KIND:PATH``, and the options only another kind takes refused (they
     would be ignored)."""
-    kind, sep, path = spec.partition(":")
+    name, sep, path = spec.partition(":")
     if not sep or not path:
         raise UsageError(f"tidefeed emit: --source must be KIND:PATH, got {spec!r}")
-    if kind not in KINDS:
-        raise UsageError(
-            f"tidefeed emit: unknown source kind {kind!r}; known kinds: {', '.join(KINDS)}"
-        )
+    try:
+        kind = source_kind(name)
+    except SourceError as e:
+        raise UsageError(f"tidefeed emit: {e}") from None
     for other in KINDS.values():
-        for name in other.options:
-            if getattr(args, name) and name not in KINDS[kind].options:
-                flag = "--" + name.replace("_", "-")
+        for option in other.options:
+            if getattr(args, option) and option not in kind.options:
+                flag = "--" + option.replace("_", "-")
                 raise UsageError(
                     f"tidefeed emit: {flag} is an option of {other.name} sources; "
-                    f"--source {kind}: does not take it"
+                    f"--source {name}: does not take it"
                 )
-    return KINDS[kind], path
+    return kind, path
 
 
 def _local_path_exists(path: str, what: str) -> None:

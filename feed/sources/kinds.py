@@ -51,7 +51,6 @@ from pyspark.sql import types as T
 from feed.sources.connect import as_strings, typed_record
 from feed.sources.debezium import debezium_schema, read_debezium
 from feed.sources.inputs import input_lines, spark_input
-from feed.sources.registry import SOURCE_KINDS
 from feed.sources.rows import (
     CORRUPT,
     PARSE_OPTIONS,
@@ -309,8 +308,8 @@ def read_changes(
     """
     options = options or {}
     reader = _READERS.get(kind)
-    if reader is None:
-        raise SourceError(f"unknown source kind {kind!r}; known kinds: {', '.join(SOURCE_KINDS)}")
+    if reader is None:  # (a kind names its reader: feed/sources/registry.py)
+        raise SourceError(f"no reader {kind!r}; the readers: {', '.join(_READERS)}")
     return reader(spark, files, record, key, options)
 
 
