@@ -5,8 +5,8 @@ Start-up (:meth:`Emitter.open`): load the latest checkpoint, claim a new epoch b
 above the committed ``upper`` and every staged, quarantined or state folder no commit names
 (the rollback of a transaction that did not commit).
 
-One transaction (:meth:`Emitter.step`), in Spark (:mod:`feed.txn.spark`) or, small and
-plain, on the driver (:mod:`feed.txn.driver`), which writes the same files:
+One transaction (:meth:`Emitter.step`), by the first engine that takes it
+(:mod:`feed.txn.engine`: small and plain on the driver, else in Spark; same files):
 
 1. read the input files not yet consumed (:mod:`feed.sources.inputs`) into changes, drop input at
    or below the committed position and hold back incomplete source transactions;
@@ -20,7 +20,8 @@ plain, on the driver (:mod:`feed.txn.driver`), which writes the same files:
 5. hand the committed progress to the publisher, if any.
 
 The feed's settings are checked or created first (:mod:`feed.emit.settings`). Batch and follow
-runs loop over :meth:`Emitter.step` in :mod:`feed.emit.loop`.
+runs loop over :meth:`Emitter.step` in :mod:`feed.emit.loop`. A change of the source
+table's shape commits a new schema version first (:mod:`feed.emit.versions`).
 With eager delivery (:mod:`feed.emit.eager`) the executors push the updates between 3 and 4.
 
 A crash before 4 leaves the old checkpoint, so the next start rolls back and redoes the
@@ -33,91 +34,32 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from enum import Enum
 from typing import Any
 
 from feed._faults import maybe_die
 from feed.emit.eager import EagerPusher
+from feed.emit.plans import Planned, State, now_ms, widening
 from feed.emit.progress import TxnProgress, TxnReport
 from feed.emit.session import small_shuffles
-from feed.emit.settings import (
-    DEFAULT_CLOCK,
-    DEFAULT_GRANULARITY,
-    EmitterConfig,
-    create_feed,
-    load_schema_file,
-    settle,
-)
-from feed.log.checkpoint import Checkpoint, fixed
+from feed.emit.settings import EmitterConfig, feed_settings, load_schema_file
+from feed.emit.versions import SchemaVersions
+from feed.log.checkpoint import Checkpoint
 from feed.log.commits import Committer
-from feed.log.info import SchemaVersion
 from feed.log.manifest import Segment
 from feed.log.store import FeedLog
 from feed.sources.inputs import InputWindow, next_source
 from feed.sources.shapes import Evolve
-from feed.txn import driver as driver_txn
-from feed.txn import spark as spark_txn
-from feed.txn.context import NEED_MORE, TxnContext
+from feed.txn.context import TxnContext
+from feed.txn.engine import ENGINES, Engine, Job, run_job
 from feed.txn.segments import Written
-from protocol import CheckpointError, Progress, SourceError
+from protocol import CheckpointError, Progress
 
 __all__ = ["Emitter", "EmitterConfig", "TxnReport", "load_schema_file"]
 
 log = logging.getLogger("tidefeed.emit")
 
 
-@dataclass(frozen=True, slots=True)
-class Planned:
-    """What a transaction's commit records: its checkpoint is ``build(base)``."""
-
-    progress: Progress
-    next: int
-    source: dict[str, Any]
-    state: str | None
-    schema: str | None = None  # a new schema version's fingerprint (None: unchanged)
-
-    def build(self, base: Checkpoint) -> Checkpoint:
-        more = {"schema": self.schema} if self.schema is not None else {}
-        return base.successor(
-            progress=self.progress, next=self.next, source=self.source, state=self.state, **more
-        )
-
-
-def widening(
-    pending: list[str],
-    files: list[str],
-    txn: Callable[..., Any],
-    progress: TxnProgress | None,
-) -> TxnReport | None:
-    """``txn(files, more=…)``, over twice as many of the ``pending`` files each time it
-    finds nothing complete (:data:`~feed.txn.context.NEED_MORE`: a source transaction is
-    longer than the window); ``None`` without input or when nothing is complete."""
-    if not files:
-        return None
-    while True:
-        try:
-            report = txn(files, more=len(files) < len(pending))
-        finally:
-            if progress is not None:
-                progress.done()
-        if report is not NEED_MORE:
-            assert report is None or isinstance(report, TxnReport)
-            return report
-        files = pending[: 2 * len(files)]
-
-
-class State(Enum):
-    UNOPENED = "unopened"
-    OPENED = "opened"
-    CLOSED = "closed"
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-class Emitter:
+class Emitter(SchemaVersions):
     """Runs the transactions of one feed: ``open()``, ``step()`` or ``run()``, ``close()``."""
 
     def __init__(
@@ -130,8 +72,10 @@ class Emitter:
         eager: EagerPusher | None = None,
         clock: Callable[[], int] = now_ms,
         progress: TxnProgress | None = None,
+        engines: Sequence[Engine] = ENGINES,
     ) -> None:
         self.config = config
+        self.engines = tuple(engines)  # feed/txn/engine.py, in the order they are offered
         self._spark = spark
         self.log = logger or log
         self.on_commit = on_commit
@@ -173,46 +117,23 @@ class Emitter:
         cfg = self.config
         self._lease = Lease(self.feedlog, take_over=cfg.take_over, log=self.log)
         self._lease.acquire()
-        self.info = self.feedlog.info()
         latest = self.commits.store.latest(repair=True)
-        if self.info is not None and latest is not None:
-            self.info = self.info.at(latest.frontier)  # the schema versions committed
-        if self.info is not None and not fixed(latest):
-            # an earlier run wrote the feed's settings but never committed a transaction
-            # (it failed, was killed, or every row it read was bad): they are not the
-            # feed's yet, and this run's flags (or inference) decide them
-            self.log.info("feed %s: nothing committed yet; its settings are set anew", cfg.feed)
-            self.info = None
-        if self.info is None:
-            self.config = cfg = replace(
-                cfg,
-                clock=cfg.clock or DEFAULT_CLOCK,
-                granularity=cfg.granularity or DEFAULT_GRANULARITY,
-            )
-            self.info = create_feed(
-                cfg,
-                self.feedlog,
-                spark=lambda: self.spark,
-                files=self.inputs.all_files,
-                delta_schema=lambda: self._delta().record_schema(),
-                log=self.log,
-            )
-        else:
-            self.config = cfg = settle(cfg, self.info)
+        self.config, self.info = feed_settings(
+            cfg,
+            self.feedlog,
+            latest,
+            spark=lambda: self.spark,
+            files=self.inputs.all_files,
+            delta_schema=lambda: self._delta().record_schema(),
+            log=self.log,
+        )
+        cfg = self.config
         from feed.sources.rows import spark_record_type
 
         self._record_type = spark_record_type(self.info.schema)
         if latest is None:
             start = self._clock() if self.info.clock == "wallclock" else 1
-            latest = Checkpoint(
-                feed=cfg.feed,
-                epoch=0,
-                seq=0,
-                progress=Progress(0, 0, ()),
-                next=start,
-                source={"file": None, "file_beyond": [], "pos": [0, 0, 0]},
-                schema=self.info.fingerprint,
-            )
+            latest = Checkpoint.first(cfg.feed, next=start, schema=self.info.fingerprint)
         from feed.txn.state import BucketedState
 
         self._state = BucketedState(
@@ -332,105 +253,18 @@ class Emitter:
         more: bool,
         source_update: dict[str, Any] | None,
     ) -> Any:
-        """Read, compute, write and commit one transaction (see the module's docstring):
-        on the driver where it is small and plain (:mod:`feed.txn.driver`), else in Spark."""
+        """Read, compute, write and commit one transaction (see the module's docstring),
+        by the first of the emitter's engines that takes it (feed/txn/engine.py)."""
         assert self.cp is not None
-        cp = self.cp
-        ctx = self.context()
-        tx_files = self.inputs.pending_tx(cp.source)
-        t0 = time.perf_counter()
-        loaded = None
-        if source_update is None and self.eager is None:
-            loaded = driver_txn.committed_state(ctx, files, tx_files)
-        if loaded is not None:
-            small = driver_txn.run(ctx, cp.seq + 1, files, loaded, self._reached)
-            if small is not None:
-                secs["driver"] = time.perf_counter() - t0
-                return self._finish(files, secs, small, tx_files=(), source_update=None)
+        tx_files = self.inputs.pending_tx(self.cp.source)
+        job = Job(self.cp.seq + 1, files, tx_files, more=more, eager=self.eager)
         try:
-            written = spark_txn.run(
-                ctx,
-                files,
-                tx_files,
-                secs,
-                more=more,
-                reached=self._reached,
-                eager=self.eager,
-            )
+            written = run_job(self.context(), job, secs, self._reached, self.engines)
         except Evolve as ev:
-            return self._evolve(ev, secs)
+            return self.evolve(ev, secs)
         if not isinstance(written, Written):
             return written  # None or NEED_MORE: nothing to commit
         return self._finish(files, secs, written, tx_files=tx_files, source_update=source_update)
-
-    def _evolve(self, ev: Evolve, secs: dict[str, float]) -> TxnReport:
-        """Commit the feed's next schema version at the next time, with the rows its
-        state holds rewritten into it (feed/txn/evolve.py); the input stays pending."""
-        from protocol import fingerprint
-
-        assert self.cp is not None
-        if self.eager is not None:
-            raise SourceError(
-                f"feed {self.config.feed!r}: {ev}. A feed emitted with --eager does not take "
-                "a new schema version yet: run this emit without --eager once (it commits "
-                "the version and goes on), then go back to --eager."
-            )
-        cp, start = self.cp, self.cp.next
-        t0 = time.perf_counter()
-        version, w = self.new_version(ev, start)
-        secs["rewrite"] = time.perf_counter() - t0
-        counts = tuple((s.time, s.count) for s in w.segments)
-        progress = Progress(cp.frontier, max(start + 1, cp.frontier), counts)
-        upper = progress.upper
-        nxt = max(self._clock(), upper) if self.info.clock == "wallclock" else upper
-        maybe_die("before_version_commit")
-        t1 = time.perf_counter()
-        new_cp = self._commit(
-            lambda base: base.successor(
-                progress=progress, next=nxt, state=w.state_ref, schema=fingerprint(version.schema)
-            ),
-            w.segments,
-        )
-        secs["commit"] = time.perf_counter() - t1
-        self.adopt_version(version, ev)
-        return self.committed(new_cp, [], secs, w)
-
-    def new_version(self, ev: Evolve, start: int) -> tuple[SchemaVersion, Written]:
-        """The schema version ``ev`` describes, from time ``start``, written with the
-        state rewritten into it and the updates that makes at ``start``: all but the
-        commit (feed/txn/evolve.py)."""
-        from feed.txn.evolve import rewrite
-
-        assert self.cp is not None
-        self._stage("rewriting the state into a new schema version")
-        version, segments, state_ref = rewrite(self.context(), ev, self.cp.seq + 1, start)
-        return version, Written(
-            segments=segments,
-            state_ref=state_ref,
-            units=1,
-            position=None,
-            input_rows=0,
-            skipped={},
-            redelivered=0,
-            snapshot_lsn=None,
-        )
-
-    def adopt_version(self, version: SchemaVersion, ev: Evolve) -> None:
-        """After the commit of ``version``: read from now on through it."""
-        from feed.sources.rows import spark_record_type
-
-        self.info = self.info.evolved(version)
-        self._record_type = spark_record_type(version.schema)
-        self._state.record_type = self._record_type
-        self._shapes.clear()
-        self.log.info(
-            "feed %s: the source table changed shape at %s (%s): schema version from time "
-            "%d committed",
-            self.config.feed,
-            ev.where,
-            ev.change.describe(),
-            version.start,
-        )
 
     def context(self) -> TxnContext:
         """What a transaction's dataflow needs from this emitter, from its committed

@@ -39,22 +39,28 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from feed._faults import maybe_die
-from feed.emit.emitter import Emitter, Planned, State, now_ms, widening
-from feed.emit.group_commits import FORMAT, GroupCommits, commit_entry, group_name, roll_forward
+from feed.emit.emitter import Emitter
+from feed.emit.group_commits import GroupCommits, commit_entry, group_name, roll_forward
+from feed.emit.plans import Planned, State, now_ms, widening
 from feed.emit.progress import TxnProgress, TxnReport
 from feed.emit.session import small_shuffles
 from feed.emit.settings import EmitterConfig
 from feed.log.checkpoint import Checkpoint
 from feed.log.manifest import Segment
 from feed.sources.shapes import Evolve
-from feed.txn.context import NEED_MORE, GroupHold, ReadChanges
-from feed.txn.dataflow import read_input
+from feed.txn.context import NEED_MORE
+from feed.txn.dataflow import numbered_once, read_group
 from feed.txn.segments import Written
+from feed.txn.spark import compute_and_write
 from protocol import CheckpointError, Progress
 
 __all__ = ["GroupEmitter"]
 
 log = logging.getLogger("tidefeed.emit")
+
+
+def _die_at(step: str, **_: Any) -> None:
+    maybe_die(step)
 
 
 def _cp(member: Emitter) -> Checkpoint:
@@ -133,7 +139,7 @@ class GroupEmitter:
             roll_forward(self.config.log, latest, self.log)
         seq = int(latest["seq"]) if latest else 0
         epoch = int(latest["epoch"]) if latest else 0
-        self.commits.commit(self._body(seq + 1, epoch + 1, {}))
+        self.commits.commit(seq + 1, epoch + 1, {})
         self.seq, self.epoch = seq + 1, epoch + 1
         for m in self.members:
             m.open()
@@ -161,16 +167,6 @@ class GroupEmitter:
         for m in self.members:
             m.close()
         self.state = State.CLOSED
-
-    def _body(self, seq: int, epoch: int, members: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "group": self.name,
-            "feeds": list(self.feeds),
-            "seq": seq,
-            "epoch": epoch,
-            "members": members,
-        }
 
     # ---- input -----------------------------------------------------------------------
     def pending_files(self) -> list[str]:
@@ -205,89 +201,52 @@ class GroupEmitter:
         with small_shuffles(first.spark, self.config.conf, files):
             return self._run_txn(files, secs, more=more)
 
-    def _read(
-        self, files: list[str], tx_files: list[str], *, more: bool
-    ) -> tuple[list[ReadChanges], GroupHold]:
-        """Each feed's reading of ``files`` under the group's hold: read again (by the
-        feeds that released more) until every feed holds back the same."""
-        ctxs = [m.context() for m in self.members]
-        hold = GroupHold()
-        holds = [hold] * len(ctxs)
-        reads: list[ReadChanges] = []
-        for ctx in ctxs:
-            r = read_input(ctx, files, tx_files, more=more, group=hold)
-            assert isinstance(r, ReadChanges)
-            reads.append(r)
-        for _ in range(len(ctxs) + 1):
-            txns = frozenset().union(*(r.held_txns for r in reads))
-            places = [r.held_at for r in reads if r.held_at is not None]
-            hold = GroupHold(txns=txns, at=min(places) if places else None)
-            again = [
-                i
-                for i, r in enumerate(reads)
-                if holds[i] != hold and not (r.held_txns >= hold.txns and r.held_at == hold.at)
-            ]
-            if not again:
-                return reads, hold
-            for i in again:
-                reads[i].release()
-                r = read_input(ctxs[i], files, tx_files, more=more, group=hold)
-                assert isinstance(r, ReadChanges)
-                reads[i], holds[i] = r, hold
-        raise CheckpointError(f"group {self.name}: the feeds' held-back transactions disagree")
-
     def _run_txn(self, files: list[str], secs: dict[str, float], *, more: bool) -> Any:
-        from pyspark.sql import functions as F
-
-        from feed.sources.positions import source_order
-        from feed.txn.spark import compute_and_write
-
+        """Every feed's reading of ``files`` under the group's hold, its updates at the
+        times the group's numbering gives, and the group's commit."""
         first = self.members[0]
         assert first.cp is not None
         tx_files = first.inputs.pending_tx(first.cp.source)
         t0 = time.perf_counter()
-        reads, hold = self._read(files, tx_files, more=more)
+        ctxs = [m.context() for m in self.members]
+        reads, hold = read_group(ctxs, files, tx_files, more=more, group=self.name)
         secs["read"] = time.perf_counter() - t0
-        order = None
-        try:
-            stopped = [r.shape_error for r in reads if r.shape_error is not None]
-            if all(r.ready == 0 for r in reads) and (hold.txns or stopped):
-                for r in reads:
-                    r.release()
-                for e in stopped:
-                    if not isinstance(e, Evolve):
-                        raise e
-                if stopped:
-                    return self._evolve(
-                        {i: r.shape_error for i, r in enumerate(reads) if r.shape_error}, secs
-                    )
-                if more:
-                    return NEED_MORE
-                self.log.info(
-                    "group %s: waiting for the rest of %d source transaction(s)",
-                    self.name,
-                    len(hold.txns),
-                )
-                return None
-            maybe_die("after_read")
-            # the released source transactions of every feed, numbered once
-            parts = [r.order if r.order is not None else source_order(r.good) for r in reads]
-            union = parts[0]
-            for p in parts[1:]:
-                union = union.unionByName(p)
-            order = union.groupBy("txn").agg(F.min("o").alias("o")).persist()
+        stopped = {i: r.shape_error for i, r in enumerate(reads) if r.shape_error is not None}
+        if all(r.ready == 0 for r in reads) and (hold.txns or stopped):
             for r in reads:
-                r.order = order
-            done: list[_Done] = []
+                r.release()
+            for e in stopped.values():
+                if not isinstance(e, Evolve):
+                    raise e
+            if stopped:
+                return self._evolve(stopped, secs)
+            if more:
+                return NEED_MORE
+            self.log.info(
+                "group %s: waiting for the rest of %d source transaction(s)",
+                self.name,
+                len(hold.txns),
+            )
+            return None
+        maybe_die("after_read")
+        done: list[_Done] = []
+        with numbered_once(reads):
             for member, r in zip(self.members, reads, strict=True):
                 own: dict[str, float] = {}
-                w = compute_and_write(
-                    member.context(), r, own, reached=lambda step, **_: maybe_die(step)
-                )
+                w = compute_and_write(member.context(), r, own, reached=_die_at)
                 done.append(_Done(member, w, own))
-        finally:
-            if order is not None:
-                order.unpersist()
+        return self._commit_txn(files, tx_files, done, secs, held_txns=len(hold.txns))
+
+    def _commit_txn(
+        self,
+        files: list[str],
+        tx_files: list[str],
+        done: list[_Done],
+        secs: dict[str, float],
+        *,
+        held_txns: int,
+    ) -> TxnReport:
+        """Commit what every feed wrote, at the same times in every feed."""
         units = {d.written.units for d in done}
         if len(units) != 1:
             raise CheckpointError(
@@ -296,7 +255,8 @@ class GroupEmitter:
             )
         maybe_die("after_write")
         n = units.pop()
-        cp = first.cp
+        first = self.members[0]
+        cp = _cp(first)
         upper = cp.next + n if n else cp.frontier
         next_time = upper
         if first.info.clock == "wallclock":
@@ -325,7 +285,7 @@ class GroupEmitter:
             updates=sum(r.updates for r in reports),
             bad_rows=sum(r.bad_rows for r in reports),
             seconds=secs,
-            held=len(hold.txns),
+            held=held_txns,
         )
         self.log.info("group %s: %s", self.name, report.line())
         return report
@@ -402,7 +362,7 @@ class GroupEmitter:
             for m, p, s in zip(self.members, plans, segments, strict=True)
         }
         maybe_die("before_group_commit")
-        self.commits.commit(self._body(self.seq + 1, self.epoch, members))
+        self.commits.commit(self.seq + 1, self.epoch, members)
         self.seq += 1
         maybe_die("after_group_commit")
         out = []

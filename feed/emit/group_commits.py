@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from feed.emit.emitter import Planned
+from feed.emit.plans import Planned
 from feed.log.commits import Committer
 from feed.log.manifest import Segment
 from feed.log.store import FeedLog
@@ -74,14 +74,22 @@ class GroupCommits:
             raise CheckpointError(f"group {self.name}: {path} is not a group commit")
         return body
 
-    def commit(self, body: dict[str, Any]) -> None:
-        """Create group commit ``body["seq"]`` exclusively: the group's commit point."""
-        seq = int(body["seq"])
+    def commit(self, seq: int, epoch: int, members: dict[str, Any]) -> None:
+        """Create group commit ``seq`` of ``epoch`` exclusively, naming for each feed in
+        ``members`` its :func:`commit_entry`: the group's commit point."""
+        body = {
+            "format": FORMAT,
+            "group": self.name,
+            "feeds": list(self.feeds),
+            "seq": seq,
+            "epoch": epoch,
+            "members": members,
+        }
         data = orjson.dumps(body, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
         if not self.fl.create_exclusive(self.path_of(seq), data):
             raise CommitConflict(
                 f"group {self.name}: commit {seq} already exists: another emitter (epoch > "
-                f"{body['epoch']}) has taken over this group; this one is stale and stops"
+                f"{epoch}) has taken over this group; this one is stale and stops"
             )
         for old in self.seqs():
             if old <= seq - KEEP_GROUP_COMMITS:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import orjson
 
+from feed.log.checkpoint import Checkpoint, fixed
 from feed.log.info import Clock, FeedInfo, Granularity
 from feed.log.store import FeedLog
 from feed.sources.registry import SourceKind, source_kind
@@ -28,6 +29,7 @@ __all__ = [
     "DEFAULT_TRIGGER",
     "EmitterConfig",
     "create_feed",
+    "feed_settings",
     "load_schema_file",
     "settle",
 ]
@@ -82,6 +84,38 @@ class EmitterConfig:
         return source_kind(self.source_kind)
 
 
+def feed_settings(
+    cfg: EmitterConfig,
+    feedlog: FeedLog,
+    latest: Checkpoint | None,
+    *,
+    spark: Callable[[], Any],
+    files: Callable[[], list[str]],
+    delta_schema: Callable[[], dict[str, Any]],
+    log: logging.Logger,
+) -> tuple[EmitterConfig, FeedInfo]:
+    """The run's settings and the feed's, at the emitter's start: the feed's own
+    (``feed.json``, at the schema versions the ``latest`` commit holds) settling the
+    run's flags, or, for a feed with nothing committed, new ones from the flags
+    (:func:`create_feed`)."""
+    info = feedlog.info()
+    if info is not None and latest is not None:
+        info = info.at(latest.frontier)  # the schema versions committed
+    if info is not None and not fixed(latest):
+        # an earlier run wrote the feed's settings but never committed a transaction (it
+        # failed, was killed, or every row it read was bad): they are not the feed's yet,
+        # and this run's flags (or inference) decide them
+        log.info("feed %s: nothing committed yet; its settings are set anew", cfg.feed)
+        info = None
+    if info is not None:
+        return settle(cfg, info), info
+    cfg = replace(
+        cfg, clock=cfg.clock or DEFAULT_CLOCK, granularity=cfg.granularity or DEFAULT_GRANULARITY
+    )
+    info = create_feed(cfg, feedlog, spark=spark, files=files, delta_schema=delta_schema, log=log)
+    return cfg, info
+
+
 def create_feed(
     cfg: EmitterConfig,
     feedlog: FeedLog,
@@ -94,7 +128,7 @@ def create_feed(
     """Write a new feed's settings (``feed.json``) from this run's flags; the record schema is
     ``--schema``, a Delta table's own, or inferred from the first input files (``spark``,
     ``files`` and ``delta_schema`` are only called when needed)."""
-    from feed.sources.debezium import debezium_table
+    from feed.sources.debezium_schema import debezium_table
     from feed.sources.kinds import infer_record_schema
 
     schema = cfg.schema

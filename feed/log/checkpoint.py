@@ -97,6 +97,20 @@ class Checkpoint:
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: unreadable checkpoint: {e}") from e
 
+    @classmethod
+    def first(cls, feed: str, *, next: int, schema: str) -> Checkpoint:
+        """The checkpoint before a new feed's first commit: nothing read, nothing
+        committed, the first time ``next``."""
+        return cls(
+            feed=feed,
+            epoch=0,
+            seq=0,
+            progress=Progress(0, 0, ()),
+            next=next,
+            source={"file": None, "file_beyond": [], "pos": [0, 0, 0]},
+            schema=schema,
+        )
+
     def successor(self, **changes: Any) -> Checkpoint:
         return replace(self, seq=self.seq + 1, **changes)
 

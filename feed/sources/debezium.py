@@ -9,10 +9,9 @@ Kafka Connect encodings (:mod:`feed.sources.connect`). The position of an event 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import orjson
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -22,21 +21,18 @@ from feed.sources.connect import (
     as_strings,
     connect_names,
     connect_scales,
-    connect_to_avro,
     typed_record,
 )
+from feed.sources.debezium_schema import WRAPPER_SCHEMA, shape_of
 from feed.sources.events import debezium_event
-from feed.sources.inputs import input_lines
 from feed.sources.rows import (
     CORRUPT,
     PARSE_OPTIONS,
     canonical,
     first_error,
     mismatch_error,
-    ordered_fields,
     read_text,
 )
-from protocol import SourceError
 
 __all__ = [
     "SKIP_HEARTBEAT",
@@ -44,81 +40,8 @@ __all__ = [
     "SKIP_TOMBSTONE",
     "SKIP_TX_METADATA",
     "debezium_event",
-    "debezium_schema",
-    "debezium_table",
     "read_debezium",
-    "shape_sample",
 ]
-
-#: how far schema inference looks for a Debezium event of the feed's table
-_SAMPLE_LINES = 100_000
-
-
-def _debezium_events(files: Sequence[str]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-    """(wrapper, payload) of the first Debezium data events of ``files`` (tombstones,
-    transaction metadata and heartbeats left out), within the first lines."""
-    seen = 0
-    for path in files:
-        for line in input_lines(path):
-            seen += 1
-            if seen > _SAMPLE_LINES:
-                return
-            found = debezium_event(line)
-            if found is not None:
-                yield found
-
-
-def _table_of(payload: dict[str, Any]) -> str | None:
-    src = payload.get("source")
-    if not isinstance(src, dict) or not src.get("table"):
-        return None
-    return f"{src['schema']}.{src['table']}" if src.get("schema") else str(src["table"])
-
-
-def debezium_table(files: Sequence[str]) -> str | None:
-    """The ``schema.table`` of the first Debezium data event in ``files``, if any (not the
-    capture's own column-number table: feed/sources/capture.py)."""
-    from feed.sources.capture import COLUMNS_TABLE
-
-    for _, payload in _debezium_events(files):
-        table = _table_of(payload)
-        if table != COLUMNS_TABLE:
-            return table
-    return None
-
-
-def debezium_schema(spark: SparkSession, files: Sequence[str], table: str | None) -> dict[str, Any]:
-    from pyspark.sql.pandas.types import to_arrow_type
-
-    from protocol import arrow_to_avro
-
-    images: list[str] = []
-    first_image: dict[str, Any] | None = None
-    for wrapper, payload in _debezium_events(files):
-        if table is not None and _table_of(payload) not in (table, None):
-            continue
-        schema = wrapper.get("schema")
-        if isinstance(schema, dict):
-            for fld in schema.get("fields", []):
-                if fld.get("field") in ("after", "before") and fld.get("fields"):
-                    return connect_to_avro(fld["fields"], "record")
-        image = payload.get("after") or payload.get("before")
-        if isinstance(image, dict):
-            first_image = first_image or image
-            images.append(orjson.dumps(image).decode())
-            if len(images) >= 1000:  # enough for Spark to type the columns
-                break
-    if first_image is None:
-        where = f" of table {table}" if table else ""
-        raise SourceError(
-            f"cannot infer a record schema: no Debezium change event{where} in the first "
-            f"input files ({files[0]} …); give --schema FILE (an Avro record schema)"
-        )
-    # no Connect schema: let Spark type the images, then restore the table's column order
-    inferred = spark.read.json(spark.sparkContext.parallelize(images))
-    fields = ordered_fields(list(inferred.schema.fields), list(first_image))
-    return dict(arrow_to_avro(to_arrow_type(T.StructType(fields), timezone="UTC"), name="record"))
-
 
 #: what a Debezium line that is not a change event of the feed's table is: skipped, counted
 SKIP_TOMBSTONE = "tombstone"
@@ -192,7 +115,7 @@ def read_debezium(
         # snapshot ends (feed/sources/transactions.py), also on the reads of other tables
         snap=F.col("src.snapshot"),
         # the table's shape as this event's Connect schema gives it (feed/sources/shapes.py)
-        shape=F.when(skip.isNull() & op.isin("c", "u", "d", "r"), _shape_of(F.col("p.schema"))),
+        shape=F.when(skip.isNull() & op.isin("c", "u", "d", "r"), shape_of(F.col("p.schema"))),
     )
 
 
@@ -231,7 +154,7 @@ def _line_type(record: T.StructType) -> T.StructType:
     ]
     return T.StructType(
         [
-            T.StructField("schema", _WRAPPER_SCHEMA),
+            T.StructField("schema", WRAPPER_SCHEMA),
             T.StructField("payload", T.StructType(envelope)),
             *envelope,
             T.StructField(CORRUPT, T.StringType()),
@@ -353,54 +276,6 @@ def _end_count(table: str | None) -> Column:
 
 #: the part of a wrapped event's Connect schema that gives the table's columns: the
 #: ``fields`` of its ``after`` (or ``before``) field, kept as its JSON text
-_WRAPPER_SCHEMA = T.StructType(
-    [
-        T.StructField(
-            "fields",
-            T.ArrayType(
-                T.StructType(
-                    [
-                        T.StructField("field", T.StringType()),
-                        T.StructField("fields", T.StringType()),
-                    ]
-                )
-            ),
-        )
-    ]
-)
-
-
-def _columns_text(schema: Column) -> Column:
-    """The JSON text of the table's columns in a parsed :data:`_WRAPPER_SCHEMA` (null for
-    a bare event)."""
-    image = F.filter(schema["fields"], lambda f: f["field"].isin("after", "before"))
-    return F.try_element_at(image, F.lit(1))["fields"]
-
-
-def _shape_of(schema: Column) -> Column:
-    """A 64-bit hash of :func:`_columns_text`: events of one shape share it."""
-    text = _columns_text(schema)
-    return F.when(text.isNotNull(), F.xxhash64(text))
-
-
-def shape_sample(spark: SparkSession, files: Sequence[str], shape: int) -> list[dict[str, Any]]:
-    """The Connect fields (the table's columns) of the first event in ``files`` whose
-    shape hash is ``shape``; [] when none is found."""
-    wrapper = T.StructType([T.StructField("schema", _WRAPPER_SCHEMA)])
-    parsed = F.from_json("_raw", wrapper, PARSE_OPTIONS)["schema"]
-    found = (
-        read_text(spark, files)
-        .select(_columns_text(parsed).alias("t"), _shape_of(parsed).alias("h"))
-        .where(F.col("h") == F.lit(shape))
-        .limit(1)
-        .collect()
-    )
-    if not found:
-        return []
-    fields = orjson.loads(found[0]["t"])
-    return fields if isinstance(fields, list) else []
-
-
 def _toast_columns(image: Column, record: T.StructType) -> Column:
     """The names of the columns of ``image`` that hold Debezium's unavailable-value
     placeholder (comma-separated), or null."""

@@ -49,7 +49,8 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from feed.sources.connect import as_strings, typed_record
-from feed.sources.debezium import debezium_schema, read_debezium
+from feed.sources.debezium import read_debezium
+from feed.sources.debezium_schema import debezium_schema
 from feed.sources.inputs import input_lines, spark_input
 from feed.sources.rows import (
     CORRUPT,

@@ -1,16 +1,17 @@
 """A source table's shape, checked on every Debezium event: never drop a column silently.
 
 A wrapped Debezium event (``{"schema", "payload"}``) carries the Kafka Connect schema of
-its table, so an ``ALTER TABLE`` shows on the first event after it: a column more or less,
-or a column of another type. The parse (:mod:`feed.sources.debezium`) gives each data event of the
-feed's table a 64-bit hash of its columns' schema text (``_shape``); the emitter gathers the
-distinct hashes of what a transaction read. A hash this process has not seen is checked
-once: one event of that shape is read again (:func:`feed.sources.debezium.shape_sample`) and its
-columns compared with the feed's record schema. The same shape (or one whose columns all
-fit the feed's: an ``int`` column in a feed that holds ``long``, a default changed, a
-decimal narrowed) is accepted. At the first event of any other shape the emitter commits
-what was delivered before it; then :func:`evolve` gives the feed's next schema version
-(committed by feed/txn/evolve.py), or, for a change no version holds, the emitter stops with
+its table, so an ``ALTER TABLE`` shows on the first event after it: a column more or
+less, or a column of another type. The parse (:mod:`feed.sources.debezium`) gives each
+data event of the feed's table a 64-bit hash of its columns' schema text (``_shape``);
+the emitter gathers the distinct hashes of what a transaction read. A hash this process
+has not seen is checked once: one event of that shape is read again
+(:func:`feed.sources.debezium_schema.shape_sample`) and its columns compared with the
+feed's record schema. The same shape (or one whose columns all fit the feed's: an ``int``
+column in a feed that holds ``long``, a default changed, a decimal narrowed) is accepted.
+At the first event of any other shape the emitter commits what was delivered before it;
+then :func:`evolve` gives the feed's next schema version (committed by
+feed/txn/evolve.py), or, for a change no version holds, the emitter stops with
 :class:`~protocol.SourceError` naming each column added, dropped or changed
 (docs/sources.md, "Schema changes"). Bare events (no wrapper) carry no schema and are not
 checked.
@@ -246,7 +247,8 @@ def column_numbers(
     order, up to the first event of ``table`` in ``upto`` (a file name) whose columns are
     ``new``: the catalog's story up to the change of shape."""
     from feed.sources.capture import COLUMNS_TABLE
-    from feed.sources.debezium import _table_of, debezium_event
+    from feed.sources.debezium_schema import table_of
+    from feed.sources.events import debezium_event
     from feed.sources.inputs import input_lines
 
     marker = COLUMNS_TABLE.rsplit(".", 1)[-1].encode()
@@ -261,7 +263,7 @@ def column_numbers(
             if found is None:
                 continue
             wrapper, payload = found
-            of = _table_of(payload)
+            of = table_of(payload)
             if of == COLUMNS_TABLE and payload.get("op") in ("c", "r"):
                 row = payload.get("after") or {}
                 if row.get("tbl") == table:
@@ -382,6 +384,6 @@ def shape_error(
 
 def sample_in(spark: Any, files: Collection[str]) -> Any:
     """:func:`check_shapes`'s ``sample`` over input ``files``."""
-    from feed.sources.debezium import shape_sample
+    from feed.sources.debezium_schema import shape_sample
 
     return lambda h: shape_sample(spark, list(files), h)

@@ -54,9 +54,16 @@ from feed.sources.positions import (
     place,
     position_filter,
     snapshot_done,
-    snapshot_read,
     source_order,
     unplace,
+)
+from feed.sources.snapshots import (
+    classify,
+    empty_snapshot,
+    settle,
+    snapshot_figures,
+    snapshot_row,
+    superseded,
 )
 
 __all__ = ["Assembled", "assemble"]
@@ -101,32 +108,6 @@ class Assembled:
     #: feeds holds the same ones in every feed (feed/emit/group.py)
     held_txns: frozenset[str] = frozenset()
     held_at: tuple[int, int] | None = None
-
-
-def _snapshot_row() -> Column:
-    """Whether a row is a read of a whole-table snapshot, or says where a snapshot ends
-    (of any table: another table's last read says the feed's table had no more rows)."""
-    return snapshot_read() | (F.coalesce(F.col("_snap"), F.lit("")) == "last")
-
-
-def _snapshot_figures(changes: DataFrame) -> DataFrame:
-    """One row per snapshot LSN among ``changes``: its first and last place in delivery
-    order, whether its end was read (``s_end``) and its transaction (``s_txn``: null when
-    only another table's end marker is at that LSN)."""
-    snap = F.coalesce(F.col("_snap"), F.lit(""))
-    ends_here = (snap == "last") | ((F.col("op") == "r") & (snap == "last_in_data_collection"))
-    at = F.struct("ord_file", "ord_row")
-    return (
-        changes.where(_snapshot_row())
-        .groupBy(F.col("pos_lo").alias("lsn"))
-        .agg(
-            F.min(at).alias("s_first"),
-            F.max(F.when(F.col("op") == "r", at)).alias("s_last"),
-            F.max(ends_here).alias("s_end"),
-            F.max(F.when(F.col("op") == "r", F.col("txn"))).alias("s_txn"),
-            F.collect_set("_file").alias("s_files"),
-        )
-    )
 
 
 def assemble(
@@ -240,7 +221,7 @@ class _Assembly:
                 F.max(F.when(is_data, delivered)).alias("latest"),
                 F.count(F.when(is_data & behind, 1)).alias("behind"),
                 F.count(F.when(F.col("op") == "E", 1)).alias("ends"),
-                F.count(F.when(_snapshot_row(), 1)).alias("snapshot_rows"),
+                F.count(F.when(snapshot_row(), 1)).alias("snapshot_rows"),
             ).withColumn("_kind", F.lit("summary")),
             # an event read twice: its rows share the hash of what makes it one event (see
             # EVENT). Two different events with one hash (about one in 10^7 reads of 2 M
@@ -279,25 +260,16 @@ class _Assembly:
 
     def find_snapshots(self, new_feed: bool) -> None:
         """The snapshots read, if any (a second, small job): which is the feed's own, which
-        are new, which are known whole."""
-        summary = self.summary
-        snap_rows = _snapshot_figures(self.changes).collect() if summary["snapshot_rows"] else []
-        self.snaps = snaps = sorted(
-            (r for r in snap_rows if r["s_first"] is not None),
-            key=lambda r: tuple(r["s_first"]),
+        are new, which are known whole (feed/sources/snapshots.py decides)."""
+        rows = snapshot_figures(self.changes).collect() if self.summary["snapshot_rows"] else []
+        found = classify(
+            rows,
+            own=self.snapshot_lsn,
+            new_feed=new_feed,
+            committed_hi=self.committed[0],
+            latest=self.latest,
         )
-        own = (snaps[0]["lsn"] if snaps else None) if new_feed else self.snapshot_lsn
-        # (a new snapshot with only another table's end marker: the feed's table was empty)
-        self.fresh = [r for r in snaps if r["lsn"] != own and r["lsn"] > self.committed[0]]
-        latest = self.latest
-        # snapshots known to be whole: their end marker was read, or an event delivered
-        # after their last read (Debezium streams only once a snapshot is done)
-        self.whole = {
-            int(r["lsn"])
-            for r in snaps
-            if r["s_end"]
-            or (latest is not None and tuple(latest) > tuple(r["s_last"] or r["s_first"]))
-        }
+        self.snaps, self.fresh, self.whole = found.all, found.fresh, found.whole
 
     def plain(self) -> Assembled:
         """The plain case (no transaction metadata, nothing delivered twice, no new
@@ -402,30 +374,19 @@ class _Assembly:
         supersedes is dropped, what comes after it is held."""
         snap = self.fresh[0]
         at = tuple(snap["s_first"])
-        self.dropped = dropped = {
-            r["txn"] for r in self.opened if r["first"] is not None and r["first"] < at
-        }
-        dropped |= {
-            r["s_txn"]
-            for r in self.snaps
-            if tuple(r["s_first"]) < at and not r["s_end"] and r["s_txn"]
-        }
+        self.dropped = dropped = superseded(snap, self.opened, self.snaps)
         self.opened = [r for r in self.opened if r["txn"] not in dropped]
         before = ~first_from(at)
         earlier = self.per_txn.where((self.events > 0) & before)
         if dropped:
             earlier = earlier.where(~F.col("txn").isin(sorted(dropped)))
-        end_at = tuple(snap["s_last"] or snap["s_first"])
-        ended = snap["s_end"] or (self.latest is not None and tuple(self.latest) > end_at)
-        if not earlier.isEmpty():
-            self.held_from = at  # what came before it goes first
-        elif ended:
-            lsn = int(snap["lsn"])
-            self.replaces = (lsn, snap["s_txn"] or f"snapshot:{lsn}")
-            if snap["s_txn"] is None:
-                self.empty_at = at
-            if len(self.fresh) > 1:
-                self.held_from = tuple(self.fresh[1]["s_first"])  # one new snapshot at a time
+        waits = not earlier.isEmpty()  # what came before it goes first
+        done = settle(self.fresh, earlier_waits=waits, latest=self.latest)
+        self.held_from, self.replaces = done.held_from, done.replaces
+        if done.replaces is not None:
+            lsn = done.replaces[0]
+            if done.empty:
+                self.empty_at = (int(at[0]), int(at[1]))
             # delivered after it but committed before it (Debezium streaming again from
             # an older slot position): the snapshot holds their effect
             older = self.per_txn.where((self.events > 0) & ~before & (F.col("last_hi") < lsn))
@@ -434,10 +395,9 @@ class _Assembly:
                 "feed %s: Debezium snapshotted the table again (at LSN %d): the feed moves "
                 "to that snapshot in one time, retracting the rows it does not hold",
                 self.feed,
-                snap["lsn"],
+                lsn,
             )
-        else:
-            self.held_from = at
+        elif not waits:
             self.log.info(
                 "feed %s: a new snapshot (LSN %d) is not complete yet", self.feed, snap["lsn"]
             )
@@ -514,7 +474,14 @@ class _Assembly:
     def result(self) -> Assembled:
         order: DataFrame | None = None  # (assign_units finds it from the changes)
         if self.replaces is not None and self.empty_at is not None:
-            order = self.empty_snapshot(self.replaces, self.empty_at)
+            # the table was empty in the new snapshot: its time holds only retractions, in
+            # a transaction without rows placed in the source order
+            lsn = self.replaces[0]
+            empty = empty_snapshot(self.changes.sparkSession, self.replaces, self.empty_at)
+            order = source_order(self.data).unionByName(empty)
+            self.ready = (self.ready or 0) + 1
+            mark = (lsn, lsn, 0)
+            self.last = mark if self.last is None or tuple(self.last) < mark else self.last
         summary = self.summary
         # transaction blocks and not one END record among them: where are the END records?
         endless = 0 if self.n_ends else sum(1 for r in self.opened if r["expected"] is None)
@@ -537,27 +504,3 @@ class _Assembly:
             held_txns=frozenset(self.held_txns),
             held_at=self.held_at,
         )
-
-    def empty_snapshot(self, replaces: tuple[int, str], at: tuple[int, int]) -> DataFrame:
-        """The table was empty in the new snapshot: its time holds only retractions, in a
-        transaction without rows placed in the source order."""
-        lsn, (f, row) = replaces[0], at
-        at_snap = F.struct(
-            *[
-                F.lit(v).cast("long").alias(n)
-                for n, v in (
-                    ("pos_hi", lsn),
-                    ("pos_lo", lsn),
-                    ("pos_n", 0),
-                    ("ord_file", f),
-                    ("ord_row", row),
-                )
-            ]
-        )
-        empty = self.changes.sparkSession.range(1).select(
-            F.lit(replaces[1]).alias("txn"), at_snap.alias("o")
-        )
-        self.ready = (self.ready or 0) + 1
-        mark = (lsn, lsn, 0)
-        self.last = mark if self.last is None or tuple(self.last) < mark else self.last
-        return source_order(self.data).unionByName(empty)

@@ -10,7 +10,8 @@ driver (:mod:`feed.emit.emitter`) writes what they return and commits it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from feed.log.checkpoint import fixed
@@ -25,9 +26,9 @@ from feed.txn.context import (
     spillable,
     tally,
 )
-from protocol import SourceError
+from protocol import CheckpointError, SourceError
 
-__all__ = ["compute_updates", "read_input"]
+__all__ = ["compute_updates", "numbered_once", "read_group", "read_input"]
 
 
 def read_input(
@@ -126,6 +127,63 @@ def read_input(
         held_at=held_at,
         shape_error=shape_stop,
     )
+
+
+def read_group(
+    ctxs: Sequence[TxnContext],
+    files: list[str],
+    tx_files: list[str],
+    *,
+    more: bool,
+    group: str,
+) -> tuple[list[ReadChanges], GroupHold]:
+    """Each feed of a ``group`` reading ``files`` under the group's hold (feed/emit/group.py):
+    read again, by the feeds that released more, until every feed holds back the same."""
+    hold = GroupHold()
+    holds = [hold] * len(ctxs)
+    reads: list[ReadChanges] = []
+    for ctx in ctxs:
+        r = read_input(ctx, files, tx_files, more=more, group=hold)
+        assert isinstance(r, ReadChanges)
+        reads.append(r)
+    for _ in range(len(ctxs) + 1):
+        txns = frozenset().union(*(r.held_txns for r in reads))
+        places = [r.held_at for r in reads if r.held_at is not None]
+        hold = GroupHold(txns=txns, at=min(places) if places else None)
+        again = [
+            i
+            for i, r in enumerate(reads)
+            if holds[i] != hold and not (r.held_txns >= hold.txns and r.held_at == hold.at)
+        ]
+        if not again:
+            return reads, hold
+        for i in again:
+            reads[i].release()
+            r = read_input(ctxs[i], files, tx_files, more=more, group=hold)
+            assert isinstance(r, ReadChanges)
+            reads[i], holds[i] = r, hold
+    raise CheckpointError(f"group {group}: the feeds' held-back transactions disagree")
+
+
+@contextmanager
+def numbered_once(reads: Sequence[ReadChanges]) -> Iterator[None]:
+    """The released source transactions of every feed of a group, in source order,
+    numbered once: within the block each reading's ``order`` is that one numbering."""
+    from pyspark.sql import functions as F
+
+    from feed.sources.positions import source_order
+
+    parts = [r.order if r.order is not None else source_order(r.good) for r in reads]
+    union = parts[0]
+    for p in parts[1:]:
+        union = union.unionByName(p)
+    order = union.groupBy("txn").agg(F.min("o").alias("o")).persist()
+    for r in reads:
+        r.order = order
+    try:
+        yield
+    finally:
+        order.unpersist()
 
 
 def _cached_changes(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, Any, Any]:

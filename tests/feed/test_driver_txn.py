@@ -1,7 +1,8 @@
 """Small keyed Debezium transactions computed on the driver give the feed Spark gives.
 
-Each case runs one history through two emitters: one that may compute a small transaction
-on the driver (feed/txn/driver.py) and one that always uses Spark (``driver_txn_bytes=0``);
+Each case runs one history through the two engines behind feed/txn/engine.py: an emitter
+that offers each transaction to the driver engine first (feed/txn/driver.py), as emitters
+do, and one that has the Spark engine alone (feed/txn/spark.py);
 the feeds must agree time by time (updates, progress), in their keyed state and with the
 ground truth, and the driver must really have computed some of the transactions.
 """
@@ -19,6 +20,7 @@ from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 from feed.emit.emitter import Emitter, EmitterConfig
 from feed.log.reader import FeedReader
 from feed.sources.connect import TOAST_PLACEHOLDER
+from feed.txn.engine import DECLINED, DRIVER, ENGINES, SPARK, Job, run_job
 from protocol.messages import record_key
 
 from ..e2e.helpers import write_parts
@@ -38,9 +40,9 @@ def _run(
         clock="logical",
         granularity=granularity,
         max_files_per_txn=1,
-        driver_txn_bytes=(1 << 20) if driver else 0,
+        driver_txn_bytes=1 << 20,
     )
-    e = Emitter(cfg, spark=spark)
+    e = Emitter(cfg, spark=spark, engines=ENGINES if driver else (SPARK,))
     e.open()
     reports = e.run()
     e.close()
@@ -236,3 +238,12 @@ def test_floating_point_columns_consolidate_as_in_spark(spark, tmp_path):
         }
 
     assert updates(tmp_path / "driver") == updates(tmp_path / "spark")
+
+
+def test_a_job_no_engine_takes_is_an_error_naming_the_engines():
+    """The driver engine declines an eagerly pushed transaction (only Spark's executors
+    push); with no other engine offered, the job is refused by name, not dropped."""
+    job = Job(seq=7, files=["a.json"], eager=object())
+    assert DRIVER.run(None, job, {}, lambda step, **_: None) is DECLINED  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"transaction 7: no engine of \(driver\) takes it"):
+        run_job(None, job, {}, lambda step, **_: None, engines=(DRIVER,))  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ import pytest
 from moto import server as moto_server
 
 from feed.demo.data import ACCOUNTS_SCHEMA
-from feed.sources.debezium import debezium_table
+from feed.sources.debezium_schema import debezium_table
 from feed.sources.inputs import (
     InputWindow,
     edge_txn,

@@ -1,0 +1,125 @@
+"""A feed's schema versions, as the emitter commits them (DESIGN §2; docs/schema.md).
+
+When a source table changes shape in a way the feed can follow, the transaction's
+dataflow raises :class:`~feed.sources.shapes.Evolve` before writing anything. The emitter
+then commits, at the next time and as a transaction of its own, the feed's next schema
+version with the rows its keyed state holds rewritten into it (:mod:`feed.txn.evolve`);
+the input that changed shape stays pending and is read through the new version by the
+next transaction. A group of feeds (feed/emit/group.py) commits its members' versions
+through :meth:`SchemaVersions.new_version` and :meth:`SchemaVersions.adopt_version`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from feed._faults import maybe_die
+from feed.emit.progress import TxnReport
+from feed.emit.settings import EmitterConfig
+from feed.log.checkpoint import Checkpoint
+from feed.log.info import SchemaVersion
+from feed.log.manifest import Segment
+from feed.sources.shapes import Evolve
+from feed.txn.context import TxnContext
+from feed.txn.segments import Written
+from protocol import Progress, SourceError
+
+__all__ = ["SchemaVersions"]
+
+
+class SchemaVersions:
+    """The emitter's part that commits and adopts schema versions (a mixin of
+    :class:`~feed.emit.emitter.Emitter`, whose attributes and methods it names below)."""
+
+    config: EmitterConfig
+    cp: Checkpoint | None
+    info: Any
+    eager: Any
+    log: logging.Logger
+    _clock: Callable[[], int]
+    _record_type: Any
+    _state: Any
+    _shapes: set[int]
+
+    if TYPE_CHECKING:  # defined by the emitter
+
+        def context(self) -> TxnContext: ...
+        def _stage(self, name: str, **facts: Any) -> None: ...
+        def _commit(
+            self, build: Callable[[Checkpoint], Checkpoint], segments: Sequence[Segment]
+        ) -> Checkpoint: ...
+        def committed(
+            self, new_cp: Checkpoint, files: Sequence[str], secs: dict[str, float], w: Written
+        ) -> TxnReport: ...
+
+    def evolve(self, ev: Evolve, secs: dict[str, float]) -> TxnReport:
+        """Commit the feed's next schema version at the next time, with the rows its
+        state holds rewritten into it; the input stays pending."""
+        from protocol import fingerprint
+
+        assert self.cp is not None
+        if self.eager is not None:
+            raise SourceError(
+                f"feed {self.config.feed!r}: {ev}. A feed emitted with --eager does not take "
+                "a new schema version yet: run this emit without --eager once (it commits "
+                "the version and goes on), then go back to --eager."
+            )
+        cp, start = self.cp, self.cp.next
+        t0 = time.perf_counter()
+        version, w = self.new_version(ev, start)
+        secs["rewrite"] = time.perf_counter() - t0
+        counts = tuple((s.time, s.count) for s in w.segments)
+        progress = Progress(cp.frontier, max(start + 1, cp.frontier), counts)
+        upper = progress.upper
+        nxt = max(self._clock(), upper) if self.info.clock == "wallclock" else upper
+        maybe_die("before_version_commit")
+        t1 = time.perf_counter()
+        new_cp = self._commit(
+            lambda base: base.successor(
+                progress=progress, next=nxt, state=w.state_ref, schema=fingerprint(version.schema)
+            ),
+            w.segments,
+        )
+        secs["commit"] = time.perf_counter() - t1
+        self.adopt_version(version, ev)
+        return self.committed(new_cp, [], secs, w)
+
+    def new_version(self, ev: Evolve, start: int) -> tuple[SchemaVersion, Written]:
+        """The schema version ``ev`` describes, from time ``start``, written with the
+        state rewritten into it and the updates that makes at ``start``: all but the
+        commit (feed/txn/evolve.py)."""
+        from feed.txn.evolve import rewrite
+
+        assert self.cp is not None
+        self._stage("rewriting the state into a new schema version")
+        version, segments, state_ref = rewrite(self.context(), ev, self.cp.seq + 1, start)
+        return version, Written(
+            segments=segments,
+            state_ref=state_ref,
+            units=1,
+            position=None,
+            input_rows=0,
+            skipped={},
+            redelivered=0,
+            snapshot_lsn=None,
+        )
+
+    def adopt_version(self, version: SchemaVersion, ev: Evolve) -> None:
+        """After the commit of ``version``: read from now on through it."""
+        from feed.sources.rows import spark_record_type
+
+        self.info = self.info.evolved(version)
+        self._record_type = spark_record_type(version.schema)
+        self._state.record_type = self._record_type
+        self._shapes.clear()
+        self.log.info(
+            "feed %s: the source table changed shape at %s (%s): schema version from time "
+            "%d committed",
+            self.config.feed,
+            ev.where,
+            ev.change.describe(),
+            version.start,
+        )

@@ -1,0 +1,115 @@
+"""The transaction engines behind one interface.
+
+A transaction is a :class:`Job`: the input files of transaction ``seq`` (and its pending
+``--tx-metadata`` files). An :class:`Engine` reads, computes and writes it, and answers
+with what it wrote (:class:`~feed.txn.segments.Written`, for the emitter to commit),
+``None`` (nothing complete to commit), :data:`~feed.txn.context.NEED_MORE` (the same,
+with more input pending) or :data:`DECLINED` (not a transaction this engine takes; it
+wrote nothing). :func:`run_job` offers the job to each engine in turn.
+
+Two engines give the same feed for every transaction both take:
+
+- :data:`DRIVER` (:mod:`feed.txn.driver`): a small, plain, keyed Debezium transaction,
+  computed on the driver with pyarrow after one Spark job parses it;
+- :data:`SPARK` (:mod:`feed.txn.spark`): any transaction, computed in Spark.
+
+tests/feed/test_driver_txn.py runs random histories through ``(DRIVER, SPARK)`` and through
+``(SPARK,)`` alone and compares the feeds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from feed.txn import driver, spark
+from feed.txn.context import TxnContext
+from feed.txn.segments import Written
+
+__all__ = ["DECLINED", "DRIVER", "ENGINES", "SPARK", "Engine", "Job", "run_job"]
+
+#: an engine's answer for a job it does not take (it wrote nothing)
+DECLINED = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One transaction's input: ``files`` for transaction ``seq``, the pending
+    ``--tx-metadata`` files ``tx_files``, whether ``more`` input files are pending beyond
+    them, and the eager pusher of ``--eager`` (feed/emit/eager.py) if any."""
+
+    seq: int
+    files: Sequence[str]
+    tx_files: Sequence[str] = ()
+    more: bool = False
+    eager: Any = None
+
+
+class Engine(Protocol):
+    """Reads, computes and writes one transaction; telling ``reached(step, **facts)``
+    ``after_read`` and ``before_write`` once each, for the transactions it takes, and
+    timing its stages into ``secs``."""
+
+    name: str
+
+    def run(
+        self, ctx: TxnContext, job: Job, secs: dict[str, float], reached: Callable[..., None]
+    ) -> Written | object | None: ...
+
+
+class DriverEngine:
+    """Small plain keyed Debezium transactions, on the driver (feed/txn/driver.py)."""
+
+    name = "driver"
+
+    def run(
+        self, ctx: TxnContext, job: Job, secs: dict[str, float], reached: Callable[..., None]
+    ) -> Written | object | None:
+        if job.eager is not None:
+            return DECLINED  # the executors push eagerly: only the Spark path has them
+        t0 = time.perf_counter()
+        loaded = driver.committed_state(ctx, job.files, job.tx_files)
+        if loaded is None:
+            return DECLINED
+        written = driver.run(ctx, job.seq, job.files, loaded, reached)
+        if written is None:
+            return DECLINED
+        secs["driver"] = time.perf_counter() - t0
+        return written
+
+
+class SparkEngine:
+    """Any transaction, in Spark (feed/txn/spark.py)."""
+
+    name = "spark"
+
+    def run(
+        self, ctx: TxnContext, job: Job, secs: dict[str, float], reached: Callable[..., None]
+    ) -> Written | object | None:
+        return spark.run(
+            ctx, job.files, job.tx_files, secs, more=job.more, reached=reached, eager=job.eager
+        )
+
+
+DRIVER: Engine = DriverEngine()
+SPARK: Engine = SparkEngine()
+#: the order the emitter offers a transaction in: the driver first, where it is cheap
+ENGINES: tuple[Engine, ...] = (DRIVER, SPARK)
+
+
+def run_job(
+    ctx: TxnContext,
+    job: Job,
+    secs: dict[str, float],
+    reached: Callable[..., None],
+    engines: Sequence[Engine] = ENGINES,
+) -> Written | object | None:
+    """``job`` run by the first of ``engines`` that takes it (see the module docstring)."""
+    for engine in engines:
+        out = engine.run(ctx, job, secs, reached)
+        if out is not DECLINED:
+            return out
+    names = ", ".join(e.name for e in engines)
+    raise ValueError(f"transaction {job.seq}: no engine of ({names}) takes it")
