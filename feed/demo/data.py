@@ -93,51 +93,67 @@ def generate_bank(
     """Generate ``transactions`` database transactions of bank activity, deterministically."""
     rng = random.Random(seed)
     out = BankStream()
-    table: dict[int, dict[str, Any]] = {}
-    ids: list[int] = []  # the live ids, for O(1) random picks
-    reopen_later: list[dict[str, Any]] = []
-    where: dict[int, int] = {}  # id -> its index in ids
-
-    def add(acct: int) -> None:
-        where[acct] = len(ids)
-        ids.append(acct)
-
-    def remove(acct: int) -> None:
-        i = where.pop(acct)
-        last = ids.pop()
-        if last != acct:
-            ids[i] = last
-            where[last] = i
-
+    bank = _Bank(rng)
     lsn = 1000
-    next_id = 1
     ts = start_ms
     for tx in range(transactions):
-        tx_id = 5000 + tx
         ts += rng.randint(1, 50)
-        changes: list[tuple[str, dict[str, Any] | None, dict[str, Any] | None]] = []
+        for op, old, new in bank.transaction():
+            lsn += rng.randint(1, 9)
+            payload = _payload(op, old, new, tx_id=5000 + tx, lsn=lsn, ts=ts)
+            event = (
+                {"schema": _CONNECT_SCHEMA, "payload": payload}
+                if wrapped_every and len(out.events) % wrapped_every == 0
+                else payload
+            )
+            out.events.append(orjson.dumps(event))
+        out.transactions += 1
+    out.final = bank.table
+    return out
+
+
+#: one change of a bank transaction: op, before image, after image
+_Change = tuple[str, dict[str, Any] | None, dict[str, Any] | None]
+
+
+class _Bank:
+    """The accounts table as :func:`generate_bank` changes it, one random transaction at
+    a time."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.table: dict[int, dict[str, Any]] = {}
+        self.ids: list[int] = []  # the live ids, for O(1) random picks
+        self.where: dict[int, int] = {}  # id -> its index in ids
+        self.reopen_later: list[dict[str, Any]] = []
+        self.next_id = 1
+
+    def add(self, acct: int) -> None:
+        self.where[acct] = len(self.ids)
+        self.ids.append(acct)
+
+    def remove(self, acct: int) -> None:
+        i = self.where.pop(acct)
+        last = self.ids.pop()
+        if last != acct:
+            self.ids[i] = last
+            self.where[last] = i
+
+    def transaction(self) -> list[_Change]:
+        """The changes of one random transaction, applied to the table."""
+        rng, table = self.rng, self.table
+        changes: list[_Change] = []
         kind = rng.random()
-        if reopen_later and kind < 0.1:
-            back = reopen_later.pop()
+        if self.reopen_later and kind < 0.1:
+            back = self.reopen_later.pop()
             changes.append(("c", None, back))
             table[back["id"]] = back
-            add(back["id"])
+            self.add(back["id"])
             kind = 2.0  # nothing else in this transaction
         if kind < 0.25 or len(table) < 3:
-            for _ in range(rng.randint(1, 3)):
-                row: dict[str, Any] = {
-                    "id": next_id,
-                    "owner": rng.choice(_OWNERS),
-                    "balance": rng.randint(0, 10_000),
-                    "active": True,
-                    "note": rng.choice([None, "", "vip", "línea\nnueva"]),
-                }
-                next_id += 1
-                changes.append(("c", None, row))
-                table[next_id - 1] = row
-                add(next_id - 1)
+            changes += self.open_accounts()
         elif kind < 0.55:
-            a, b = rng.sample(ids, 2)
+            a, b = rng.sample(self.ids, 2)
             amount = rng.randint(1, 500)
             for acct, delta in ((a, -amount), (b, amount)):
                 before = table[acct]
@@ -145,38 +161,21 @@ def generate_bank(
                 changes.append(("u", before, after))
                 table[acct] = after
         elif kind < 0.7:
-            acct = rng.choice(ids)
-            before = table[acct]
+            before = table[rng.choice(self.ids)]
             changes.append(("u", before, dict(before)))  # a no-op update
         elif kind < 0.8:
             # changed and changed back in one transaction: the updates cancel
-            acct = rng.choice(ids)
-            before = table[acct]
+            before = table[rng.choice(self.ids)]
             mid = dict(before, note="pending")
-            changes.append(("u", before, mid))
-            changes.append(("u", mid, before))
+            changes += [("u", before, mid), ("u", mid, before)]
         elif kind < 0.86:
-            acct = rng.choice(ids)
+            acct = rng.choice(self.ids)
             changes.append(("d", table.pop(acct), None))
-            remove(acct)
+            self.remove(acct)
         elif kind < 0.9:
-            # closed and reopened under the same id, in one transaction or across two
-            acct = rng.choice(ids)
-            gone = table.pop(acct)
-            changes.append(("d", gone, None))
-            reopened = dict(
-                gone,
-                balance=rng.choice([0, 2**62, -(2**62), 2**63 - 1]),
-                note=rng.choice(["reopened", "ré-ouvert ✓", None]),
-            )
-            if rng.random() < 0.5:
-                changes.append(("c", None, reopened))
-                table[acct] = reopened
-            else:
-                remove(acct)
-                reopen_later.append(reopened)
+            changes += self.close_and_reopen()
         elif kind < 1.0:
-            acct = rng.choice(ids)
+            acct = rng.choice(self.ids)
             before = table[acct]
             after = dict(
                 before,
@@ -185,34 +184,65 @@ def generate_bank(
             )
             changes.append(("u", before, after))
             table[acct] = after
-        for op, old, new in changes:
-            lsn += rng.randint(1, 9)
-            payload = {
-                "before": old,
-                "after": new,
-                "source": {
-                    "version": "2.7.0.Final",
-                    "connector": "postgresql",
-                    "name": "pg",
-                    "ts_ms": ts,
-                    "snapshot": "false",
-                    "db": "bank",
-                    "schema": "public",
-                    "table": "accounts",
-                    "txId": tx_id,
-                    "lsn": lsn,
-                    "xmin": None,
-                },
-                "op": op,
-                "ts_ms": ts + 3,
-                "transaction": None,
+        return changes
+
+    def open_accounts(self) -> list[_Change]:
+        rng = self.rng
+        changes: list[_Change] = []
+        for _ in range(rng.randint(1, 3)):
+            row: dict[str, Any] = {
+                "id": self.next_id,
+                "owner": rng.choice(_OWNERS),
+                "balance": rng.randint(0, 10_000),
+                "active": True,
+                "note": rng.choice([None, "", "vip", "línea\nnueva"]),
             }
-            event = (
-                {"schema": _CONNECT_SCHEMA, "payload": payload}
-                if wrapped_every and len(out.events) % wrapped_every == 0
-                else payload
-            )
-            out.events.append(orjson.dumps(event))
-        out.transactions += 1
-    out.final = table
-    return out
+            self.next_id += 1
+            changes.append(("c", None, row))
+            self.table[row["id"]] = row
+            self.add(row["id"])
+        return changes
+
+    def close_and_reopen(self) -> list[_Change]:
+        """An account closed and reopened under the same id, in one transaction or
+        across two."""
+        rng = self.rng
+        acct = rng.choice(self.ids)
+        gone = self.table.pop(acct)
+        changes: list[_Change] = [("d", gone, None)]
+        reopened = dict(
+            gone,
+            balance=rng.choice([0, 2**62, -(2**62), 2**63 - 1]),
+            note=rng.choice(["reopened", "ré-ouvert ✓", None]),
+        )
+        if rng.random() < 0.5:
+            changes.append(("c", None, reopened))
+            self.table[acct] = reopened
+        else:
+            self.remove(acct)
+            self.reopen_later.append(reopened)
+        return changes
+
+
+def _payload(op: str, old: Any, new: Any, *, tx_id: int, lsn: int, ts: int) -> dict[str, Any]:
+    """A Debezium PostgreSQL change event's payload for the accounts table."""
+    return {
+        "before": old,
+        "after": new,
+        "source": {
+            "version": "2.7.0.Final",
+            "connector": "postgresql",
+            "name": "pg",
+            "ts_ms": ts,
+            "snapshot": "false",
+            "db": "bank",
+            "schema": "public",
+            "table": "accounts",
+            "txId": tx_id,
+            "lsn": lsn,
+            "xmin": None,
+        },
+        "op": op,
+        "ts_ms": ts + 3,
+        "transaction": None,
+    }

@@ -18,6 +18,7 @@ import os
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,6 @@ SHOWN_TIMES = 4  # how many times to print in full per commit
 def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = None) -> int:
     """Run the demo; 0 when the feed equals the bank's final table."""
     from feed.emit.emitter import Emitter, EmitterConfig
-    from feed.log.reader import FeedReader
 
     def say(s: str = "") -> None:
         print(s, file=out, flush=True)
@@ -61,27 +61,7 @@ def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = N
         "--granularity transaction --clock logical   (local Spark; starting…)"
     )
 
-    reader_box: list[Any] = []
-
-    def show(cp: Checkpoint) -> None:
-        if not reader_box:
-            reader_box.append(FeedReader(str(log), "accounts"))
-        reader = reader_box[0]
-        reader.refresh()
-        times = [t for t, _ in cp.progress.counts]
-        span = cp.progress.upper - cp.progress.lower
-        say(
-            f"\n-- commit {cp.seq} (epoch {cp.epoch}): progress lower=[{cp.progress.lower}] "
-            f"upper=[{cp.progress.upper}], {sum(n for _, n in cp.progress.counts)} updates "
-            f"at {len(times)} of {span} times"
-        )
-        for t in times[:SHOWN_TIMES]:
-            table = reader.table(t)
-            cols = ["diff", *[c for c in table.column_names if c != "diff"]]
-            say(f"   time {t}: {table.num_rows} consolidated update(s)")
-            say("     " + format_table(table.select(cols)).replace("\n", "\n     "))
-        if len(times) > SHOWN_TIMES:
-            say(f"   … {len(times) - SHOWN_TIMES} more times with updates")
+    show = _commit_printer(log, say)
 
     logging.getLogger("tidefeed.emit").setLevel(logging.WARNING)
     logging.getLogger("tidefeed.receive").setLevel(logging.WARNING)  # the demo says it itself
@@ -113,6 +93,50 @@ def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = N
         received = receiver.collection()
     finally:
         receiver.stop()
+
+    return _verify(work, log, bank, received, say, started)
+
+
+def _commit_printer(log: Path, say: Callable[..., None]) -> Callable[[Checkpoint], None]:
+    """What the demo prints at each commit: its progress, and the first times' updates."""
+    from feed.log.reader import FeedReader
+
+    reader_box: list[Any] = []
+
+    def show(cp: Checkpoint) -> None:
+        if not reader_box:
+            reader_box.append(FeedReader(str(log), "accounts"))
+        reader = reader_box[0]
+        reader.refresh()
+        times = [t for t, _ in cp.progress.counts]
+        span = cp.progress.upper - cp.progress.lower
+        say(
+            f"\n-- commit {cp.seq} (epoch {cp.epoch}): progress lower=[{cp.progress.lower}] "
+            f"upper=[{cp.progress.upper}], {sum(n for _, n in cp.progress.counts)} updates "
+            f"at {len(times)} of {span} times"
+        )
+        for t in times[:SHOWN_TIMES]:
+            table = reader.table(t)
+            cols = ["diff", *[c for c in table.column_names if c != "diff"]]
+            say(f"   time {t}: {table.num_rows} consolidated update(s)")
+            say("     " + format_table(table.select(cols)).replace("\n", "\n     "))
+        if len(times) > SHOWN_TIMES:
+            say(f"   … {len(times) - SHOWN_TIMES} more times with updates")
+
+    return show
+
+
+def _verify(
+    work: Path,
+    log: Path,
+    bank: Any,
+    received: Counter[bytes],
+    say: Callable[..., None],
+    started: float,
+) -> int:
+    """Steps 3 to 5: the feed checked, written as CDCv2 Avro and read back, and the
+    receiver's and the log's collections compared with the bank's table."""
+    from feed.log.reader import FeedReader
 
     reader = FeedReader(str(log), "accounts")
     messages = list(reader.messages())

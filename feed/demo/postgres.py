@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,78 @@ def _wait_for(folder: Path, needle: str, proc: subprocess.Popen[bytes], timeout:
     raise SourceError(f"tidefeed capture wrote no {needle!r} within {timeout:.0f}s")
 
 
+def _start_capture(dsn: str, src: Path, log_file: Path) -> subprocess.Popen[bytes]:
+    """``tidefeed capture postgres`` of public.accounts into ``src``, in the background."""
+    with open(log_file, "ab") as capture_log:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "feed.cli.main",
+                "capture",
+                "postgres",
+                "--dsn",
+                dsn,
+                "--table",
+                "public.accounts",
+                "--out",
+                str(src),
+            ],
+            stdout=capture_log,
+            stderr=capture_log,
+        )
+
+
+def _run_workload(conn: Any, transactions: int, src: Path, capture: Any) -> list[list[str]]:
+    """The bank's workload, one database transaction at a time, then a last row whose
+    capture says everything before it was captured too."""
+    cur = conn.cursor()
+    txns = _workload(random.Random(7), transactions)
+    conn.autocommit = False
+    for txn in txns:
+        for sql in txn:
+            cur.execute(sql)
+        conn.commit()
+    conn.autocommit = True
+    cur.execute("INSERT INTO accounts (id, owner, balance) VALUES (99999, 'the end', 0)")
+    _wait_for(src, '"owner":"the end"', capture, timeout=120)
+    time.sleep(2)  # the last transaction's END record
+    return txns
+
+
+def _emit_and_push(src: Path, log: Path, push_url: str, say: Callable[..., None]) -> list[Any]:
+    """The captured events emitted into the feed, each commit pushed to the receiver."""
+    from feed.emit.emitter import Emitter, EmitterConfig
+    from feed.serve.publisher import deliver_log
+
+    def push(cp: Any) -> None:
+        acked = deliver_log(str(log), "accounts", push_url, epoch=cp.epoch, give_up_after=60)
+        say(
+            f"   commit {cp.seq}: times [{cp.progress.lower}, {cp.progress.upper}), "
+            f"{sum(n for _, n in cp.progress.counts)} updates; receiver ACKed {acked}"
+        )
+
+    logging.getLogger("tidefeed.emit").setLevel(logging.WARNING)
+    logging.getLogger("tidefeed.receive").setLevel(logging.WARNING)  # the demo says it
+    emitter = Emitter(
+        EmitterConfig(
+            source_kind="debezium",
+            source_path=str(src),
+            feed="accounts",
+            log=str(log),
+            key=("id",),
+            table="public.accounts",
+            clock="logical",
+            granularity="transaction",
+        ),
+        on_commit=push,
+    )
+    emitter.open()
+    reports = emitter.run()
+    emitter.close()
+    return reports
+
+
 def run_postgres_demo(
     *, workdir: str | None = None, transactions: int = 30, out: Any = None
 ) -> int:
@@ -111,9 +184,7 @@ def run_postgres_demo(
             "tidefeed demo --postgres needs the postgres extra: pip install 'tidefeed[postgres]'"
         ) from e
     from feed.demo.main import _Receiver, new_run_dir
-    from feed.emit.emitter import Emitter, EmitterConfig
     from feed.log.reader import FeedReader
-    from feed.serve.publisher import deliver_log
 
     def say(s: str = "") -> None:
         print(s, file=out, flush=True)
@@ -132,36 +203,10 @@ def run_postgres_demo(
         cur.execute(_SCHEMA)
         say("   accounts: 40 rows (numeric, timestamptz, date, uuid, jsonb, TOASTed text)")
         say(f"2. tidefeed capture postgres --dsn {pg.dsn} --table public.accounts --out {src}")
-        with open(work / "capture.log", "ab") as capture_log:
-            capture = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "feed.cli.main",
-                    "capture",
-                    "postgres",
-                    "--dsn",
-                    pg.dsn,
-                    "--table",
-                    "public.accounts",
-                    "--out",
-                    str(src),
-                ],
-                stdout=capture_log,
-                stderr=capture_log,
-            )
+        capture = _start_capture(pg.dsn, src, work / "capture.log")
         _wait_for(src, '"snapshot":"last"', capture, timeout=180)
         say("   initial snapshot captured; running the workload…")
-        txns = _workload(random.Random(7), transactions)
-        conn.autocommit = False
-        for txn in txns:
-            for sql in txn:
-                cur.execute(sql)
-            conn.commit()
-        conn.autocommit = True
-        cur.execute("INSERT INTO accounts (id, owner, balance) VALUES (99999, 'the end', 0)")
-        _wait_for(src, '"owner":"the end"', capture, timeout=120)
-        time.sleep(2)  # the last transaction's END record
+        txns = _run_workload(conn, transactions, src, capture)
         capture.send_signal(signal.SIGTERM)
         capture.wait(timeout=60)
         files = len(list(src.glob("events-*.json")))
@@ -175,31 +220,7 @@ def run_postgres_demo(
             f"--push {push_url}   (local Spark; starting…)"
         )
 
-        def push(cp: Any) -> None:
-            acked = deliver_log(str(log), "accounts", push_url, epoch=cp.epoch, give_up_after=60)
-            say(
-                f"   commit {cp.seq}: times [{cp.progress.lower}, {cp.progress.upper}), "
-                f"{sum(n for _, n in cp.progress.counts)} updates; receiver ACKed {acked}"
-            )
-
-        logging.getLogger("tidefeed.emit").setLevel(logging.WARNING)
-        logging.getLogger("tidefeed.receive").setLevel(logging.WARNING)  # the demo says it
-        emitter = Emitter(
-            EmitterConfig(
-                source_kind="debezium",
-                source_path=str(src),
-                feed="accounts",
-                log=str(log),
-                key=("id",),
-                table="public.accounts",
-                clock="logical",
-                granularity="transaction",
-            ),
-            on_commit=push,
-        )
-        emitter.open()
-        reports = emitter.run()
-        emitter.close()
+        reports = _emit_and_push(src, log, push_url, say)
         skipped: Counter[str] = Counter()
         for r in reports:
             skipped.update(r.skipped)

@@ -234,15 +234,27 @@ class FeedReader:
         updates and progress, then a last progress up to the frontier."""
         first, lower = self.opening(after)
         yield from first
-        for t in self.times(after=lower):
-            batch = self.updates(t)
-            n = len(batch)
-            if n:
-                yield batch
+        yield from self.committed(lower, self.frontier)
+
+    def committed(self, lower: int, frontier: int, rows: int | None = None) -> Iterator[Message]:
+        """The committed times from ``lower`` below ``frontier`` as messages: each time's
+        updates (in batches of at most ``rows``, read as they are asked for; None: one
+        batch a time) then its progress, and a last progress up to ``frontier``.
+
+        The one loop from a committed log to a message stream: :meth:`messages` (inspect,
+        the demo's check) and the push publisher (feed/serve/publisher.py) run it. A pull
+        stream (feed/serve/stream.py) sends the same messages but reads a time's batches
+        itself, as its consumer takes them, letting the files go while it waits."""
+        for t in self.times(after=lower, until=frontier):
+            n = 0
+            for batch in [self.updates(t)] if rows is None else self.batches(t, rows):
+                if len(batch):
+                    n += len(batch)
+                    yield batch
             yield Progress(lower, t + 1, ((t, n),) if n else ())
             lower = t + 1
-        if lower < self.frontier:
-            yield Progress(lower, self.frontier, ())
+        if lower < frontier:
+            yield Progress(lower, frontier, ())
 
     def snapshot_updates(self, at: int) -> Updates:
         """The collection at complete time ``at`` as one update batch, every record at time

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from feed._faults import maybe_die
 from feed.log.reader import FeedReader
-from protocol import Compacted, Message, Progress, Updates
+from protocol import Compacted, Message, Updates
 from protocol.push import Ack, PushClient, PushRejected
 
 __all__ = ["DeliveryStopped", "Publisher", "SessionReport", "deliver_log"]
@@ -117,36 +117,35 @@ class Publisher:
             ) from e
         in_body = sum(len(m) for m in body if isinstance(m, Updates))
         frontier = self.reader.frontier  # the times listed and the closing progress agree
-        for t in self.reader.times(after=lower, until=frontier):
-            n = 0
-            batches = self.reader.batches(t, self.max_body_updates)
-            while (batch := await asyncio.to_thread(next, batches, None)) is not None:
-                size = len(batch)
-                if size and not self._bytes_per_update and batch.has_table():
-                    # before any body is measured: a guess from the in-memory size
-                    self._bytes_per_update = 1.5 * batch.table().nbytes / size
-                if not n and in_body and in_body + size > self.body_limit():
-                    # a time that fits a body of its own is not split across two
-                    await self._send(body, report)
-                    body, in_body = [], 0
-                start = 0
-                while size - start > self.body_limit() - in_body:
-                    # more than this body holds: fill it, send it, go on in the next
-                    take = self.body_limit() - in_body
-                    if take > 0:
-                        body.append(batch.slice(start, take))
-                        start += take
-                    await self._send(body, report, updates=in_body + max(take, 0))
-                    body, in_body = [], 0
-                if size - start:
-                    body.append(batch.slice(start, size - start) if start else batch)
-                    in_body += size - start
-                n += size
-            body.append(Progress(lower, t + 1, ((t, n),) if n else ()))
-            lower = t + 1
-            report.updates += n
-        if lower < frontier:
-            body.append(Progress(lower, frontier, ()))
+        messages = self.reader.committed(lower, frontier, self.max_body_updates)
+        n = 0  # the updates of the current time so far
+        while (m := await asyncio.to_thread(next, messages, None)) is not None:
+            if not isinstance(m, Updates):
+                body.append(m)  # the time's progress (or the last one, up to the frontier)
+                report.updates += n
+                n = 0
+                continue
+            size = len(m)
+            if not self._bytes_per_update and m.has_table():
+                # before any body is measured: a guess from the in-memory size
+                self._bytes_per_update = 1.5 * m.table().nbytes / size
+            if not n and in_body and in_body + size > self.body_limit():
+                # a time that fits a body of its own is not split across two
+                await self._send(body, report)
+                body, in_body = [], 0
+            start = 0
+            while size - start > self.body_limit() - in_body:
+                # more than this body holds: fill it, send it, go on in the next
+                take = self.body_limit() - in_body
+                if take > 0:
+                    body.append(m.slice(start, take))
+                    start += take
+                await self._send(body, report, updates=in_body + max(take, 0))
+                body, in_body = [], 0
+            if size - start:
+                body.append(m.slice(start, size - start) if start else m)
+                in_body += size - start
+            n += size
         if body:
             await self._send(body, report)
         return report

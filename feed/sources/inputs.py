@@ -252,11 +252,38 @@ def next_source(
     return out
 
 
+def _debezium_txn(line: bytes) -> str | bool | None:
+    """A Debezium line's ``source.txId`` (None: not known); False: the line is no change
+    event (a tombstone, a heartbeat, transaction metadata)."""
+    found = debezium_event(line)
+    if found is None:
+        return False
+    src = found[1].get("source")
+    v = src.get("txId") if isinstance(src, dict) else None
+    return None if v is None else str(v)
+
+
+def _commit_version(line: bytes) -> str | bool | None:
+    """A change row's ``_commit_version`` (None: not known); False: not a JSON row."""
+    try:
+        row = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return False
+    v = row.get("_commit_version") if isinstance(row, dict) else None
+    return None if v is None else str(v)
+
+
+#: the functions a kind's ``line_txn`` names (feed/sources/registry.py)
+_LINE_TXN = {"debezium": _debezium_txn, "commit_version": _commit_version}
+
+
 def edge_txn(kind: SourceKind, path: str, *, last: bool) -> str | None:
-    """The source transaction of the first (or last) change of a JSON-lines file, if known.
-    Lines that carry no change (tombstones, heartbeats, transaction metadata) are passed."""
-    if not (kind.events or kind.versions) or path.endswith(".parquet"):
+    """The source transaction of the first (or last) change of a JSON-lines file, if the
+    kind's lines name one (``SourceKind.line_txn``). Lines that carry no change
+    (tombstones, heartbeats, transaction metadata) are passed."""
+    if kind.line_txn is None or path.endswith(".parquet"):
         return None
+    txn_of = _LINE_TXN[kind.line_txn]
     try:
         if last:
             lines = [x for x in _tail(path, 1 << 20).splitlines() if x.strip()][::-1]
@@ -267,19 +294,9 @@ def edge_txn(kind: SourceKind, path: str, *, last: bool) -> str | None:
     except (OSError, SourceError):
         return None
     for line in lines:
-        if kind.versions:
-            try:
-                row = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
-            v = row.get("_commit_version") if isinstance(row, dict) else None
-        else:
-            found = debezium_event(line)
-            if found is None:
-                continue
-            src = found[1].get("source")
-            v = src.get("txId") if isinstance(src, dict) else None
-        return None if v is None else str(v)
+        v = txn_of(line)
+        if v is not False:
+            return v if isinstance(v, str) else None
     return None
 
 

@@ -45,6 +45,11 @@ class SourceKind:
     #: how many input files schema inference reads (None: all, as the first event of the
     #: feed's table may come late in a folder shared with other tables)
     infer_files: int | None = 5
+    #: how a line of its files names its source transaction, where a transaction may span
+    #: files (a function of :mod:`feed.sources.inputs`: ``debezium``, the event's
+    #: ``source.txId``; ``commit_version``, the row's ``_commit_version``); the input
+    #: window of a transaction then never ends between two files of one source transaction
+    line_txn: str | None = None
     #: the ``tidefeed emit`` options only this kind takes (EmitterConfig field names)
     options: tuple[str, ...] = ()
 
@@ -53,9 +58,14 @@ KINDS: dict[str, SourceKind] = {
     k.name: k
     for k in (
         SourceKind(
-            "debezium", "debezium", events=True, infer_files=None, options=("table", "tx_metadata")
+            "debezium",
+            "debezium",
+            events=True,
+            infer_files=None,
+            line_txn="debezium",
+            options=("table", "tx_metadata"),
         ),
-        SourceKind("cdf", "cdf", versions=True, per_key=True),
+        SourceKind("cdf", "cdf", versions=True, per_key=True, line_txn="commit_version"),
         SourceKind("upsert", "upsert", per_key=True, options=("order", "deleted")),
         SourceKind("snapshot", "snapshot", whole_table=True),
         SourceKind("weighted", "weighted"),

@@ -110,6 +110,17 @@ class Assembled:
     held_at: tuple[int, int] | None = None
 
 
+def _at_commit_lsn(changes: DataFrame, ends: DataFrame) -> DataFrame:
+    """``changes`` with each data event of a transaction with metadata at the commit LSN
+    of its END record (``ends``: ``txn``, ``commit_lsn``) as ``pos_hi``."""
+    is_data = F.col("op").isin(*DATA_OPS)
+    joined = changes.join(F.broadcast(ends.select("txn", "commit_lsn")), "txn", "left")
+    at_commit = F.when(F.col("tx_meta") & is_data, F.col("commit_lsn")).otherwise(F.col("pos_hi"))
+    return joined.select(
+        *[at_commit.alias(c) if c == "pos_hi" else F.col(c) for c in changes.columns]
+    )
+
+
 def assemble(
     changes: DataFrame,
     pos: Sequence[int],
@@ -192,17 +203,7 @@ class _Assembly:
         )
         is_data = F.col("op").isin(*DATA_OPS)
         # every row with its commit LSN: the figures below are over all of them in one scan
-        joined = changes.join(F.broadcast(ends.select("txn", "commit_lsn")), "txn", "left")
-        joined = joined.select(
-            *[
-                F.when(F.col("tx_meta") & is_data, F.col("commit_lsn"))
-                .otherwise(F.col("pos_hi"))
-                .alias(c)
-                if c == "pos_hi"
-                else F.col(c)
-                for c in changes.columns
-            ]
-        )
+        joined = _at_commit_lsn(changes, ends)
         keep, behind = position_filter(committed, self.snapshot_lsn)
         dup = F.when(F.col("op") == "r", F.to_json("after")).otherwise(F.lit(""))
         self.flagged = flagged = joined.where(is_data).withColumn("_keep", keep)

@@ -117,31 +117,13 @@ def assemble_debezium(
         )
         touched, tally_rows = assembled.buckets, list(assembled.also)
     txn_cached = assembled.cached
-    replaces = assembled.replaces
-    if replaces is not None and not keyed:
+    why = _refusal(ctx, assembled, keyed=keyed, more=more)
+    if why is not None:
         for df in (changes, *txn_cached):
             df.unpersist()
-        raise SourceError(
-            f"feed {cfg.feed!r}: Debezium snapshotted {cfg.table or 'the table'} "
-            f"again (snapshot LSN {replaces[0]}); an unkeyed feed cannot tell which "
-            "rows the new snapshot no longer holds, so nothing was committed: give "
-            "the feed --key, or start a new feed from the new snapshot"
-        )
-    if replaces is not None and buckets:
+        raise SourceError(why)
+    if assembled.replaces is not None and buckets:
         touched = frozenset(range(buckets))  # every key may have gone
-    if assembled.endless > 1 and not more and not cfg.tx_metadata:
-        # Debezium writes a transaction's END before the next transaction's events:
-        # two transactions without one END in all the input mean the END records
-        # are not in it, and without them no transaction would ever be released
-        for df in (changes, *txn_cached):
-            df.unpersist()
-        raise SourceError(
-            f"feed {cfg.feed!r}: {assembled.endless} source transactions in "
-            f"{cfg.source_path} carry Debezium 'transaction' blocks, but no "
-            "transaction END record was read; give --tx-metadata PATH (the folder of "
-            "the connector's transaction metadata topic), or capture with "
-            "provide.transaction.metadata=false. Nothing was committed."
-        )
     if assembled.held and not assembled.ready and group is None:
         for df in (changes, *txn_cached):
             df.unpersist()
@@ -152,6 +134,33 @@ def assemble_debezium(
         )
         return None
     return DebeziumRead(assembled, touched, tally_rows, shape_held, shape_stop)
+
+
+def _refusal(ctx: TxnContext, assembled: Any, *, keyed: bool, more: bool) -> str | None:
+    """Why the feed stops at what :func:`assemble_debezium` assembled (nothing is
+    committed), or None: a new snapshot of an unkeyed feed, or transaction blocks
+    without any END record."""
+    cfg = ctx.config
+    replaces = assembled.replaces
+    if replaces is not None and not keyed:
+        return (
+            f"feed {cfg.feed!r}: Debezium snapshotted {cfg.table or 'the table'} "
+            f"again (snapshot LSN {replaces[0]}); an unkeyed feed cannot tell which "
+            "rows the new snapshot no longer holds, so nothing was committed: give "
+            "the feed --key, or start a new feed from the new snapshot"
+        )
+    if assembled.endless > 1 and not more and not cfg.tx_metadata:
+        # Debezium writes a transaction's END before the next transaction's events:
+        # two transactions without one END in all the input mean the END records
+        # are not in it, and without them no transaction would ever be released
+        return (
+            f"feed {cfg.feed!r}: {assembled.endless} source transactions in "
+            f"{cfg.source_path} carry Debezium 'transaction' blocks, but no "
+            "transaction END record was read; give --tx-metadata PATH (the folder of "
+            "the connector's transaction metadata topic), or capture with "
+            "provide.transaction.metadata=false. Nothing was committed."
+        )
+    return None
 
 
 def _cut_at_shape(

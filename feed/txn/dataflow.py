@@ -50,83 +50,79 @@ def read_input(
     decides."""
     from pyspark.sql import functions as F
 
-    cfg, cp = ctx.config, ctx.cp
+    cfg = ctx.config
     changes, good, bad = _cached_changes(ctx, [*files, *tx_files])
-    held_files: frozenset[str] = frozenset()
-    order: Any = None  # the released source transactions in order (a DataFrame)
-    position: Any = None  # the highest source position, when the source tells it
-    txn_cached: tuple[Any, ...] = ()
-    held = redelivered = behind = 0
-    ready: int | None = None
-    held_txns: frozenset[str] = frozenset()
-    held_at: tuple[int, int] | None = None
-    shape_stop: Exception | None = None
-    replaces: tuple[int, str] | None = None  # a new Debezium snapshot: (LSN, txn)
-    keyed = bool(ctx.info.key) and not cfg.kind.whole_table
-    image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
-    touched: frozenset[int] | None = None  # the state buckets this transaction meets
+    r = ReadChanges(
+        changes=changes,
+        good=good,
+        bad=bad,
+        order=None,
+        position=None,
+        replaces=None,
+        touched=None,
+        held_files=frozenset(),
+        held=0,
+        redelivered=0,
+        input_rows=0,
+        toast_rows=0,
+        skipped={},
+        suspect=False,
+    )
     tally_rows: list[Any] | None = None
-    snapshot_reads = True
+    behind = 0  # snapshot reads of a new snapshot behind the committed position
     if cfg.kind.events:
+        keyed = bool(ctx.info.key) and not cfg.kind.whole_table
+        image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
         found = assemble_debezium(
             ctx, changes, good, files, more=more, group=group, keyed=keyed, image=image
         )
         if not isinstance(found, DebeziumRead):
             return found
-        assembled = found.assembled
-        touched, tally_rows, shape_stop = found.touched, found.tally_rows, found.shape_stop
-        good, held_files = assembled.changes, assembled.held_files | found.shape_held
-        order, position = assembled.order, assembled.position
-        bad = bad.unionByName(assembled.bad)
-        held, redelivered = assembled.held, assembled.redelivered
-        behind = assembled.bad_rows
-        txn_cached = assembled.cached
-        replaces = assembled.replaces
-        snapshot_reads = assembled.snapshot_rows > 0
-        ready, held_txns, held_at = assembled.ready, assembled.held_txns, assembled.held_at
-    if held_files:
-        # a file that is read again later is quarantined and counted then
-        held_list = sorted(held_files)
-        bad = bad.where(~F.col("_file").isin(held_list))
-        counted = changes.where(~F.col("_file").isin(held_list))
-    else:
-        counted = changes
+        _take_assembled(r, found)
+        tally_rows, behind = found.tally_rows, found.assembled.bad_rows
+    _count(ctx, r, tally_rows, behind)
+    return r
+
+
+def _take_assembled(r: ReadChanges, found: DebeziumRead) -> None:
+    """Into ``r``: what the source transactions' assembly released, held and dropped."""
+    a = found.assembled
+    r.good, r.held_files = a.changes, a.held_files | found.shape_held
+    r.order, r.position, r.replaces = a.order, a.position, a.replaces
+    r.bad = r.bad.unionByName(a.bad)
+    r.held, r.redelivered, r.cached = a.held, a.redelivered, a.cached
+    r.snapshot_reads = a.snapshot_rows > 0
+    r.ready, r.held_txns, r.held_at = a.ready, a.held_txns, a.held_at
+    r.touched, r.shape_error = found.touched, found.shape_stop
+
+
+def _count(ctx: TxnContext, r: ReadChanges, tally_rows: list[Any] | None, behind: int) -> None:
+    """Into ``r``: the read's figures (a file read again later is counted, and its bad
+    rows quarantined, then), with a Delta version at or below the committed one dropped
+    as a redelivery."""
+    from pyspark.sql import functions as F
+
+    cfg, cp = ctx.config, ctx.cp
+    counted = r.changes
+    if r.held_files:
+        held_list = sorted(r.held_files)
+        r.bad = r.bad.where(~F.col("_file").isin(held_list))
+        counted = r.changes.where(~F.col("_file").isin(held_list))
     done_version = cp.source.get("cdf_version") if cfg.kind.versions else None
     stale = F.lit(False)
     if done_version is not None:
         # a Delta commit is whole in one emitter transaction (the file window never
         # splits a version): a version at or below the committed one is a redelivery
         stale = (F.col("op") != "x") & (F.col("pos_hi") <= F.lit(done_version))
-        good = good.where(~stale)
+        r.good = r.good.where(~stale)
     if tally_rows is None:
         tally_rows = tally(counted.groupBy("_skip"), stale).collect()
     else:  # by file: a file that is read again later is counted then
-        tally_rows = [r for r in tally_rows if r["_file"] not in held_files]
-    input_rows, toast_rows, stale_rows, suspect_rows, skipped = _figures(tally_rows)
-    redelivered += stale_rows
+        tally_rows = [t for t in tally_rows if t["_file"] not in r.held_files]
+    r.input_rows, r.toast_rows, stale_rows, suspect_rows, r.skipped = _figures(tally_rows)
+    r.redelivered += stale_rows
     suspect_rows += behind
-    return ReadChanges(
-        changes=changes,
-        good=good,
-        bad=bad,
-        order=order,
-        position=position,
-        replaces=replaces,
-        touched=touched,
-        held_files=held_files,
-        held=held,
-        redelivered=redelivered,
-        input_rows=input_rows,
-        toast_rows=toast_rows,
-        skipped=skipped,
-        suspect=suspect_rows > 0 or replaces is not None or cfg.kind.whole_table,
-        cached=txn_cached,
-        snapshot_reads=snapshot_reads,
-        ready=ready,
-        held_txns=held_txns,
-        held_at=held_at,
-        shape_error=shape_stop,
-    )
+    r.suspect = suspect_rows > 0 or r.replaces is not None or cfg.kind.whole_table
 
 
 def read_group(
@@ -227,14 +223,7 @@ def compute_updates(ctx: TxnContext, r: ReadChanges) -> Computed:
     bad rows with ``--on-bad-record fail``."""
     from pyspark.sql import functions as F
 
-    from feed.txn.diffs import (
-        consolidate_diffs,
-        fill_unavailable,
-        keyed_diffs,
-        replacement_deletes,
-        snapshot_diffs,
-        unkeyed_diffs,
-    )
+    from feed.txn.diffs import consolidate_diffs, fill_unavailable, replacement_deletes
     from feed.txn.times import assign_units
 
     cfg, cp = ctx.config, ctx.cp
@@ -265,29 +254,9 @@ def compute_updates(ctx: TxnContext, r: ReadChanges) -> Computed:
         else:
             bad = bad.unionByName(_unfillable(good))
             good = good.where(F.col("_toast").isNull())
-    new_state = None
-    cached = None
-    if cfg.kind.whole_table:
-        # the previous snapshot, whole: diffing full snapshots is O(table) by nature
-        last = ctx.state.read([cp.state]) if cp.state else None
-        d = snapshot_diffs(good, last, ctx.info.key, cfg.granularity)
-        diffs, new_state, cached = d.diffs, d.state, d.cached
-        if d.bad is not None:
-            bad = bad.unionByName(d.bad)
-    elif loaded is not None:
-        # a Delta update pre-image says nothing the keyed state does not know already
-        d = keyed_diffs(
-            good.where(F.col("op") != "p"),
-            loaded.rows,
-            ctx.info.key,
-            per_key=cfg.kind.per_key,
-            one_unit=units <= 1,
-        )
-        diffs, new_state, cached = d.diffs, d.state, d.cached
-        assert d.bad is not None
-        bad = bad.unionByName(d.bad)
-    else:
-        diffs = unkeyed_diffs(good)
+    diffs, new_state, cached, more_bad = _diffs(ctx, good, loaded, units)
+    if more_bad is not None:
+        bad = bad.unionByName(more_bad)
     t_next = cp.next
     updates = consolidate_diffs(diffs, t_next)
     bad_rows = 0
@@ -312,6 +281,34 @@ def compute_updates(ctx: TxnContext, r: ReadChanges) -> Computed:
         loaded=loaded,
         cached=[changes, bad, cached, ranked, *txn_cached],
     )
+
+
+def _diffs(ctx: TxnContext, good: Any, loaded: Any, units: int) -> tuple[Any, Any, Any, Any]:
+    """The diffs of the timed changes ``good``, the new state, what to release after the
+    commit, and bad rows found (or None): against the whole previous snapshot (whole-table
+    sources), the ``loaded`` keyed state, or none (unkeyed feeds)."""
+    from pyspark.sql import functions as F
+
+    from feed.txn.diffs import keyed_diffs, snapshot_diffs, unkeyed_diffs
+
+    cfg, cp = ctx.config, ctx.cp
+    if cfg.kind.whole_table:
+        # the previous snapshot, whole: diffing full snapshots is O(table) by nature
+        last = ctx.state.read([cp.state]) if cp.state else None
+        d = snapshot_diffs(good, last, ctx.info.key, cfg.granularity)
+        return d.diffs, d.state, d.cached, d.bad
+    if loaded is not None:
+        # a Delta update pre-image says nothing the keyed state does not know already
+        d = keyed_diffs(
+            good.where(F.col("op") != "p"),
+            loaded.rows,
+            ctx.info.key,
+            per_key=cfg.kind.per_key,
+            one_unit=units <= 1,
+        )
+        assert d.bad is not None
+        return d.diffs, d.state, d.cached, d.bad
+    return unkeyed_diffs(good), None, None, None
 
 
 def _unfillable(good: Any) -> Any:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 from feed.log.info import Granularity
 from feed.sources.positions import order_column
@@ -91,31 +92,8 @@ def keyed_diffs(
         "_file",
         "_raw",
     )
-    last = events.groupBy("k", "unit").agg(
-        F.max_by(F.struct("op", "after"), "o").alias("last"),
-        F.max((F.col("op") != "d").cast("int")).alias("has_upsert"),
-        F.max("p").alias("p"),
-    )
-    last = last.select(
-        "k",
-        "unit",
-        "has_upsert",
-        "p",
-        F.when(F.col("last.op") == "d", F.lit(None)).otherwise(F.col("last.after")).alias("img"),
-    )
-    if state is not None:
-        pos = F.col(POS_COLUMN) if POS_COLUMN in state.columns else F.lit(None).cast(POS_TYPE)
-        gone = F.col(GONE_COLUMN) if GONE_COLUMN in state.columns else F.lit(False)
-        st = state.select(
-            _key_of(F.col("data"), key).alias("k"),
-            F.when(~gone, F.col("data")).alias("old"),
-            pos.cast(POS_TYPE).alias("old_pos"),
-        )
-        last = last.join(st, "k", "left")
-        if per_key:
-            # a unit whose newest change is not past the key's state is a redelivery
-            last = last.where(F.col("old_pos").isNull() | (F.col("p") > F.col("old_pos")))
-    else:
+    last = _against_state(_last_images(events), state, key, per_key=per_key)
+    if state is None:
         last = last.withColumn("old", F.lit(None).cast(changes.schema["after"].dataType))
     if one_unit:
         prev = F.col("old")
@@ -130,22 +108,77 @@ def keyed_diffs(
     plus = last.where(F.col("img").isNotNull()).select(
         F.col("img").alias("data"), "unit", F.lit(1).cast("long").alias("diff")
     )
-    # a delete whose key had no row: neither before it in this transaction nor in the state
+    record_t = changes.schema["after"].dataType
+    assert isinstance(record_t, T.StructType)
+    new_state = _new_state(last, state, key, record_t, per_key=per_key, one_unit=one_unit)
+    bad = _absent_deletes(events, last)
+    return Diffs(diffs=minus.unionByName(plus), units=0, state=new_state, bad=bad, cached=last)
+
+
+def _last_images(events: DataFrame) -> DataFrame:
+    """Each key's last image in each unit (``img``; null: deleted), whether the unit
+    upserts it at all, and its highest position."""
+    last = events.groupBy("k", "unit").agg(
+        F.max_by(F.struct("op", "after"), "o").alias("last"),
+        F.max((F.col("op") != "d").cast("int")).alias("has_upsert"),
+        F.max("p").alias("p"),
+    )
+    return last.select(
+        "k",
+        "unit",
+        "has_upsert",
+        "p",
+        F.when(F.col("last.op") == "d", F.lit(None)).otherwise(F.col("last.after")).alias("img"),
+    )
+
+
+def _against_state(
+    last: DataFrame, state: DataFrame | None, key: Sequence[str], *, per_key: bool
+) -> DataFrame:
+    """``last`` with each key's row in ``state`` (``old``, null for a tombstone, and its
+    position ``old_pos``); with ``per_key``, a unit not past the key's state is dropped."""
+    if state is None:
+        return last
+    pos = F.col(POS_COLUMN) if POS_COLUMN in state.columns else F.lit(None).cast(POS_TYPE)
+    gone = F.col(GONE_COLUMN) if GONE_COLUMN in state.columns else F.lit(False)
+    st = state.select(
+        _key_of(F.col("data"), key).alias("k"),
+        F.when(~gone, F.col("data")).alias("old"),
+        pos.cast(POS_TYPE).alias("old_pos"),
+    )
+    last = last.join(st, "k", "left")
+    if per_key:
+        # a unit whose newest change is not past the key's state is a redelivery
+        last = last.where(F.col("old_pos").isNull() | (F.col("p") > F.col("old_pos")))
+    return last
+
+
+def _absent_deletes(events: DataFrame, last: DataFrame) -> DataFrame:
+    """The deletes of a key that had no row, neither before them in this transaction nor
+    in the state: bad rows."""
     missing = last.where(
         F.col("img").isNull() & F.col("prev").isNull() & (F.col("has_upsert") == 0)
     ).select("k", "unit")
-    bad = (
+    not_present = F.concat(F.lit("delete of key "), F.to_json("k"), F.lit(" that is not present"))
+    return (
         events.where(F.col("op") == "d")
         .join(missing, ["k", "unit"])
-        .select(
-            "_file",
-            "_raw",
-            F.concat(F.lit("delete of key "), F.to_json("k"), F.lit(" that is not present")).alias(
-                "_error"
-            ),
-        )
+        .select("_file", "_raw", not_present.alias("_error"))
     )
-    # new state: the last image of every touched key, plus the untouched keys' rows
+
+
+def _new_state(
+    last: DataFrame,
+    state: DataFrame | None,
+    key: Sequence[str],
+    record_t: T.StructType,
+    *,
+    per_key: bool,
+    one_unit: bool,
+) -> DataFrame:
+    """The new state: the last image of every touched key (with ``per_key``, a deleted
+    key as a tombstone: its key columns, position and ``_gone``), and the untouched keys'
+    rows of ``state``."""
     if one_unit:
         touched = last.select("k", "img", "p")
     else:
@@ -154,14 +187,12 @@ def keyed_diffs(
         touched = last.select("k", "img", "p", rank.alias("rn")).where("rn = 1")
     new_rows = touched.where(F.col("img").isNotNull()).select(F.col("img").alias("data"))
     if per_key:
-        # deleted keys stay as tombstones: the key columns, the position, _gone
-        record_t = changes.schema["after"].dataType
         key_only = F.struct(
             *[
                 (F.col(f"k.{f.name}") if f.name in key else F.lit(None))
                 .cast(f.dataType)
                 .alias(f.name)
-                for f in record_t.fields  # type: ignore[attr-defined]
+                for f in record_t.fields
             ]
         )
         new_rows = touched.select(
@@ -169,15 +200,13 @@ def keyed_diffs(
             F.col("p").cast(POS_TYPE).alias(POS_COLUMN),
             F.col("img").isNull().alias(GONE_COLUMN),
         )
-    if state is not None:
-        carried = [c for c in (POS_COLUMN, GONE_COLUMN) if per_key and c in state.columns]
-        kept = state.join(
-            touched.select("k"), _key_of(F.col("data"), key) == F.col("k"), "left_anti"
-        ).select("data", *carried)
-        new_state = kept.unionByName(new_rows, allowMissingColumns=True)
-    else:
-        new_state = new_rows
-    return Diffs(diffs=minus.unionByName(plus), units=0, state=new_state, bad=bad, cached=last)
+    if state is None:
+        return new_rows
+    carried = [c for c in (POS_COLUMN, GONE_COLUMN) if per_key and c in state.columns]
+    kept = state.join(
+        touched.select("k"), _key_of(F.col("data"), key) == F.col("k"), "left_anti"
+    ).select("data", *carried)
+    return kept.unionByName(new_rows, allowMissingColumns=True)
 
 
 def replacement_deletes(

@@ -155,21 +155,10 @@ def run(
         return _to_spark(ctx, seq, "the source table changed shape")
     record = pa.schema(list(t.schema.field("after").type))
     skipped = Counter(s for s in t.column("_skip").to_pylist() if s is not None)
-    data = t.filter(pc.is_in(t.column("op"), pa.array(_DATA_OPS))).to_pylist()
-
-    ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi", "tx_count"])
-    ends_read = ends.to_pylist()
-    why = complete(ends_read, data)
-    if why is not None:
-        return _to_spark(ctx, seq, why)
-    fresh = [e for e in data if (e["pos_hi"], e["pos_lo"], e["pos_n"]) > committed]
-    kept = once(fresh)
-    if not counted(ends_read, kept, committed):
-        return _to_spark(ctx, seq, "a source transaction not complete, or over its END count")
-    for e in kept:
-        e["o"] = (e["pos_hi"], e["pos_lo"], e["pos_n"], e["ord_file"], e["ord_row"])
-        img = e["before"] if e["op"] == "d" else e["after"]
-        e["k"] = tuple(img[c] for c in key)
+    events = _released(t, committed, key)
+    if isinstance(events, str):
+        return _to_spark(ctx, seq, events)
+    data, kept = events
     units = assign_units(kept, cfg.granularity)
 
     touched = {e["_bucket"] for e in kept}
@@ -206,6 +195,29 @@ def run(
         redelivered=len(data) - len(kept),
         snapshot_lsn=None,  # (no snapshot read: the Spark path takes those)
     )
+
+
+def _released(
+    t: pa.Table, committed: tuple[Any, ...], key: Sequence[str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | str:
+    """The data events read and those to turn into updates (past the ``committed``
+    position, each once, with their order ``o`` and key ``k``), when every source
+    transaction is complete; else why not."""
+    data = t.filter(pc.is_in(t.column("op"), pa.array(_DATA_OPS))).to_pylist()
+    ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi", "tx_count"])
+    ends_read = ends.to_pylist()
+    why = complete(ends_read, data)
+    if why is not None:
+        return why
+    fresh = [e for e in data if (e["pos_hi"], e["pos_lo"], e["pos_n"]) > committed]
+    kept = once(fresh)
+    if not counted(ends_read, kept, committed):
+        return "a source transaction not complete, or over its END count"
+    for e in kept:
+        e["o"] = (e["pos_hi"], e["pos_lo"], e["pos_n"], e["ord_file"], e["ord_row"])
+        img = e["before"] if e["op"] == "d" else e["after"]
+        e["k"] = tuple(img[c] for c in key)
+    return data, kept
 
 
 def _to_spark(ctx: TxnContext, seq: int, why: str) -> Written | None:

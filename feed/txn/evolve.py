@@ -91,27 +91,10 @@ def rewrite(
     if loaded.rows is None:
         return version, [], cp.state
     new_type = spark_record_type(ev.schema)
-    old_names = set(ctx.record_type.fieldNames())
     rows = loaded.rows
     if ev.defaults:
         rows = rows.crossJoin(F.broadcast(_defaults(ctx, new_type, ev.schema, ev.defaults)))
-    carried = {new: old for old, new in change.renamed}
-    old_cols, new_cols = [], []
-    for f in new_type.fields:
-        was = (
-            F.col("data")[f.name].cast(f.dataType)
-            if f.name in old_names
-            else F.lit(None).cast(f.dataType)
-        )
-        now = was
-        if f.name in carried:
-            now = F.col("data")[carried[f.name]].cast(f.dataType)
-        elif f.name in ev.defaults:
-            now = F.col("_defaults")[f.name]
-        elif f.name in change.dropped:
-            now = F.lit(None).cast(f.dataType)
-        old_cols.append(was.alias(f.name))
-        new_cols.append(now.alias(f.name))
+    old_cols, new_cols = _old_and_new(ev, new_type, set(ctx.record_type.fieldNames()))
     both = rows.select(
         F.struct(*old_cols).alias("old"),
         F.struct(*new_cols).alias("new"),
@@ -138,3 +121,30 @@ def rewrite(
     finally:
         both.unpersist()
     return version, segments, state_ref
+
+
+def _old_and_new(ev: Evolve, new_type: Any, old_names: set[str]) -> tuple[list[Any], list[Any]]:
+    """For each column of the new version, its value in a state row as it was (read
+    through the new version: null where the old shape had no such column) and as it is
+    now (a renamed column's old value, a new column's default, a dropped column null)."""
+    from pyspark.sql import functions as F
+
+    change = ev.change
+    carried = {new: old for old, new in change.renamed}
+    old_cols, new_cols = [], []
+    for f in new_type.fields:
+        was = (
+            F.col("data")[f.name].cast(f.dataType)
+            if f.name in old_names
+            else F.lit(None).cast(f.dataType)
+        )
+        now = was
+        if f.name in carried:
+            now = F.col("data")[carried[f.name]].cast(f.dataType)
+        elif f.name in ev.defaults:
+            now = F.col("_defaults")[f.name]
+        elif f.name in change.dropped:
+            now = F.lit(None).cast(f.dataType)
+        old_cols.append(was.alias(f.name))
+        new_cols.append(now.alias(f.name))
+    return old_cols, new_cols

@@ -49,3 +49,33 @@ def test_a_tx_metadata_folder_not_made_yet_has_no_files_until_it_appears(tmp_pat
     (tmp_path / "tx").mkdir()
     (tmp_path / "tx" / "tx-1.json").write_text("{}\n")
     assert [p.rsplit("/", 1)[-1] for p in window.pending_tx({})] == ["tx-1.json"]
+
+
+def test_a_window_never_ends_between_two_files_of_one_source_transaction(tmp_path):
+    """Each kind says how its lines name their source transaction (SourceKind.line_txn):
+    a Debezium event's txId, a change row's _commit_version; kinds whose files may end
+    anywhere (upserts) say nothing, and their windows end at the file limit."""
+    from feed.sources.registry import KINDS
+
+    def dbz(tx):
+        return f'{{"op":"c","after":{{"id":1}},"source":{{"txId":{tx},"lsn":{tx}}}}}'
+
+    def cdf(v):
+        return f'{{"id":1,"_change_type":"insert","_commit_version":{v}}}'
+
+    for kind, line in (("debezium", dbz), ("cdf", cdf)):
+        d = tmp_path / kind
+        d.mkdir()
+        bodies = [[line(1), line(2)], [line(2), line(3)], [line(4)]]
+        files = []
+        for i, body in enumerate(bodies):
+            f = d / f"p{i}.json"
+            f.write_text("\n".join(["", *body, ""]))  # blank lines are passed over
+            files.append(str(f))
+        k = KINDS[kind]
+        # version 2 goes on into p1, which ends with 3: p2 (4) starts a new one
+        assert InputWindow.first(files, 1, kind=k, whole_txns=True) == files[:2]
+        assert InputWindow.first(files, 1, kind=k, whole_txns=False) == files[:1]
+    # an upsert file's rows name no transaction: the limit alone decides
+    assert KINDS["upsert"].line_txn is None
+    assert InputWindow.first(files, 1, kind=KINDS["upsert"], whole_txns=True) == files[:1]
