@@ -26,9 +26,13 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 # CPU-bound on 2 cores. With C1 alone a short `tidefeed emit` needs about half the CPU
 # (27 s -> 14 s measured). The shared session below is the opposite case, one JVM running
 # thousands of jobs, where C1 alone made its tests twice as slow: it keeps the default.
-# What the tests check does not depend on the JIT; users' JVMs keep the JVM's default.
-# A PYSPARK_SUBMIT_ARGS of one's own wins.
-SHORT_JVM = "--driver-java-options -XX:TieredStopAtLevel=1 pyspark-shell"
+# When the session runs processes, they also map the classes they load from a
+# class-data-sharing archive (tests/jvm_archive.py, built once per environment).
+# What the tests check does not depend on the JIT or the archive; users' JVMs keep the
+# JVM's defaults. A PYSPARK_SUBMIT_ARGS of one's own wins.
+SHORT_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
+SHORT_JVM = f"--driver-java-options {SHORT_JVM_OPTIONS} pyspark-shell"
+_OWN_SUBMIT_ARGS = "PYSPARK_SUBMIT_ARGS" in os.environ
 os.environ.setdefault("PYSPARK_SUBMIT_ARGS", SHORT_JVM)
 
 
@@ -39,13 +43,33 @@ def spark():
 
     given = os.environ.pop("PYSPARK_SUBMIT_ARGS")
     try:
-        if given != SHORT_JVM:
+        if _OWN_SUBMIT_ARGS:
             os.environ["PYSPARK_SUBMIT_ARGS"] = given
         session = get_spark("local[2]", app="tidefeed-tests")
     finally:
         os.environ["PYSPARK_SUBMIT_ARGS"] = given
     yield session
     session.stop()
+
+
+def pytest_collection_finish(session):
+    """With processes to run, their JVMs map a class-data-sharing archive (built here the
+    first time, one short emit)."""
+    if _OWN_SUBMIT_ARGS or not any(i.get_closest_marker("process") for i in session.items):
+        return
+    from tests import jvm_archive
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    built = jvm_archive.archive_path()
+    if built is not None and not built.exists() and reporter is not None:
+        reporter.write_line(f"tests: building the test JVMs' class archive {built} (once)")
+    archive = jvm_archive.ensure(SHORT_JVM_OPTIONS)
+    if archive is None:
+        if reporter is not None:
+            reporter.write_line("tests: no class archive for the test JVMs; they load classes")
+        return
+    options = f"{SHORT_JVM_OPTIONS} -XX:SharedArchiveFile={archive} {jvm_archive.QUIET}"
+    os.environ["PYSPARK_SUBMIT_ARGS"] = f"--driver-java-options '{options}' pyspark-shell"
 
 
 def pytest_collection_modifyitems(config, items):
