@@ -97,20 +97,20 @@ class ReadChanges:
     changes: Any  # every input row (cached)
     good: Any  # the changes released for this transaction
     bad: Any  # rows found bad while reading
-    order: Any  # the released source transactions in order (a DataFrame), if known
-    position: tuple[Any, ...] | None  # the highest source position, when already known
-    replaces: tuple[int, str] | None  # a new Debezium snapshot: (LSN, source txn)
-    touched: frozenset[int] | None  # the state buckets this transaction meets
-    held_files: frozenset[str]  # files read again later (a held-back transaction's)
-    held: int  # source transactions held back
-    redelivered: int  # events dropped as already committed
-    input_rows: int
-    toast_rows: int
-    skipped: dict[str, int]
+    order: Any = None  # the released source transactions in order (a DataFrame), if known
+    position: tuple[Any, ...] | None = None  # the highest source position, when known
+    replaces: tuple[int, str] | None = None  # a new Debezium snapshot: (LSN, source txn)
+    touched: frozenset[int] | None = None  # the state buckets this transaction meets
+    held_files: frozenset[str] = frozenset()  # files read again later (held-back txns')
+    held: int = 0  # source transactions held back
+    redelivered: int = 0  # events dropped as already committed
+    input_rows: int = 0
+    toast_rows: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
     #: whether a bad row may turn up: bad input rows, a new snapshot behind the committed
     #: position, deletes (of a key that may not be there) or TOAST placeholders; when not,
     #: no job counts the bad rows
-    suspect: bool
+    suspect: bool = False
     cached: tuple[Any, ...] = ()  # DataFrames to release when the transaction ends
     #: False when no snapshot read was among the input (Debezium: the figures say so)
     snapshot_reads: bool = True

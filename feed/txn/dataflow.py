@@ -52,22 +52,7 @@ def read_input(
 
     cfg = ctx.config
     changes, good, bad = _cached_changes(ctx, [*files, *tx_files])
-    r = ReadChanges(
-        changes=changes,
-        good=good,
-        bad=bad,
-        order=None,
-        position=None,
-        replaces=None,
-        touched=None,
-        held_files=frozenset(),
-        held=0,
-        redelivered=0,
-        input_rows=0,
-        toast_rows=0,
-        skipped={},
-        suspect=False,
-    )
+    r = ReadChanges(changes=changes, good=good, bad=bad)  # (figures: _count below)
     tally_rows: list[Any] | None = None
     behind = 0  # snapshot reads of a new snapshot behind the committed position
     if cfg.kind.events:
