@@ -234,27 +234,38 @@ class FeedReader:
         updates and progress, then a last progress up to the frontier."""
         first, lower = self.opening(after)
         yield from first
-        yield from self.committed(lower, self.frontier)
+        for turn in self.committed(lower, self.frontier):
+            yield from turn
 
-    def committed(self, lower: int, frontier: int, rows: int | None = None) -> Iterator[Message]:
-        """The committed times from ``lower`` below ``frontier`` as messages: each time's
-        updates (in batches of at most ``rows``, read as they are asked for; None: one
-        batch a time) then its progress, and a last progress up to ``frontier``.
+    def committed(
+        self, lower: int, frontier: int, rows: int | None = None
+    ) -> Iterator[list[Message]]:
+        """The committed times from ``lower`` below ``frontier`` as messages, in turns of
+        one batch of updates each (at most ``rows``, read when the turn is asked for;
+        None: a time's updates in one batch): a time's last batch comes with the time's
+        progress, a time without updates is its progress alone, and a last turn carries a
+        progress up to ``frontier``.
 
         The one loop from a committed log to a message stream: :meth:`messages` (inspect,
-        the demo's check) and the push publisher (feed/serve/publisher.py) run it. A pull
-        stream (feed/serve/stream.py) sends the same messages but reads a time's batches
-        itself, as its consumer takes them, letting the files go while it waits."""
+        the demo's check) and the push publisher (feed/serve/publisher.py, a turn per
+        worker-thread call) run it. A pull stream (feed/serve/stream.py) sends the same
+        messages but reads a time's batches itself, letting its files go while a slow
+        consumer waits."""
         for t in self.times(after=lower, until=frontier):
+            count = self.count(t)  # (the files' row counts are checked against it)
             n = 0
             for batch in [self.updates(t)] if rows is None else self.batches(t, rows):
                 if len(batch):
                     n += len(batch)
-                    yield batch
-            yield Progress(lower, t + 1, ((t, n),) if n else ())
+                    if n < count:
+                        yield [batch]
+                    else:
+                        yield [batch, Progress(lower, t + 1, ((t, n),))]
+            if not n:
+                yield [Progress(lower, t + 1, ())]
             lower = t + 1
         if lower < frontier:
-            yield Progress(lower, frontier, ())
+            yield [Progress(lower, frontier, ())]
 
     def snapshot_updates(self, at: int) -> Updates:
         """The collection at complete time ``at`` as one update batch, every record at time

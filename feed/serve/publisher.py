@@ -117,35 +117,36 @@ class Publisher:
             ) from e
         in_body = sum(len(m) for m in body if isinstance(m, Updates))
         frontier = self.reader.frontier  # the times listed and the closing progress agree
-        messages = self.reader.committed(lower, frontier, self.max_body_updates)
+        turns = self.reader.committed(lower, frontier, self.max_body_updates)
         n = 0  # the updates of the current time so far
-        while (m := await asyncio.to_thread(next, messages, None)) is not None:
-            if not isinstance(m, Updates):
-                body.append(m)  # the time's progress (or the last one, up to the frontier)
-                report.updates += n
-                n = 0
-                continue
-            size = len(m)
-            if not self._bytes_per_update and m.has_table():
-                # before any body is measured: a guess from the in-memory size
-                self._bytes_per_update = 1.5 * m.table().nbytes / size
-            if not n and in_body and in_body + size > self.body_limit():
-                # a time that fits a body of its own is not split across two
-                await self._send(body, report)
-                body, in_body = [], 0
-            start = 0
-            while size - start > self.body_limit() - in_body:
-                # more than this body holds: fill it, send it, go on in the next
-                take = self.body_limit() - in_body
-                if take > 0:
-                    body.append(m.slice(start, take))
-                    start += take
-                await self._send(body, report, updates=in_body + max(take, 0))
-                body, in_body = [], 0
-            if size - start:
-                body.append(m.slice(start, size - start) if start else m)
-                in_body += size - start
-            n += size
+        while (turn := await asyncio.to_thread(next, turns, None)) is not None:
+            for m in turn:
+                if not isinstance(m, Updates):
+                    body.append(m)  # the time's progress (or the last one, to the frontier)
+                    report.updates += n
+                    n = 0
+                    continue
+                size = len(m)
+                if not self._bytes_per_update and m.has_table():
+                    # before any body is measured: a guess from the in-memory size
+                    self._bytes_per_update = 1.5 * m.table().nbytes / size
+                if not n and in_body and in_body + size > self.body_limit():
+                    # a time that fits a body of its own is not split across two
+                    await self._send(body, report)
+                    body, in_body = [], 0
+                start = 0
+                while size - start > self.body_limit() - in_body:
+                    # more than this body holds: fill it, send it, go on in the next
+                    take = self.body_limit() - in_body
+                    if take > 0:
+                        body.append(m.slice(start, take))
+                        start += take
+                    await self._send(body, report, updates=in_body + max(take, 0))
+                    body, in_body = [], 0
+                if size - start:
+                    body.append(m.slice(start, size - start) if start else m)
+                    in_body += size - start
+                n += size
         if body:
             await self._send(body, report)
         return report
