@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 
-__all__ = ["MIN_JAVA", "java_version", "main"]
+__all__ = ["MIN_JAVA", "java_binary", "java_version", "main"]
 
 MIN_JAVA = 17
 INSTALL_HINT = (
@@ -22,7 +22,8 @@ INSTALL_HINT = (
 )
 
 
-def _java_binary() -> str | None:
+def java_binary() -> str | None:
+    """The ``java`` Spark would start: ``$JAVA_HOME/bin/java``, else the one on the PATH."""
     home = os.environ.get("JAVA_HOME")
     if home:
         candidate = os.path.join(home, "bin", "java")
@@ -33,7 +34,7 @@ def _java_binary() -> str | None:
 
 def java_version() -> int | None:
     """The major version of the Java runtime Spark would use, or ``None`` if none is found."""
-    java = _java_binary()
+    java = java_binary()
     if java is None:
         return None
     try:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from feed._java import java_binary
 
 #: the JVM options that map an archive without a word when it cannot be used
 QUIET = "-Xlog:cds=off -Xlog:cds+dynamic=off"
@@ -28,8 +29,7 @@ QUIET = "-Xlog:cds=off -Xlog:cds+dynamic=off"
 
 def archive_path() -> Path | None:
     """Where this environment's archive is (made or not), or None without a ``java``."""
-    java = shutil.which("java", path=os.path.join(os.environ.get("JAVA_HOME", ""), "bin"))
-    java = java or shutil.which("java")
+    java = java_binary()
     if java is None:
         return None
     import pyspark

@@ -38,7 +38,7 @@ from typing import Any
 
 from feed._faults import maybe_die
 from feed.emit.eager import EagerPusher
-from feed.emit.plans import Planned, State, now_ms, widening
+from feed.emit.plans import Planned, State, now_ms, time_after, widening
 from feed.emit.progress import TxnProgress, TxnReport
 from feed.emit.session import small_shuffles
 from feed.emit.settings import EmitterConfig, feed_settings, load_schema_file
@@ -333,9 +333,7 @@ class Emitter(SchemaVersions):
         upper = cp.next + units if units else cp.frontier
         progress = Progress(cp.frontier, max(upper, cp.frontier), tuple(sorted(counts.items())))
         if next_time is None:
-            next_time = progress.upper
-            if self.info.clock == "wallclock":
-                next_time = max(self._clock(), progress.upper)
+            next_time = time_after(self.info.clock, self._clock, progress.upper)
         source = next_source(
             cp.source,
             position=w.position,

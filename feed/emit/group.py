@@ -41,7 +41,7 @@ from typing import Any
 from feed._faults import maybe_die
 from feed.emit.emitter import Emitter
 from feed.emit.group_commits import GroupCommits, commit_entry, group_name, roll_forward
-from feed.emit.plans import Planned, State, now_ms, widening
+from feed.emit.plans import Planned, State, now_ms, time_after, widening
 from feed.emit.progress import TxnProgress, TxnReport
 from feed.emit.session import small_shuffles
 from feed.emit.settings import EmitterConfig
@@ -258,9 +258,7 @@ class GroupEmitter:
         first = self.members[0]
         cp = _cp(first)
         upper = cp.next + n if n else cp.frontier
-        next_time = upper
-        if first.info.clock == "wallclock":
-            next_time = max(self._clock(), upper)
+        next_time = time_after(first.info.clock, self._clock, upper)
         held = frozenset().union(*(d.written.held_files for d in done))
         t3 = time.perf_counter()
         plans = [
@@ -301,7 +299,7 @@ class GroupEmitter:
         cp = _cp(first)
         start = cp.next
         upper = max(start + 1, cp.frontier)
-        nxt = max(self._clock(), upper) if first.info.clock == "wallclock" else upper
+        nxt = time_after(first.info.clock, self._clock, upper)
         t0 = time.perf_counter()
         plans: list[Planned] = []
         writes: list[Written | None] = []

@@ -15,7 +15,7 @@ from feed.log.checkpoint import Checkpoint
 from feed.txn.context import NEED_MORE
 from protocol import Progress
 
-__all__ = ["Planned", "State", "now_ms", "widening"]
+__all__ = ["Planned", "State", "now_ms", "time_after", "widening"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,3 +66,10 @@ class State(Enum):
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def time_after(clock_kind: str, clock: Callable[[], int], upper: int) -> int:
+    """The next transaction's time once a commit has reached ``upper``: ``upper`` itself
+    on a logical clock; on the wall clock, now if now is later (times follow the clock,
+    never go back)."""
+    return max(clock(), upper) if clock_kind == "wallclock" else upper

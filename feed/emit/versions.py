@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from feed._faults import maybe_die
+from feed.emit.plans import time_after
 from feed.emit.progress import TxnReport
 from feed.emit.settings import EmitterConfig
 from feed.log.checkpoint import Checkpoint
@@ -74,7 +75,7 @@ class SchemaVersions:
         counts = tuple((s.time, s.count) for s in w.segments)
         progress = Progress(cp.frontier, max(start + 1, cp.frontier), counts)
         upper = progress.upper
-        nxt = max(self._clock(), upper) if self.info.clock == "wallclock" else upper
+        nxt = time_after(self.info.clock, self._clock, upper)
         maybe_die("before_version_commit")
         t1 = time.perf_counter()
         new_cp = self._commit(

@@ -59,7 +59,7 @@ from feed.txn.segments import Written, install_segments, staging_folder
 from feed.txn.state import LoadedState
 from protocol import SourceError
 
-__all__ = ["committed_state", "run"]
+__all__ = ["run"]
 
 #: the parsed columns the driver needs (not the weight, the file or the raw line)
 _COLUMNS = tuple(c for c in CHANGE_COLUMNS if c not in ("weight", "_file", "_raw"))
@@ -83,7 +83,7 @@ def _scalar(t: pa.DataType) -> bool:
     )
 
 
-def committed_state(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> Any:
+def _committed_state(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> Any:
     """The committed state this transaction would start from on the driver, or None when
     it goes to Spark: not a keyed Debezium feed, input over the size limit, pending
     ``--tx-metadata`` files, or a state :meth:`~feed.txn.state.BucketedState.committed` does
@@ -122,18 +122,21 @@ def run(
     ctx: TxnContext,
     seq: int,
     files: Sequence[str],
-    loaded: LoadedState,
+    tx_files: Sequence[str],
     reached: Callable[..., None],
 ) -> Written | None:
     """Compute and write transaction ``seq`` over ``files`` on the driver, from the
-    committed state ``loaded`` (:func:`committed_state`); None, with nothing written, when
-    the input is not the plain case. ``reached(step, **facts)`` is told ``after_read`` and
-    ``before_write`` once the transaction is sure to be computed here, before its first
-    file is written."""
+    committed state; None, with nothing written, when it is not the driver's (see
+    :func:`_committed_state`) or the input is not the plain case. ``reached(step,
+    **facts)`` is told ``after_read`` and ``before_write`` once the transaction is sure to
+    be computed here, before its first file is written."""
     from pyspark.sql import functions as F
 
     from feed.txn.state import bucket_of
 
+    loaded: LoadedState | None = _committed_state(ctx, files, tx_files)
+    if loaded is None:
+        return None
     cfg, cp, key = ctx.config, ctx.cp, tuple(ctx.info.key)
     changes = read_source(ctx, files)
     image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))

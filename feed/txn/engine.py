@@ -70,10 +70,7 @@ class DriverEngine:
         if job.eager is not None:
             return DECLINED  # the executors push eagerly: only the Spark path has them
         t0 = time.perf_counter()
-        loaded = driver.committed_state(ctx, job.files, job.tx_files)
-        if loaded is None:
-            return DECLINED
-        written = driver.run(ctx, job.seq, job.files, loaded, reached)
+        written = driver.run(ctx, job.seq, job.files, job.tx_files, reached)
         if written is None:
             return DECLINED
         secs["driver"] = time.perf_counter() - t0
