@@ -238,23 +238,25 @@ class FeedReader:
             yield from turn
 
     def committed(
-        self, lower: int, frontier: int, rows: int | None = None
+        self, lower: int, frontier: int, rows: int | None = None, skip: int = 0
     ) -> Iterator[list[Message]]:
         """The committed times from ``lower`` below ``frontier`` as messages, in turns of
         one batch of updates each (at most ``rows``, read when the turn is asked for;
         None: a time's updates in one batch): a time's last batch comes with the time's
         progress, a time without updates is its progress alone, and a last turn carries a
-        progress up to ``frontier``.
+        progress up to ``frontier``. ``skip`` (with ``rows``): updates of the first time
+        already sent, so that a stream that closed this generator while its consumer was
+        not reading goes on where it was.
 
         The one loop from a committed log to a message stream: :meth:`messages` (inspect,
-        the demo's check) and the push publisher (feed/serve/publisher.py, a turn per
-        worker-thread call) run it. A pull stream (feed/serve/stream.py) sends the same
-        messages but reads a time's batches itself, letting its files go while a slow
-        consumer waits."""
+        the demo's check), the pull stream (feed/serve/stream.py) and the push publisher
+        (feed/serve/publisher.py) run it, a turn per worker-thread call for the last
+        two."""
         for t in self.times(after=lower, until=frontier):
             count = self.count(t)  # (the files' row counts are checked against it)
-            n = 0
-            for batch in [self.updates(t)] if rows is None else self.batches(t, rows):
+            n, batches = skip, [self.updates(t)] if rows is None else self.batches(t, rows, skip)
+            skip = 0
+            for batch in batches:
                 if len(batch):
                     n += len(batch)
                     if n < count:
@@ -263,6 +265,8 @@ class FeedReader:
                         yield [batch, Progress(lower, t + 1, ((t, n),))]
             if not n:
                 yield [Progress(lower, t + 1, ())]
+            elif n < count:  # (the files' counts were checked: a file gone while read)
+                raise CheckpointError(f"feed {self.name!r}: time {t} ended after {n} updates")
             lower = t + 1
         if lower < frontier:
             yield [Progress(lower, frontier, ())]

@@ -42,7 +42,7 @@ class _SchemaMoved(Exception):
 
 
 class _TimeFiles:
-    """The batches (and so the open files) of the time a stream is sending, if open."""
+    """The committed turns (and so the open files) a stream is sending, if open."""
 
     def __init__(self) -> None:
         self.batches: Any = None
@@ -105,6 +105,7 @@ class _PullStream:
     ) -> None:
         self.st, self.feed, self.reader, self.resp, self.fmt = st, feed, reader, resp, fmt
         self.lower = lower  # where the next time's progress starts
+        self.sent = 0  # updates already encoded of the first time from ``lower`` on
         self.files = _TimeFiles()
         self.sink = io.BytesIO()
         self.encoder = get_codec(fmt).encoder(self.sink, schema=reader.info.schema)
@@ -202,56 +203,50 @@ class _PullStream:
         )
 
     async def catch_up(self) -> None:
-        """Every time committed since the last call, then the frontier."""
+        """Every time committed since the last call, then the frontier: the reader's
+        committed turns (a batch, or a time's last batch with its progress), each read and
+        encoded in a worker thread, then written as the consumer takes it."""
         if self.fmt != "ndjson" and self.reader.info.schema != self.schema:
             raise _SchemaMoved(self.lower)
         frontier = self.reader.frontier  # one checkpoint for the times listed and the closing
         if self.reader.since > self.lower:
             raise self.overtaken(self.lower, self.reader.since)
-        for t in await asyncio.to_thread(self.reader.times, self.lower, frontier):
-            await self.send_time(t)
-            self.lower = t + 1
-        if self.lower < frontier:
-            await self.send([Progress(self.lower, frontier, ())])
-            self.lower = frontier
-
-    def step(self, t: int, count: int, sent: int) -> tuple[int, bytes]:
-        """The next batch of time ``t`` read and encoded (one worker-thread turn): its
-        size and bytes; the last one with the time's progress."""
-        if self.files.batches is None:  # opened and counted at the first batch
-            self.files.batches = self.reader.batches(t, STREAM_CHUNK_UPDATES, skip=sent)
-        batch = next(self.files.batches, None)
-        if batch is None:  # (the files were checked against the count)
-            raise CheckpointError(f"feed {self.feed!r}: time {t} ended after {sent} updates")
-        messages: list[Any] = [batch]
-        if sent + len(batch) >= count:
-            self.files.release()
-            messages.append(Progress(self.lower, t + 1, ((t, sent + len(batch)),)))
-        return len(batch), self.encode(messages)
-
-    async def send_time(self, t: int) -> None:
-        """Every update at committed time ``t``, a batch per write, read from its files
-        as the consumer takes them (opened again where it was after a release)."""
-        count = await asyncio.to_thread(self.reader.count, t)
-        sent = 0
         try:
-            while sent < count:
+            while True:
                 try:
-                    n, data = await asyncio.to_thread(self.step, t, count, sent)
+                    turn = await asyncio.to_thread(self.turn, frontier)
                 except CheckpointError:
                     # its files are gone: folded by a compaction since this stream listed it?
                     log_ = self.st.config.log
                     since = (await asyncio.to_thread(FeedReader, log_, self.feed)).since
-                    if since <= t:
+                    if since <= self.lower:
                         raise
-                    raise self.overtaken(t, since) from None
-                sent += n
+                    raise self.overtaken(self.lower, since) from None
+                if turn is None:
+                    break
+                n, data = turn
                 self.count_sent(n, data)
-                await self.write(data)  # (only the encoded bytes wait for the consumer)
-            if not count:
-                await self.send([Progress(self.lower, t + 1, ())])
-        finally:  # the time's open files, at once, also when the consumer is gone
+                if data:
+                    await self.write(data)  # (only the encoded bytes wait for the consumer)
+        finally:  # the open files, at once, also when the consumer is gone
             self.files.release()
+
+    def turn(self, frontier: int) -> tuple[int, bytes] | None:
+        """The next turn below ``frontier`` read and encoded (one worker-thread call): its
+        number of updates and its bytes; None after the last. The turns are opened again
+        where the stream is when its files were let go."""
+        if self.files.batches is None:
+            self.files.batches = self.reader.committed(
+                self.lower, frontier, STREAM_CHUNK_UPDATES, skip=self.sent
+            )
+        messages = next(self.files.batches, None)
+        if messages is None:
+            return None
+        n = sum(len(m) for m in messages if isinstance(m, Updates))
+        self.sent += n
+        if isinstance(messages[-1], Progress):  # a time (or the frontier) complete
+            self.lower, self.sent = messages[-1].upper, 0
+        return n, self.encode(messages)
 
 
 def _chunks(messages: list[Any]) -> list[list[Any]]:
