@@ -36,11 +36,10 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from ._counts import FETCH_ROWS, from_ipc, ipc, merged, pairs, sorted_counts
 from .errors import CheckpointError, TidefeedError
-from .jsontext import json_objects
-from .messages import record_key, record_keys
+from .messages import record_key
 from .stores import StoreState
 
 __all__ = ["FoldGaveWay", "SqliteDatabase", "SqliteStore"]
@@ -82,89 +81,9 @@ KEY_FORMAT = 1
 #: updates folded into the collection per SQLite transaction (whole parts; one part more
 #: if it alone is larger): each transaction rewrites the B-tree pages its records land on
 FOLD_ROWS = 50_000
-#: rows of a collection read per SQLite fetch
-FETCH_ROWS = 10_000
 #: a read of the collection merges up to this many updates not folded yet in memory; with
 #: more, it folds them first
 MERGE_ROWS = 2_000_000
-
-
-#: LZ4 makes a blob ~3.5x smaller for ~1 ms per 10,000 updates, and the commit's fsync
-#: (which waits for every byte) several ms shorter
-_IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression="lz4")
-
-
-def _ipc(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema, options=_IPC_OPTIONS) as writer:
-        writer.write_table(table)
-    data: bytes = sink.getvalue().to_pybytes()
-    return data
-
-
-def _record_keys(data: pa.ChunkedArray) -> pa.Array:
-    """:func:`record_key` of every record of a ``data`` column (a binary array): built
-    column-wise where :mod:`.jsontext` takes the record type (the same bytes), else one
-    record at a time."""
-    text = json_objects(data, sort_keys=True, skip_nulls=True)
-    if text is not None:
-        return text.cast(pa.binary())
-    return pa.array(record_keys(data.to_pylist(maps_as_pydicts="strict")), pa.binary())
-
-
-def _from_ipc(blob: bytes) -> pa.Table:
-    """The table :func:`_ipc` wrote."""
-    return pa.ipc.open_stream(pa.py_buffer(blob)).read_all()
-
-
-def _merged(
-    kept: Iterator[tuple[bytes, int]], pending: Iterator[tuple[bytes, int]]
-) -> Iterator[tuple[bytes, int]]:
-    """Two collections in key order as their sum, in key order, without the records whose
-    count comes to 0."""
-    nxt = next(pending, None)
-    for rkey, count in kept:
-        while nxt is not None and nxt[0] < rkey:
-            if nxt[1]:
-                yield nxt
-            nxt = next(pending, None)
-        if nxt is not None and nxt[0] == rkey:
-            count += nxt[1]
-            nxt = next(pending, None)
-        if count:
-            yield rkey, count
-    while nxt is not None:
-        if nxt[1]:
-            yield nxt
-        nxt = next(pending, None)
-
-
-def _pairs(counts: pa.Table) -> Iterator[tuple[bytes, int]]:
-    """``(key, count)`` of a :func:`_sorted_counts` table, a record's updates summed (they
-    are next to each other), made Python a chunk at a time."""
-    last: bytes | None = None
-    total = 0
-    for batch in counts.to_batches(max_chunksize=FETCH_ROWS):
-        for key, n in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True):
-            if key == last:
-                total += n
-                continue
-            if last is not None:
-                yield last, total
-            last, total = key, n
-    if last is not None:
-        yield last, total
-
-
-def _sorted_counts(tables: list[pa.Table]) -> pa.Table:
-    """The record keys of ``tables`` (update tables) with their diffs, sorted by key
-    (columns ``k``, ``n``): a sort, not a hash aggregation, which would hold a table of
-    every key besides. In key order the upserts of a fold touch the collection's B-tree
-    pages one after another instead of at random."""
-    keys = pa.chunked_array([_record_keys(t.column("data")) for t in tables], pa.binary())
-    diffs = pa.chunked_array([t.column("diff").combine_chunks() for t in tables], pa.int64())
-    counts = pa.table({"k": keys, "n": diffs})
-    return counts.take(pc.sort_indices(counts, sort_keys=[("k", "ascending")]))
 
 
 class FoldGaveWay(Exception):
@@ -334,7 +253,7 @@ class SqliteStore:
             return []
         time = table.column("time")[0].as_py()
         return [
-            (self.feed, time, part.num_rows, _ipc(part))
+            (self.feed, time, part.num_rows, ipc(part))
             for part in (
                 table.slice(start, FOLD_ROWS) for start in range(0, table.num_rows, FOLD_ROWS)
             )
@@ -377,7 +296,7 @@ class SqliteStore:
         with self.db.lock:
             blobs = [r[0] for r in self.db.conn.execute(sql, args)]
         for blob in blobs:
-            yield _from_ipc(blob)
+            yield from_ipc(blob)
 
     def fold(
         self, max_rounds: int | None = None, *, give_way: Callable[[], bool] | None = None
@@ -414,8 +333,8 @@ class SqliteStore:
                 conn.execute("PRAGMA synchronous=NORMAL")
                 try:
                     with _immediate(conn):
-                        pairs = _pairs(_sorted_counts([_from_ipc(b) for _, b in parts]))
-                        while chunk := list(itertools.islice(pairs, GIVE_WAY_ROWS)):
+                        summed = pairs(sorted_counts([from_ipc(b) for _, b in parts]))
+                        while chunk := list(itertools.islice(summed, GIVE_WAY_ROWS)):
                             conn.executemany(
                                 "INSERT INTO collection (feed, rkey, count) VALUES (?, ?, ?) "
                                 "ON CONFLICT(feed, rkey) DO UPDATE "
@@ -451,11 +370,11 @@ class SqliteStore:
         try:
             with self.db.lock, _storage_errors(self.db.path):
                 blobs = [b for _, _, b, committed in self._unfolded() if committed]
-            tables = [_from_ipc(b) for b in blobs]
+            tables = [from_ipc(b) for b in blobs]
             del blobs
-            pending = _pairs(_sorted_counts(tables)) if tables else iter(())
+            pending = pairs(sorted_counts(tables)) if tables else iter(())
             del tables
-            yield from _merged(self._kept(), pending)
+            yield from merged(self._kept(), pending)
         finally:
             lock.release()
 

@@ -17,6 +17,8 @@ from pyspark.sql import functions as F
 
 __all__ = [
     "ALL_DONE",
+    "DATA_OPS",
+    "EVENT",
     "NEW_SNAPSHOT",
     "PLACE_SCALE",
     "Position",
@@ -30,6 +32,13 @@ __all__ = [
     "snapshot_read",
     "unplace",
 ]
+
+#: the ops of data events (create, update, delete, snapshot read)
+DATA_OPS = ("c", "u", "d", "r")
+#: what one event is: the rows of a repeated (redelivered) event agree on all of it
+#: (``_dup``: a snapshot read's row, as its reads share a position)
+EVENT = ["txn", "pos_lo", "pos_n", "op", "_dup"]
+
 
 Position = tuple[int, int, int]
 

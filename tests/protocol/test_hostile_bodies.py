@@ -186,26 +186,26 @@ def test_ndjson_brackets_and_escaped_quotes_inside_strings_do_not_count():
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1 << 20])
 def test_ndjson_nesting_scan_is_the_same_whatever_its_chunks(monkeypatch, chunk):
-    from protocol import _ndjson
+    from protocol import _text_checks
 
-    monkeypatch.setattr(_ndjson, "_CHUNK", chunk)
+    monkeypatch.setattr(_text_checks, "_CHUNK", chunk)
     tricky = orjson.dumps({"s": '\\"[[[' * 40 + "\\\\", "t": ["]" * 70]})
-    _ndjson.nesting_check(tricky * 3)  # no structure deeper than 2
+    _text_checks.nesting_check(tricky * 3)  # no structure deeper than 2
     flat = b"[" * 64 + b"]" * 64
-    _ndjson.nesting_check(flat)  # exactly at the limit
+    _text_checks.nesting_check(flat)  # exactly at the limit
     with pytest.raises(CodecError, match="line 3"):
-        _ndjson.nesting_check(tricky + b"\n" + tricky + b"\n[" + flat + b"]\n")
+        _text_checks.nesting_check(tricky + b"\n" + tricky + b"\n[" + flat + b"]\n")
 
 
 def test_ndjson_without_escapes_brackets_in_strings_do_not_count():
-    from protocol import _ndjson
+    from protocol import _text_checks
 
     body = orjson.dumps({"s": "[" * 100, "t": "", "u": ["]]]", {"v": "{{{" * 30}]}) + b"\n"
     assert b"\\" not in body
-    _ndjson.nesting_check(body * 5)
+    _text_checks.nesting_check(body * 5)
     deep = b'{"s": "]]]]", "a": ' + b"[" * 65 + b"]" * 65 + b"}\n"
     with pytest.raises(CodecError, match="line 2"):
-        _ndjson.nesting_check(body + deep)
+        _text_checks.nesting_check(body + deep)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,158 @@
+"""Checks of a JSON text body made before any JSON reader sees it: what pyarrow's reader
+(and orjson) would take quietly as something else, or crash on. :func:`text_check`:
+bytes that are not UTF-8, ``NaN``/``Infinity``, integers beyond 64 bits.
+:func:`nesting_check`: objects and arrays nested deeper than :data:`MAX_DEPTH`. Both
+scan at C speed (bytes.translate, numpy) and read Python-side only the lines that need it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from .errors import CodecError
+from .messages import INT64_MAX, INT64_MIN
+
+__all__ = ["MAX_DEPTH", "nesting_check", "text_check"]
+
+
+#: a run of this many digits may be an integer beyond 64 bits (2^63 has 19 digits)
+_LONG_DIGITS = b"1" * 19
+#: digits as b"1", every other byte as b"0"
+_DIGITS = bytes(0x31 if 0x30 <= c <= 0x39 else 0x30 for c in range(256))
+
+
+def text_check(body: bytes) -> None:
+    """Raise :class:`CodecError`, naming the line, for what the JSON readers would take
+    quietly as something else: bytes that are not UTF-8 (pyarrow replaced them with
+    U+FFFD), the non-JSON ``NaN`` and ``Infinity`` (pyarrow took them as floats), and
+    integers beyond 64 bits (both readers made them floats). Bodies that can hold none of
+    these (no such word, no run of 19 digits) pass after a few scans at C speed; the
+    others are read line by line with Python's own JSON reader, which says exactly."""
+    if not body.isascii():
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CodecError(
+                f"invalid UTF-8 at byte {e.start}", fmt="ndjson", position=_line_at(body, e.start)
+            ) from None
+    words = b"NaN" in body or b"Infinity" in body
+    if not words and _LONG_DIGITS not in body.translate(_DIGITS):
+        return
+    for lineno, line in enumerate(body.splitlines(), start=1):
+        try:
+            json.loads(line, parse_int=_int64, parse_constant=_no_constant)
+        except ValueError as e:
+            raise CodecError(str(e), fmt="ndjson", position=f"line {lineno}") from None
+
+
+def _int64(text: str) -> int:
+    v = int(text)
+    if not INT64_MIN <= v <= INT64_MAX:
+        raise ValueError(f"integer {text[:40]} is beyond 64 bits")
+    return v
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (a number must be finite)")
+
+
+def _line_at(body: bytes, at: int) -> str:
+    newline = b"\n"
+    return f"line {body.count(newline, 0, at) + 1}"
+
+
+#: the deepest nesting of objects and arrays a body may have: a record's own columns
+#: (structs in lists in maps …) come far below it; pyarrow's JSON reader crashed the
+#: process on bodies nested some 20,000 deep
+MAX_DEPTH = 64
+
+
+_CHUNK = 1 << 22  # bytes a nesting scan looks at at once: its memory stays bounded
+
+
+def nesting_check(body: bytes) -> None:
+    """Raise :class:`CodecError` when ``body`` nests objects and arrays deeper than
+    :data:`MAX_DEPTH`, naming the line. Columnar, over the positions of brackets and
+    quotes only, in chunks of :data:`_CHUNK` bytes: brackets inside strings do not count,
+    nor quotes escaped by an odd run of backslashes."""
+    if b"\\" not in body:
+        # no escapes: only brackets and quotes matter, and deleting every other byte (at C
+        # speed) leaves a far shorter text to scan; a body found too deep is scanned again
+        # whole, to name the line
+        # (two quotes side by side, an empty string's or a string's end and the next
+        # one's start, change no bracket's side of a string: dropped too)
+        brackets = body.translate(None, _NOT_STRUCTURAL).replace(b'""', b"")
+        if b'"' not in brackets:  # the usual case: no bracket inside a string
+            steps = _STEP[np.frombuffer(brackets, dtype=np.uint8)]
+            if not len(steps) or int(np.cumsum(steps, dtype=np.int64).max()) <= MAX_DEPTH:
+                return
+        try:
+            _scan(brackets)
+            return
+        except CodecError:
+            pass
+    _scan(body)
+
+
+#: every byte but brackets and quotes (deleted before a scan of a body without escapes)
+_NOT_STRUCTURAL = bytes(c for c in range(256) if c not in b'[]{}"')
+
+
+def _scan(body: bytes) -> None:
+    """:func:`nesting_check` on ``body`` as it is."""
+    b = np.frombuffer(body, dtype=np.uint8)
+    depth, inside = 0, 0  # carried from chunk to chunk
+    for at in range(0, len(b), _CHUNK):
+        kind = _KIND[b[at : at + _CHUNK]]  # one pass: what each byte is to this scan
+        marks = np.flatnonzero(kind)
+        kinds = kind[marks]
+        real = _real_quotes(b, marks[kinds == 3], at)
+        if inside:
+            real = np.concatenate(([-1], real))  # a string open since an earlier chunk
+        opens, closes = marks[kinds == 1], marks[kinds == 2]
+        opens = opens[np.searchsorted(real, opens) % 2 == 0]
+        closes = closes[np.searchsorted(real, closes) % 2 == 0]
+        # the depth after each open: the opens up to it less the closes before it
+        levels = depth + np.arange(1, len(opens) + 1) - np.searchsorted(closes, opens)
+        if len(levels) and int(levels.max()) > MAX_DEPTH:
+            where = at + int(opens[int(np.argmax(levels > MAX_DEPTH))])
+            line = int(np.count_nonzero(b[:where] == 10)) + 1
+            raise CodecError(
+                f"nested deeper than {MAX_DEPTH} levels of objects and arrays",
+                fmt="ndjson",
+                position=f"line {line}",
+            )
+        depth += len(opens) - len(closes)
+        inside = len(real) % 2
+
+
+#: what a byte is to :func:`nesting_check`: 1 an opening bracket, 2 a closing one, 3 a quote
+_KIND = np.zeros(256, dtype=np.uint8)
+_KIND[[0x7B, 0x5B]] = 1
+_KIND[[0x7D, 0x5D]] = 2
+_KIND[0x22] = 3
+#: a bracket's step in depth
+_STEP = np.zeros(256, dtype=np.int8)
+_STEP[[0x7B, 0x5B]] = 1
+_STEP[[0x7D, 0x5D]] = -1
+
+
+def _real_quotes(b: np.ndarray, quotes: np.ndarray, at: int) -> np.ndarray:
+    """The quotes (positions in the chunk at ``at``) that are not escaped: a quote is
+    escaped by an odd run of backslashes just before it (rare: looked at one by one)."""
+    if not len(quotes):
+        return quotes
+    glob = quotes + at
+    after_bs = glob > 0
+    after_bs[after_bs] = b[glob[after_bs] - 1] == 0x5C
+    if not after_bs.any():
+        return quotes
+    keep = np.ones(len(quotes), dtype=bool)
+    for i in np.flatnonzero(after_bs):
+        j = int(glob[i]) - 1
+        while j >= 0 and b[j] == 0x5C:
+            j -= 1
+        keep[i] = (int(glob[i]) - 1 - j) % 2 == 0
+    return quotes[keep]
