@@ -221,33 +221,10 @@ def run_postgres_demo(
         )
 
         reports = _emit_and_push(src, log, push_url, say)
-        skipped: Counter[str] = Counter()
-        for r in reports:
-            skipped.update(r.skipped)
-        bad = sum(r.bad_rows for r in reports)
-        say(
-            f"   skipped (no row change): {dict(skipped)}; quarantined: {bad}; "
-            f"redelivered events dropped: {sum(r.redelivered for r in reports)}"
-        )
-        reader = FeedReader(str(log), "accounts")
-        problems = check_messages(reader.messages(), non_negative=True, key=["id"])
-        say(
-            f"4. tidefeed check: {'valid' if not problems else 'INVALID'}, "
-            f"frontier {reader.frontier}"
-        )
-        truth = table_multiset(cur, "accounts")
-        feed = feed_multiset(reader, json_columns=("meta",))
-        fed: Counter[bytes] = Counter()
-        for row in reader.snapshot().to_pylist():
-            fed[record_key({k: v for k, v in row.items() if k != "count"})] += row["count"]
-        received = receiver.collection()
+        same = _compare(reports, FeedReader(str(log), "accounts"), cur, receiver, say)
         conn.close()
-        elapsed = time.monotonic() - started
-        say(
-            f"5. SELECT * FROM accounts: {sum(truth.values())} rows; the feed: "
-            f"{sum(feed.values())}; the receiver: {sum(received.values())}"
-        )
-        if feed == truth and received == fed and not problems and not bad:
+        if same:
+            elapsed = time.monotonic() - started
             say(f"OK: the receiver's collection equals SELECT * FROM accounts [{elapsed:.0f}s]")
             return 0
         say("MISMATCH: the feed differs from SELECT * FROM accounts")
@@ -258,3 +235,29 @@ def run_postgres_demo(
         if receiver is not None:
             receiver.stop()
         pg.stop()
+
+
+def _compare(reports: list[Any], reader: Any, cur: Any, receiver: Any, say: Any) -> bool:
+    """Say what the emitter skipped and quarantined, check the feed, and compare the
+    table, the feed and the receiver's collection; True when all three agree."""
+    skipped: Counter[str] = Counter()
+    for r in reports:
+        skipped.update(r.skipped)
+    bad = sum(r.bad_rows for r in reports)
+    say(
+        f"   skipped (no row change): {dict(skipped)}; quarantined: {bad}; "
+        f"redelivered events dropped: {sum(r.redelivered for r in reports)}"
+    )
+    problems = check_messages(reader.messages(), non_negative=True, key=["id"])
+    say(f"4. tidefeed check: {'valid' if not problems else 'INVALID'}, frontier {reader.frontier}")
+    truth = table_multiset(cur, "accounts")
+    feed = feed_multiset(reader, json_columns=("meta",))
+    fed: Counter[bytes] = Counter()
+    for row in reader.snapshot().to_pylist():
+        fed[record_key({k: v for k, v in row.items() if k != "count"})] += row["count"]
+    received = receiver.collection()
+    say(
+        f"5. SELECT * FROM accounts: {sum(truth.values())} rows; the feed: "
+        f"{sum(feed.values())}; the receiver: {sum(received.values())}"
+    )
+    return feed == truth and received == fed and not problems and not bad
