@@ -84,12 +84,32 @@ def _columnar_line(updates: Updates) -> bytes | None:
     return b"".join((b'{"updates":[', text[:-1], b"]}"))
 
 
+#: the longest line a stream decoder reads: a feed's lines hold at most
+#: :data:`MAX_UPDATES_PER_LINE` updates, so a longer line is a broken or hostile stream,
+#: refused before it fills the reader's memory
+MAX_LINE_BYTES = 64 << 20
+
+
 class NdjsonDecoder(Decoder):
     fmt = "ndjson"
+    max_line_bytes = MAX_LINE_BYTES
+
+    def _lines(self) -> Iterator[bytes]:
+        """The stream's lines, each read up to :attr:`max_line_bytes` and no further."""
+        limit, lineno = self.max_line_bytes, 0
+        while line := self._stream.readline(limit + 1):
+            lineno += 1
+            self.position = f"line {lineno}"
+            if len(line) > limit and not line.endswith(b"\n"):
+                raise CodecError(
+                    f"a line longer than {limit} bytes (a feed's lines are far shorter)",
+                    fmt="ndjson",
+                    position=self.position,
+                )
+            yield line
 
     def _messages(self) -> Iterator[Message]:
-        for lineno, line in enumerate(self._stream, start=1):
-            self.position = f"line {lineno}"
+        for line in self._lines():
             if not line.strip():
                 continue
             try:

@@ -233,6 +233,44 @@ def test_ndjson_invalid_utf8_is_refused_naming_the_line():
     assert "line 2" in str(e.value)
 
 
+class _Endless(io.RawIOBase):
+    """A stream of one first line, then bytes without a newline for ever (a broken or
+    hostile feed server); it counts what was read of it."""
+
+    def __init__(self, first: bytes) -> None:
+        self.first, self.served = first, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        chunk = (self.first + b"x" * len(b))[: len(b)]
+        self.first = self.first[len(chunk) :]
+        b[: len(chunk)] = chunk
+        self.served += len(chunk)
+        return len(chunk)
+
+
+def test_ndjson_stream_line_beyond_the_limit_is_refused_without_reading_it_all(monkeypatch):
+    from protocol import _ndjson
+
+    monkeypatch.setattr(_ndjson.NdjsonDecoder, "max_line_bytes", 4096)
+    first = b'{"progress": {"lower": [0], "upper": [1], "counts": []}}\n'
+    raw = _Endless(first)
+    decoder = get_codec("ndjson").decoder(io.BufferedReader(raw, buffer_size=1024))
+    messages = []
+    with pytest.raises(CodecError, match="longer than 4096 bytes") as e:
+        messages.extend(decoder)
+    assert "line 2" in str(e.value)
+    assert [type(m) for m in messages] == [Progress]  # the line before it came through
+    assert raw.served < 4096 + 2 * 1024 + len(first)
+    # a line of exactly the limit is a line like any other
+    line = b'{"progress": {"lower": [0], "upper": [1], "counts": []}}'
+    padded = line[:-1] + b" " * (4096 - len(line)) + b"}\n"
+    assert len(padded) == 4097
+    assert [type(m) for m in get_codec("ndjson").decoder(io.BytesIO(padded))] == [Progress]
+
+
 def test_ndjson_edge_values_that_are_fine_still_decode():
     body = (
         b'{"updates": [{"data": {"a": 9223372036854775807, "b": -9223372036854775808, '
