@@ -40,9 +40,10 @@ def _parse_source(spec: str, args: argparse.Namespace) -> tuple[SourceKind, str]
         for option in other.options:
             if getattr(args, option) and option not in kind.options:
                 flag = "--" + option.replace("_", "-")
+                variable = args._parsers["emit"].env_variable(flag)
                 raise UsageError(
-                    f"tidefeed emit: {flag} is an option of {other.name} sources; "
-                    f"--source {name}: does not take it"
+                    f"tidefeed emit: {flag}{f' (from ${variable})' if variable else ''} is an "
+                    f"option of {other.name} sources; --source {name}: does not take it"
                 )
     return kind, path
 

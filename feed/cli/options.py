@@ -214,6 +214,10 @@ class OptionParser(argparse.ArgumentParser):
                 break
         return out
 
+    def env_variable(self, flag: str) -> str | None:
+        """The variable that gave ``flag`` its value, if the environment did."""
+        return self._from_env.get(flag)
+
     def error(self, message: str) -> NoReturn:
         # a mistyped flag first: "--souce" is the mistake, not the --source it left out
         if message.startswith("the following arguments are required"):

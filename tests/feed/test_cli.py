@@ -252,6 +252,11 @@ def test_environment_variables_are_scoped_and_checked(feed_files):
     out = run("serve", "--log", "x", env={**env, "TIDEFEED_SERVE_PORT": "abc"})
     assert out.returncode == 2 and b"Traceback" not in out.stderr
     assert b"'abc' is not a TCP port (1-65535) (from $TIDEFEED_SERVE_PORT)" in out.stderr
+    # an option of another source kind, set in the environment, is refused naming it
+    emit = ["emit", "--source", f"debezium:{feed_files['avro'].parent}", "--feed", "f"]
+    out = run(*emit, "--log", "x", env={**env, "TIDEFEED_EMIT_ORDER": "lsn"})
+    assert out.returncode == 2, out.stderr
+    assert b"--order (from $TIDEFEED_EMIT_ORDER) is an option of upsert sources" in out.stderr
 
 
 @pytest.mark.process  # a tidefeed process with its own JVM
