@@ -234,6 +234,36 @@ async def test_serve_retain_compacts_automatically_up_to_the_lowest_ack(log_copy
     assert collection_of(r) == truth_multiset()
 
 
+async def test_serve_retain_goes_on_with_the_other_feeds_when_one_cannot_be_compacted(
+    log_copy, caplog
+):
+    """One feed of the log has lost a segment file (its times cannot be read): retention
+    says so for that feed, leaves it as it was, and compacts the other feed."""
+    shutil.copytree(log_copy / "bank", log_copy / "other")
+    r = FeedReader(str(log_copy), "bank")
+    damaged = sorted((log_copy / "bank" / "times").rglob("*.parquet"))[0]
+    damaged.unlink()
+    config = ServerConfig(log=str(log_copy), retain=1, compact_seconds=0.05)
+    _, runner = await serve(make_server_app(config))
+    try:
+        for _ in range(200):
+            if FeedReader(str(log_copy), "other").since:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # more passes over the damaged feed
+    finally:
+        await runner.cleanup()
+    other = FeedReader(str(log_copy), "other")
+    assert other.since == other.frontier - 2
+    assert collection_of(other) == truth_multiset()
+    bank = FeedReader(str(log_copy), "bank")
+    assert (bank.since, bank.frontier) == (0, r.frontier)  # left as it was
+    assert not (log_copy / "bank" / "compacted").exists()
+    warned = [m for m in caplog.messages if m.startswith("retention: feed bank:")]
+    assert warned, caplog.messages
+    assert not any("retention pass failed" in m for m in caplog.messages)
+
+
 async def test_serve_retain_keeps_what_the_emitters_push_receiver_has_not_acked(log_copy):
     """The emitter's --push hold is written by the emitter, after the server started: the
     server's retention still stops at its ACK (it reads the ACKs back from the log)."""
