@@ -117,6 +117,14 @@ class Emitter(SchemaVersions):
         cfg = self.config
         self._lease = Lease(self.feedlog, take_over=cfg.take_over, log=self.log)
         self._lease.acquire()
+        try:
+            return self._open()
+        except BaseException:
+            self.close()  # (the lease goes: nothing was claimed)
+            raise
+
+    def _open(self) -> Checkpoint:
+        cfg = self.config
         latest = self.commits.store.latest(repair=True)
         self.config, self.info = feed_settings(
             cfg,

@@ -139,10 +139,17 @@ def create_feed(
     if schema is None and cfg.kind.own_schema:
         schema = delta_schema()
     if schema is None:
+        first = files()[: cfg.kind.infer_files]
+        if not first:  # (said before Spark starts: there is nothing for it to read)
+            raise SourceError(
+                f"feed {cfg.feed!r} is new and {cfg.source_path} holds no input files to "
+                f"infer its record schema from: give --schema FILE, or run once files are "
+                f"there"
+            )
         schema = infer_record_schema(
             spark(),
             cfg.kind.reader,
-            files()[: cfg.kind.infer_files],
+            first,
             exclude=tuple(c for c in (cfg.order, cfg.deleted) if c),
             table=table,
         )

@@ -175,6 +175,22 @@ def test_a_missing_source_path_fails_before_spark_starts(tmp_path):
     assert not (tmp_path / "f").exists()
 
 
+def test_a_new_feed_over_an_empty_folder_without_a_schema_fails_before_spark_starts(tmp_path):
+    (tmp_path / "in").mkdir()
+    log = tmp_path / "log"
+    out = tidefeed(
+        "emit", "--source", f"debezium:{tmp_path / 'in'}", "--feed", "f", "--log", str(log)
+    )
+    err = out.stderr.decode()
+    assert out.returncode == 1, err
+    assert err.strip().splitlines() == [
+        f"tidefeed emit: feed 'f' is new and {tmp_path / 'in'} holds no input files to "
+        "infer its record schema from: give --schema FILE, or run once files are there"
+    ]
+    assert "spark" not in err.lower()
+    assert list((log / "f").iterdir()) == []  # no settings written, the lease let go
+
+
 @pytest.fixture
 def small_fs(tmp_path):
     """A 24 MiB tmpfs (root on Linux; elsewhere the test is skipped and says why)."""
