@@ -44,7 +44,7 @@ from feed.emit.session import small_shuffles
 from feed.emit.settings import EmitterConfig, feed_settings, load_schema_file
 from feed.emit.versions import SchemaVersions
 from feed.log.checkpoint import Checkpoint
-from feed.log.commits import Committer
+from feed.log.commits import Committer, time_ranges
 from feed.log.manifest import Segment
 from feed.log.store import FeedLog
 from feed.sources.inputs import InputWindow, next_source
@@ -150,7 +150,12 @@ class Emitter(SchemaVersions):
         claimed, gone = self.commits.claim(latest, self._state)
         self.cp = claimed
         if gone:
-            self.log.info("feed %s: rolled back uncommitted times %s", cfg.feed, gone)
+            self.log.info(
+                "feed %s: rolled back %d uncommitted time(s): %s",
+                cfg.feed,
+                len(gone),
+                time_ranges(gone),
+            )
         self.log.info(
             "feed %s: epoch %d claimed at seq %d; frontier %d, next time %d",
             cfg.feed,

@@ -29,7 +29,7 @@ class BucketedState(Protocol):
     def prune(self, refs: Iterable[str | None]) -> None: ...
 
 
-__all__ = ["LIST_PRUNE_EVERY", "Committer"]
+__all__ = ["LIST_PRUNE_EVERY", "Committer", "time_ranges"]
 
 #: every this many commits, also prune what crashed or finished processes left (by listing)
 LIST_PRUNE_EVERY = 256
@@ -124,3 +124,18 @@ class Committer:
         state.prune(states)
         listing = cp.seq % LIST_PRUNE_EVERY == 0
         self.manifests.prune(manifests, written=None if listing else self.manifests.written)
+
+
+def time_ranges(times: Iterable[int], most: int = 6) -> str:
+    """``times`` for a log line as runs (``"3-3608, 3610"``), at most ``most`` of them
+    and the number of the rest: a rollback of thousands of times is one short line."""
+    runs: list[list[int]] = []
+    for t in sorted(set(times)):
+        if runs and t == runs[-1][1] + 1:
+            runs[-1][1] = t
+        else:
+            runs.append([t, t])
+    shown = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs[:most])
+    if len(runs) > most:
+        shown += f" and {len(runs) - most} more run(s)"
+    return shown or "none"

@@ -50,3 +50,13 @@ def test_create_exclusive_refuses_an_existing_file(tmp_path):
     assert not log.create_exclusive(path, b'{"a": 2}')
     assert orjson.loads(log.read_bytes(path)) == {"a": 1}
     assert [n for n in os.listdir(tmp_path / "t" / "_commits")] == [f"{1:020d}.json"]
+
+
+def test_a_rollback_of_many_times_is_logged_as_runs():
+    from feed.log.commits import time_ranges
+
+    assert time_ranges(range(3, 3609)) == "3-3608"
+    assert time_ranges([9, 1, 2, 3, 5, 7, 8]) == "1-3, 5, 7-9"
+    many = [t for t in range(0, 40, 2)]  # twenty runs of one time
+    assert time_ranges(many, most=3) == "0, 2, 4 and 17 more run(s)"
+    assert time_ranges([]) == "none"
