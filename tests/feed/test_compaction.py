@@ -215,20 +215,27 @@ async def test_server_410_below_since_and_new_consumers_get_the_snapshot(log_cop
         await rrunner.cleanup()
 
 
+async def retain_until_compacted(log, feed: str, then: float = 0.0) -> None:
+    """Serve ``log`` with ``--retain 1`` until ``feed`` is compacted (10 s at most), and
+    ``then`` seconds more."""
+    config = ServerConfig(log=str(log), retain=1, compact_seconds=0.05)
+    _, runner = await serve(make_server_app(config))
+    try:
+        for _ in range(200):
+            if FeedReader(str(log), feed).since:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(then)
+    finally:
+        await runner.cleanup()
+
+
 async def test_serve_retain_compacts_automatically_up_to_the_lowest_ack(log_copy):
     r = FeedReader(str(log_copy), "bank")
     times = r.times()
     store = SubscriptionStore(r.log)
     store.put(Subscription(name="puller", feed="bank", acked=times[-3]))
-    config = ServerConfig(log=str(log_copy), retain=1, compact_seconds=0.05)
-    _, runner = await serve(make_server_app(config))
-    try:
-        for _ in range(200):
-            if FeedReader(str(log_copy), "bank").since:
-                break
-            await asyncio.sleep(0.05)
-    finally:
-        await runner.cleanup()
+    await retain_until_compacted(log_copy, "bank")
     r = FeedReader(str(log_copy), "bank")
     assert r.since == min(r.frontier - 2, times[-3]) == times[-3]
     assert collection_of(r) == truth_multiset()
@@ -243,16 +250,7 @@ async def test_serve_retain_goes_on_with_the_other_feeds_when_one_cannot_be_comp
     r = FeedReader(str(log_copy), "bank")
     damaged = sorted((log_copy / "bank" / "times").rglob("*.parquet"))[0]
     damaged.unlink()
-    config = ServerConfig(log=str(log_copy), retain=1, compact_seconds=0.05)
-    _, runner = await serve(make_server_app(config))
-    try:
-        for _ in range(200):
-            if FeedReader(str(log_copy), "other").since:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)  # more passes over the damaged feed
-    finally:
-        await runner.cleanup()
+    await retain_until_compacted(log_copy, "other", then=0.3)  # more passes over "bank"
     other = FeedReader(str(log_copy), "other")
     assert other.since == other.frontier - 2
     assert collection_of(other) == truth_multiset()
