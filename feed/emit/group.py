@@ -129,6 +129,13 @@ class GroupEmitter:
         """Finish a group commit a crash left in part, claim a new group epoch, then open
         every feed (each claims its own epoch and rolls back what it did not commit)."""
         self._require(State.UNOPENED)
+        try:
+            self._open()
+        except BaseException:
+            self.close()  # (the feeds opened so far let their leases go)
+            raise
+
+    def _open(self) -> None:
         self._now = self._clock()
         latest = self.commits.latest()
         if latest is not None:
