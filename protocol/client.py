@@ -44,9 +44,9 @@ from typing import Any
 
 import orjson
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from .codecs import get_codec
+from .consolidate import by_time
 from .errors import CodecError, Compacted, TidefeedError
 from .messages import Message, Updates
 from .state import Consumer
@@ -286,7 +286,7 @@ class FeedClient:
         tables, store.committed = store.committed, []
         frontier = consumer.frontier
         assert frontier is not None
-        items = list(_by_time(tables))
+        items = list(by_time(pa.concat_tables(tables))) if tables else []
         for i, (t, table) in enumerate(items):
             # resuming after an item must not skip the later times of the same progress
             token = items[i + 1][0] if i + 1 < len(items) else frontier
@@ -318,16 +318,6 @@ class FeedClient:
                 yield item
         finally:
             await asyncio.to_thread(it.close)
-
-
-def _by_time(tables: list[pa.Table]) -> Iterator[tuple[int, pa.Table]]:
-    """The committed updates as one table per time, in time order."""
-    if not tables:
-        return
-    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-    times = table.column("time")
-    for t in sorted(pc.unique(times).to_pylist()):
-        yield t, table.filter(pc.equal(times, t))
 
 
 def _refusal(e: urllib.error.HTTPError, url: str) -> ClientError:

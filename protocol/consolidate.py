@@ -9,15 +9,17 @@ dictionary path keyed by :func:`protocol.messages.record_key`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from .messages import Update, Updates, WireRow, record_keys
 
-__all__ = ["consolidate"]
+__all__ = ["by_time", "consolidate"]
 
 #: Row batches at least this long go through Arrow even when they arrived as rows.
 COLUMNAR_THRESHOLD = 50_000
@@ -81,3 +83,20 @@ def _consolidate_table(table: pa.Table) -> pa.Table:
     grouped = grouped.take(order)
     picked = table.take(grouped.column("row_min"))
     return picked.set_column(2, "diff", grouped.column("diff_sum"))
+
+
+def by_time(table: pa.Table) -> Iterator[tuple[int, pa.Table]]:
+    """Split an update table into one table per time, in time order."""
+    if not table.num_rows:
+        return
+    times = table.column("time")
+    lo, hi = pc.min_max(times).values()
+    if lo == hi:
+        yield lo.as_py(), table
+        return
+    table = table.take(pc.sort_indices(times))
+    sorted_times = table.column("time").to_numpy()
+    starts = np.flatnonzero(np.diff(sorted_times)) + 1
+    bounds = [0, *starts.tolist(), len(sorted_times)]
+    for a, b in itertools.pairwise(bounds):
+        yield int(sorted_times[a]), table.slice(a, b - a)

@@ -27,7 +27,6 @@ collide are compared exactly, one by one.
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -35,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .consolidate import by_time
 from .errors import Conflict, CountMismatch, Gap, ProtocolError, StaleEpoch
 from .messages import UPDATE_COLUMNS, Message, Progress, Updates, WireRow, record_key
 from .rowhash import row_hashes
@@ -159,21 +159,6 @@ def _in_sorted(sorted_hashes: np.ndarray, order: np.ndarray, needles: np.ndarray
     return found
 
 
-def _by_time(table: pa.Table) -> Iterator[tuple[int, pa.Table]]:
-    """Split an update table into one table per time, in time order."""
-    times = table.column("time")
-    lo, hi = pc.min_max(times).values()
-    if lo == hi:
-        yield lo.as_py(), table
-        return
-    table = table.take(pc.sort_indices(times))
-    sorted_times = table.column("time").to_numpy()
-    starts = np.flatnonzero(np.diff(sorted_times)) + 1
-    bounds = [0, *starts.tolist(), len(sorted_times)]
-    for a, b in itertools.pairwise(bounds):
-        yield int(sorted_times[a]), table.slice(a, b - a)
-
-
 class _Txn:
     """Staged changes of one :meth:`Consumer.apply`, merged only when all of it succeeded."""
 
@@ -254,7 +239,7 @@ class _Txn:
                 table = table.filter(pc.invert(late))
                 if not table.num_rows:
                     return
-        for t, part in _by_time(table):
+        for t, part in by_time(table):
             self._add(t, part)
 
     def _add(self, t: int, table: pa.Table) -> None:

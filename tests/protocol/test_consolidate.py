@@ -85,3 +85,16 @@ def test_null_nested_struct_differs_from_struct_of_nulls():
 def test_big_batch_goes_columnar_and_cancels():
     ups = [Update({"k": i % 1000}, i % 3, 1 if i % 2 else -1) for i in range(60_000)]
     assert as_map(consolidate(ups)) == naive(ups)
+
+
+def test_by_time_splits_an_update_table_into_times_in_order():
+    import pyarrow as pa
+
+    from protocol.consolidate import by_time
+
+    table = pa.table({"data": ["a", "b", "c", "d"], "time": [5, 2, 5, 3], "diff": [1, 1, -1, 2]})
+    got = [(t, part.column("data").to_pylist()) for t, part in by_time(table)]
+    assert [t for t, _ in got] == [2, 3, 5]
+    assert sorted(got[2][1]) == ["a", "c"] and got[0][1] == ["b"] and got[1][1] == ["d"]
+    assert list(by_time(table.slice(0, 0))) == []
+    assert [t for t, _ in by_time(table.slice(0, 1))] == [5]
