@@ -10,7 +10,7 @@ error naming the time and the file.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from feed.log.checkpoint import Checkpoint, CheckpointStore
 from feed.log.info import FeedInfo
-from feed.log.manifest import ManifestStore
+from feed.log.manifest import ManifestStore, Segment
 from feed.log.store import FeedLog
 from protocol import (
     CheckpointError,
@@ -99,15 +99,32 @@ class FeedReader:
 
     def table(self, time: int) -> pa.Table:
         """The updates at a committed ``time``: record columns and ``diff``."""
-        with self._segment_files(time) as files:
+        return self._table(self._segment(time))
+
+    def _table(self, seg: Segment | None) -> pa.Table:
+        with self._segment_files(seg) as files:
             if not files:
                 return pa.table({"diff": pa.array([], pa.int64())})
             return pa.concat_tables([f.read() for f in files], promote_options="default")
 
     def count(self, time: int) -> int:
         """The number of updates at a committed ``time``, as its manifest counts them."""
-        segs = self._manifests.segments(self.manifest, time, time + 1)
-        return segs[0].count if segs and time < self.frontier else 0
+        seg = self._segment(time)
+        return seg.count if seg is not None else 0
+
+    def _segment(self, time: int) -> Segment | None:
+        """The manifest's entry for a committed ``time`` (None: no such time)."""
+        segs = self._segments(time, time + 1)
+        return segs[0] if segs else None
+
+    def _segments(self, lo: int, hi: int) -> list[Segment]:
+        """The manifest's entries of the committed times ``>= lo`` and ``< hi`` (and
+        ``>= since``), in time order, from one read of the manifest."""
+        cp = self.checkpoint
+        if cp is None:
+            return []
+        lo, hi = max(lo, self.since), min(hi, cp.frontier)
+        return self._manifests.segments(self.manifest, lo, hi) if lo < hi else []
 
     def batches(self, time: int, rows: int = STREAM_ROWS, skip: int = 0) -> Iterator[Updates]:
         """The updates at a committed ``time`` in batches of at most ``rows``, each read
@@ -116,7 +133,12 @@ class FeedReader:
         ``skip``: begin after that many updates (a stream that let its files go while its
         consumer was not reading opens them again where it was); whole files and row
         groups are skipped unread, only the rest of one row group is read and dropped."""
-        with self._segment_files(time, stream=True) as files:
+        return self._batches(self._segment(time), rows, skip)
+
+    def _batches(self, seg: Segment | None, rows: int, skip: int) -> Iterator[Updates]:
+        if seg is None:
+            return
+        with self._segment_files(seg, stream=True) as files:
             for f in files:
                 groups = list(range(f.metadata.num_row_groups))
                 while groups and skip >= (n := f.metadata.row_group(groups[0]).num_rows):
@@ -130,26 +152,26 @@ class FeedReader:
                         continue
                     if skip:
                         b, skip = b.slice(skip), 0
-                    yield _as_updates(pa.Table.from_batches([b]), time, self.record_type)
+                    yield _as_updates(pa.Table.from_batches([b]), seg.time, self.record_type)
 
     @contextlib.contextmanager
-    def _segment_files(self, time: int, stream: bool = False) -> Iterator[list[pq.ParquetFile]]:
-        """The open segment files of a committed ``time`` (none for a time without
-        updates), their row counts checked against the manifest's count; closed on exit,
-        or as soon as opening or checking them fails. ``stream``: opened to be read a batch
-        at a time (see :meth:`_open`)."""
-        segs = self._manifests.segments(self.manifest, time, time + 1)
+    def _segment_files(
+        self, seg: Segment | None, stream: bool = False
+    ) -> Iterator[list[pq.ParquetFile]]:
+        """The open files of a committed time's segment (none for no segment, or a time
+        without updates), their row counts checked against the manifest's count; closed
+        on exit, or as soon as opening or checking them fails. ``stream``: opened to be
+        read a batch at a time (see :meth:`_open`)."""
         with contextlib.ExitStack() as opened:
             files: list[pq.ParquetFile] = []
-            if segs and time < self.frontier:
-                seg = segs[0]
+            if seg is not None:
                 for rel in seg.files:
-                    files.append(self._open(rel, f"time {time}", stream=stream))
+                    files.append(self._open(rel, f"time {seg.time}", stream=stream))
                     opened.callback(files[-1].close)
                 found = sum(f.metadata.num_rows for f in files)
                 if found != seg.count:
                     raise CheckpointError(
-                        f"feed {self.name!r}: time {time} holds {found} update(s) in "
+                        f"feed {self.name!r}: time {seg.time} holds {found} update(s) in "
                         f"{', '.join(seg.files)}, but its manifest counts {seg.count}"
                     )
             yield files
@@ -239,7 +261,7 @@ class FeedReader:
 
     def committed(
         self, lower: int, frontier: int, rows: int | None = None, skip: int = 0
-    ) -> Iterator[list[Message]]:
+    ) -> Generator[list[Message], None, None]:
         """The committed times from ``lower`` below ``frontier`` as messages, in turns of
         one batch of updates each (at most ``rows``, read when the turn is asked for;
         None: a time's updates in one batch): a time's last batch comes with the time's
@@ -252,9 +274,14 @@ class FeedReader:
         the demo's check), the pull stream (feed/serve/stream.py) and the push publisher
         (feed/serve/publisher.py) run it, a turn per worker-thread call for the last
         two."""
-        for t in self.times(after=lower, until=frontier):
-            count = self.count(t)  # (the files' row counts are checked against it)
-            n, batches = skip, [self.updates(t)] if rows is None else self.batches(t, rows, skip)
+        for seg in self._segments(lower, frontier):
+            t, count = seg.time, seg.count  # (the files' row counts are checked against it)
+            n, batches = (
+                skip,
+                [_as_updates(self._table(seg), t, self.record_type)]
+                if rows is None
+                else self._batches(seg, rows, skip),
+            )
             skip = 0
             for batch in batches:
                 if len(batch):

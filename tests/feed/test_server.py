@@ -147,14 +147,14 @@ async def test_a_stream_waiting_on_its_consumer_lets_its_files_go_and_goes_on_ex
             await asyncio.sleep(0.2)
         return await write(self, data)
 
-    batches = FeedReader.batches
+    batches = FeedReader._batches  # what the committed loop reads a time's files with
 
-    def spied(self, time, rows=50_000, skip=0):
+    def spied(self, seg, rows, skip):
         skips.append(skip)
-        return batches(self, time, rows, skip)
+        return batches(self, seg, rows, skip)
 
     monkeypatch.setattr(web.StreamResponse, "write", slow_consumer)
-    monkeypatch.setattr(FeedReader, "batches", spied)
+    monkeypatch.setattr(FeedReader, "_batches", spied)
     log, _ = feed_log
     base, runner = await serve(make_server_app(ServerConfig(log=str(log))))
     try:
