@@ -10,6 +10,7 @@ import contextlib
 import io
 import logging
 import time
+from collections.abc import Generator
 from typing import Any
 
 import orjson
@@ -17,7 +18,15 @@ from aiohttp import web
 
 from feed.log.reader import FeedReader
 from feed.serve.state import ServerState
-from protocol import CheckpointError, Compacted, Progress, Updates, announcement, get_codec
+from protocol import (
+    CheckpointError,
+    Compacted,
+    Message,
+    Progress,
+    Updates,
+    announcement,
+    get_codec,
+)
 
 __all__ = ["RELEASE_SECONDS", "STREAM_CHUNK_UPDATES", "stream"]
 
@@ -41,18 +50,18 @@ class _SchemaMoved(Exception):
         self.at = at
 
 
-class _TimeFiles:
+class _OpenTurns:
     """The committed turns (and so the open files) a stream is sending, if open."""
 
     def __init__(self) -> None:
-        self.batches: Any = None
+        self.turns: Generator[list[Message], None, None] | None = None
 
     def release(self) -> None:
         """Close the files; the stream opens them again after what it sent."""
-        if self.batches is not None:
+        if self.turns is not None:
             with contextlib.suppress(ValueError):  # (a generator still running in its thread)
-                self.batches.close()
-            self.batches = None
+                self.turns.close()
+            self.turns = None
 
 
 class _Stalled(Exception):
@@ -106,7 +115,7 @@ class _PullStream:
         self.st, self.feed, self.reader, self.resp, self.fmt = st, feed, reader, resp, fmt
         self.lower = lower  # where the next time's progress starts
         self.sent = 0  # updates already encoded of the first time from ``lower`` on
-        self.files = _TimeFiles()
+        self.files = _OpenTurns()
         self.sink = io.BytesIO()
         self.encoder = get_codec(fmt).encoder(self.sink, schema=reader.info.schema)
         # an Avro or Arrow stream has one schema: it ends where a newer version is committed
@@ -235,11 +244,12 @@ class _PullStream:
         """The next turn below ``frontier`` read and encoded (one worker-thread call): its
         number of updates and its bytes; None after the last. The turns are opened again
         where the stream is when its files were let go."""
-        if self.files.batches is None:
-            self.files.batches = self.reader.committed(
+        turns = self.files.turns
+        if turns is None:
+            turns = self.files.turns = self.reader.committed(
                 self.lower, frontier, STREAM_CHUNK_UPDATES, skip=self.sent
             )
-        messages = next(self.files.batches, None)
+        messages = next(turns, None)
         if messages is None:
             return None
         n = sum(len(m) for m in messages if isinstance(m, Updates))
