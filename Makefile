@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-fast test-sources demo lint typecheck pytest bench java-check clean reliability notebook
+.PHONY: test test-fast test-sources test-engines demo lint typecheck pytest bench java-check clean reliability notebook
 
 $(BIN)/python:
 	@echo "creating the virtual environment $(VENV)"
@@ -32,7 +32,7 @@ typecheck: $(STAMP)
 
 # every test but the real-source ones (make test-sources)
 pytest: $(STAMP) java-check
-	$(BIN)/python -m pytest -m "not realsource"
+	$(BIN)/python -m pytest -m "not realsource and not engines"
 
 test: lint typecheck pytest
 
@@ -41,6 +41,23 @@ test: lint typecheck pytest
 # they skip). .ci/run runs them after make test and makes a skip a failure.
 test-sources: $(STAMP) java-check
 	$(BIN)/python -m pytest -m realsource
+
+# real downstream engines as users: a Pathway program reading a growing feed
+# (tests/e2e/test_pathway.py, marker engines). Pathway needs pyarrow<26, so it gets an
+# environment of its own, .venv-pathway, with tidefeed's core and the pathway extra; the
+# tests run from $(VENV) and start the Pathway program there. .ci/run runs this after
+# make test and makes a skip a failure.
+PATHWAY_VENV ?= .venv-pathway
+$(PATHWAY_VENV)/.installed: pyproject.toml
+	@echo "creating $(PATHWAY_VENV) for Pathway (it needs pyarrow<26; a few minutes the first time)"
+	$(PYTHON) -m venv $(PATHWAY_VENV)
+	$(PATHWAY_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PATHWAY_VENV)/bin/python -m pip install --progress-bar off -e '.[pathway]' \
+		--config-settings editable_mode=compat
+	touch $@
+
+test-engines: $(STAMP) java-check $(PATHWAY_VENV)/.installed
+	TIDEFEED_PATHWAY_PYTHON=$(PATHWAY_VENV)/bin/python $(BIN)/python -m pytest -m engines
 
 # the inner loop: lint, types and every test that needs neither Spark nor a tidefeed
 # process (the codecs, the consumer state machine, the receiver, the HTTP servers in

@@ -1,0 +1,233 @@
+"""A feed as a Pathway table (extra ``pathway``): :func:`read`.
+
+Pathway (PyPI ``pathway``) is a differential-dataflow engine with a Python API. :func:`read`
+pulls a feed from ``tidefeed serve`` with the client library
+(:class:`protocol.client.FeedClient`: counts checked, rollbacks applied, dropped
+connections resumed) and hands Pathway each complete time as **one Pathway commit**, so
+every view Pathway keeps moves from one consistent state of the feed to the next::
+
+    import pathway as pw
+    from feed.pathway import read
+
+    accounts = read("http://127.0.0.1:8080", "accounts", until=None)
+    by_owner = accounts.groupby(accounts.owner).reduce(
+        accounts.owner, total=pw.reducers.sum(accounts.balance)
+    )
+    pw.io.jsonlines.write(by_owner, "by_owner.jsonl")
+    pw.run()
+
+* **Keys.** A keyed feed is a table keyed by the feed's key (its key columns are the
+  primary key): a time's update of a key replaces the row, a retraction alone deletes it.
+  A multiset feed (no key) holds one row per copy of a record, told apart by an ``copy_``
+  column (0, 1, ...), so a record that is there twice is two rows.
+* **Columns** are the record's, typed from the feed's schema: long/int as ``int``,
+  float/double as ``float``, decimals as ``float`` (Pathway has no decimal type), dates
+  and local timestamps as ``pw.DateTimeNaive``, timestamps as ``pw.DateTimeUtc``, times of
+  day as ``pw.Duration``, bytes, strings and booleans as themselves, nested values as
+  ``pw.Json``; a nullable column is ``T | None``. Pathway reserves ``id``: such a column is
+  ``id_`` (and a name ending in ``_`` that would collide gets one more ``_``).
+* **Where it starts.** From the beginning, or with ``after=`` (a frontier: the resume
+  token), or ``snapshot=True`` (the collection, then the changes); ``follow=False`` or
+  ``until=F`` makes the table finite (``pw.run`` returns when it is read).
+* **Restarts.** With ``name=`` and Pathway persistence (``pw.run(persistence_config=...)``)
+  the connector records the frontier of every commit as its offset; a restarted program
+  goes on from the last persisted one, so no time is read twice and none is skipped.
+  ``name`` is also the server's pull subscription the client ACKs, so retention keeps what
+  the program has not read (docs/consumers.md).
+
+The schema is read once, at :func:`read`: a feed whose record schema changes while a
+program reads it stops the program with a clear error (start it again to get the new
+columns).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+from typing import Any
+
+import pyarrow as pa
+
+from protocol import avro_to_arrow
+from protocol.client import CompleteTime, FeedClient
+
+__all__ = ["pathway_columns", "read"]
+
+#: column names Pathway keeps for itself
+RESERVED = frozenset({"id"})
+#: the column that tells the copies of a record of a multiset feed apart
+COPY = "copy_"
+
+
+def pathway_columns(record: pa.StructType) -> dict[str, tuple[str, Any]]:
+    """The Pathway column of every record field: ``{field: (column, type)}``."""
+    import pathway as pw
+
+    names = {f.name for f in record}
+    out: dict[str, tuple[str, Any]] = {}
+    for f in record:
+        column = f.name
+        while column in RESERVED or (column != f.name and column in names):
+            column += "_"
+        t = _pathway_type(f.type, pw)
+        out[f.name] = (column, t | None if f.nullable else t)
+    return out
+
+
+def _pathway_type(t: pa.DataType, pw: Any) -> Any:
+    if pa.types.is_boolean(t):
+        return bool
+    if pa.types.is_integer(t):
+        return int
+    if pa.types.is_floating(t) or pa.types.is_decimal(t):
+        return float
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return str
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return bytes
+    if pa.types.is_date(t):
+        return pw.DateTimeNaive
+    if pa.types.is_timestamp(t):
+        return pw.DateTimeUtc if t.tz is not None else pw.DateTimeNaive
+    if pa.types.is_time(t):
+        return pw.Duration
+    return pw.Json
+
+
+def _value(v: Any, pw: Any) -> Any:
+    """A record value as the Pathway column takes it."""
+    if v is None or isinstance(v, bool | int | float | str | bytes):
+        return v
+    if isinstance(v, decimal.Decimal):
+        return float(v)
+    if isinstance(v, dt.datetime):
+        return v
+    if isinstance(v, dt.date):
+        return dt.datetime(v.year, v.month, v.day)
+    if isinstance(v, dt.time):
+        return dt.timedelta(
+            hours=v.hour, minutes=v.minute, seconds=v.second, microseconds=v.microsecond
+        )
+    return pw.Json(_jsonable(v))
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, decimal.Decimal):
+        return float(v)
+    if isinstance(v, bytes):
+        return v.hex()
+    if isinstance(v, dt.date | dt.time):
+        return v.isoformat()
+    return v
+
+
+def read(
+    server_url: str,
+    feed: str,
+    *,
+    token: str | None = None,
+    after: int | None = None,
+    snapshot: bool = False,
+    follow: bool = True,
+    until: int | None = None,
+    name: str | None = None,
+) -> Any:
+    """The feed ``feed`` of the server at ``server_url`` as a Pathway table (see the
+    module): one Pathway commit per complete time."""
+    import pathway as pw
+    from pathway.io.python import ConnectorSubject
+
+    client = FeedClient(server_url, feed, token=token, name=name)
+    info = client.info()
+    record = avro_to_arrow(info["schema"])
+    key = list(info.get("key") or [])
+    columns = pathway_columns(record)
+    fingerprint = info["schemas"][-1]["fingerprint"] if info.get("schemas") else None
+    defs = {
+        c: pw.column_definition(dtype=t, primary_key=field in key)
+        for field, (c, t) in columns.items()
+    }
+    if not key:  # a multiset: every record column and the copy number make the key
+        defs = {c: pw.column_definition(dtype=d.dtype, primary_key=True) for c, d in defs.items()}
+        defs[COPY] = pw.column_definition(dtype=int, primary_key=True)
+    schema = pw.schema_builder(defs, name=f"tidefeed_{feed}")
+    fields = [(f, c) for f, (c, _) in columns.items()]
+
+    class _Subject(ConnectorSubject):  # type: ignore[misc]  # (pathway is untyped here)
+        def __init__(self) -> None:
+            super().__init__(
+                datasource_name=f"tidefeed:{feed}", session_type="upsert" if key else "native"
+            )
+            self.after = after
+            self.copies: dict[tuple[Any, ...], int] = {}
+
+        @property
+        def _deletions_enabled(self) -> bool:
+            return True
+
+        def _seek(self, state: bytes) -> None:
+            if not key:
+                raise RuntimeError(
+                    f"feed {feed!r} has no key: its copies are numbered by this program, "
+                    "so it cannot resume from persisted state; start it without persistence"
+                )
+            self.after = int(state.decode())
+
+        def _is_finite(self) -> bool:
+            return not follow or until is not None
+
+        def run(self) -> None:
+            self._disable_commits()
+            times = client.times(
+                after=self.after,
+                snapshot=snapshot and self.after is None,
+                follow=follow,
+                until=until,
+            )
+            for item in times:
+                self._check_schema()
+                self._send(item)
+                self._report_offset(str(item.frontier).encode())
+                self.commit()
+
+        def _check_schema(self) -> None:
+            now = client.info().get("schemas") or []
+            if fingerprint is not None and now and now[-1]["fingerprint"] != fingerprint:
+                raise RuntimeError(
+                    f"feed {feed!r}: its record schema changed while this program read it "
+                    f"(a version from time {now[-1]['from']}); start the program again to read "
+                    "the new columns"
+                )
+
+        def _send(self, item: CompleteTime) -> None:
+            plus: list[tuple[dict[str, Any], int]] = []
+            minus: list[tuple[dict[str, Any], int]] = []
+            for u in item.rows():
+                row = {c: _value(u["data"][f], pw) for f, c in fields}
+                (plus if u["diff"] > 0 else minus).append((row, u["diff"]))
+            if key:
+                added = {tuple(r[columns[k][0]] for k in key) for r, _ in plus}
+                for r, _ in minus:  # a key re-added at this time is replaced, not deleted
+                    if tuple(r[columns[k][0]] for k in key) not in added:
+                        self.delete(**r)
+                for r, _ in plus:
+                    self.next(**r)
+                return
+            for r, d in minus:
+                ident = tuple(r.values())
+                n = self.copies.get(ident, 0)
+                for copy in range(n + d, n):
+                    self.delete(**r, **{COPY: copy})
+                self.copies[ident] = n + d
+            for r, d in plus:
+                ident = tuple(r.values())
+                n = self.copies.get(ident, 0)
+                for copy in range(n, n + d):
+                    self.next(**r, **{COPY: copy})
+                self.copies[ident] = n + d
+
+    return pw.io.python.read(_Subject(), schema=schema, autocommit_duration_ms=None, name=name)

@@ -1,0 +1,177 @@
+"""Pathway as a real downstream engine: a program reads a growing feed through
+``feed.pathway.read`` and keeps views that must equal the truth at every complete time.
+
+Pathway needs ``pyarrow<26``, so it lives in an environment of its own (``make
+test-engines`` builds ``.venv-pathway``); the program runs there as a process, against a
+``tidefeed serve`` and a ``tidefeed emit --follow`` of this environment. Without that
+environment these tests skip, unless ``TIDEFEED_REQUIRE_PATHWAY=1`` (``.ci/run``), which
+makes the skip a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import orjson
+import pytest
+
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
+from feed.log.reader import FeedReader
+
+from .helpers import bank_emit_args, free_port, start, wait_up, write_parts_at_transactions
+
+pytestmark = [pytest.mark.slow, pytest.mark.engines, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+BANK = generate_bank(transactions=30, seed=21)
+#: the region of every owner: the static table of the join
+REGIONS = {"ada": "north", "chen": "east", "dolores": "south", "émile": "south", "grace": "north"}
+
+PROGRAM = r"""
+import sys, orjson
+import pathway as pw
+from feed.pathway import read
+
+url, out_path, until = sys.argv[1], sys.argv[2], int(sys.argv[3])
+regions = orjson.loads(sys.argv[4])
+accounts = read(url, "bank", until=until)
+by_owner = accounts.groupby(accounts.owner).reduce(
+    accounts.owner, total=pw.reducers.sum(accounts.balance), n=pw.reducers.count()
+)
+static = pw.debug.table_from_rows(
+    pw.schema_from_types(owner=str, region=str), list(regions.items())
+)
+joined = accounts.join(static, accounts.owner == static.owner).select(
+    static.region, accounts.balance
+)
+by_region = joined.groupby(joined.region).reduce(
+    joined.region, total=pw.reducers.sum(joined.balance)
+)
+out = open(out_path, "ab")
+
+def sink(view):
+    def on_change(key, row, time, is_addition):
+        out.write(orjson.dumps([view, time, is_addition, row]) + b"\n")
+        out.flush()
+    return on_change
+
+for view, table in (("accounts", accounts), ("by_owner", by_owner), ("by_region", by_region)):
+    pw.io.subscribe(table, on_change=sink(view))
+pw.run(monitoring_level=pw.MonitoringLevel.NONE)
+"""
+
+
+def pathway_python() -> str:
+    python = os.environ.get("TIDEFEED_PATHWAY_PYTHON", str(ROOT / ".venv-pathway/bin/python"))
+    found = (
+        Path(python).exists()
+        and subprocess.run([python, "-c", "import pathway"], capture_output=True).returncode == 0
+    )
+    if not found:
+        reason = f"no Pathway environment at {python} (make test-engines builds it)"
+        if os.environ.get("TIDEFEED_REQUIRE_PATHWAY"):
+            pytest.fail(reason + " (TIDEFEED_REQUIRE_PATHWAY is set)")
+        pytest.skip(reason)
+    return python
+
+
+def truth(reader: FeedReader, t: int) -> dict[str, Counter]:
+    """The three views over the feed's collection at time ``t``, as multisets of rows."""
+    rows = reader.snapshot(t).drop_columns(["count"]).to_pylist()  # (keyed: each once)
+    owners: dict[str, list[int]] = {}
+    regions: dict[str, int] = {}
+    for r in rows:
+        owners.setdefault(r["owner"], []).append(r["balance"])
+        if r["owner"] in REGIONS:
+            regions[REGIONS[r["owner"]]] = regions.get(REGIONS[r["owner"]], 0) + r["balance"]
+    return {
+        "accounts": Counter(
+            orjson.dumps({("id_" if k == "id" else k): v for k, v in r.items()}) for r in rows
+        ),
+        "by_owner": Counter(
+            orjson.dumps({"owner": o, "total": sum(b), "n": len(b)}) for o, b in owners.items()
+        ),
+        "by_region": Counter(orjson.dumps({"region": g, "total": s}) for g, s in regions.items()),
+    }
+
+
+def test_a_pathway_program_over_a_growing_feed_equals_the_truth_at_every_time(tmp_path):
+    """An emitter follows the bank's files as they arrive and a server serves its log;
+    a Pathway program reads the feed while it grows. Each complete time is one Pathway
+    commit, and after each, the table and the views (a groupby and a join with a static
+    table) equal the views of the feed's collection at that time."""
+    python = pathway_python()
+    src, log = tmp_path / "in", tmp_path / "log"
+    src.mkdir()
+    (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
+    staged = write_parts_at_transactions(tmp_path / "staged", BANK.events, 5)
+    emitter = start(
+        *bank_emit_args(src, log, "--granularity", "transaction", "--follow", "--trigger", "0.2"),
+        log=tmp_path / "emit.log",
+    )
+    out = tmp_path / "views.jsonl"
+    program = server = None
+    try:
+        staged[0].rename(src / staged[0].name)
+        deadline = time.monotonic() + 120
+        while not (log / "bank").exists() or FeedReader(str(log), "bank").frontier == 0:
+            assert time.monotonic() < deadline, (tmp_path / "emit.log").read_text()[-3000:]
+            time.sleep(0.2)
+        port = free_port()
+        server = start("serve", "--log", str(log), "--port", str(port), log=tmp_path / "serve.log")
+        wait_up(port)
+        # the whole feed ends with one time per source transaction (logical clock)
+        until = 1 + BANK.transactions
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.pop("PYSPARK_SUBMIT_ARGS", None)
+        program = subprocess.Popen(
+            [
+                python,
+                "-c",
+                PROGRAM,
+                f"http://127.0.0.1:{port}",
+                str(out),
+                str(until),
+                orjson.dumps(REGIONS).decode(),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for part in staged[1:]:  # the rest arrives while Pathway reads
+            time.sleep(1.5)
+            part.rename(src / part.name)
+        output, _ = program.communicate(timeout=300)
+        assert program.returncode == 0, output.decode()[-3000:]
+    finally:
+        for p in (program, emitter, server):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+    reader = FeedReader(str(log), "bank")
+    assert reader.frontier == until
+    changes: dict[int, list] = {}
+    for line in out.read_bytes().splitlines():
+        view, pw_time, added, row = orjson.loads(line)
+        changes.setdefault(pw_time, []).append((view, added, row))
+    # one Pathway commit per complete time: the Pathway times with changes to the table,
+    # in order, are the feed's times with updates, in order
+    feed_times = reader.times()
+    table_times = sorted(t for t, cs in changes.items() if any(v == "accounts" for v, *_ in cs))
+    assert len(table_times) == len(feed_times) > 10
+    assert set(changes) <= set(table_times)  # no view moves without the table
+    held: dict[str, Counter] = {v: Counter() for v in ("accounts", "by_owner", "by_region")}
+    for pw_time, t in zip(table_times, feed_times, strict=True):
+        for view, added, row in changes[pw_time]:
+            held[view][orjson.dumps(row)] += 1 if added else -1
+        current = {v: +c for v, c in held.items()}  # (drop what netted to zero)
+        assert current == truth(reader, t), f"time {t}"
