@@ -146,7 +146,6 @@ def read(
     record = avro_to_arrow(info["schema"])
     key = list(info.get("key") or [])
     columns = pathway_columns(record)
-    fingerprint = info["schemas"][-1]["fingerprint"] if info.get("schemas") else None
     defs = {
         c: pw.column_definition(dtype=t, primary_key=field in key)
         for field, (c, t) in columns.items()
@@ -187,20 +186,21 @@ def read(
                 snapshot=snapshot and self.after is None,
                 follow=follow,
                 until=until,
+                from_ack=False,  # Pathway's persisted offset is the resume point
             )
             for item in times:
-                self._check_schema()
+                self._check_schema(item)
                 self._send(item)
                 self._report_offset(str(item.frontier).encode())
                 self.commit()
 
-        def _check_schema(self) -> None:
-            now = client.info().get("schemas") or []
-            if fingerprint is not None and now and now[-1]["fingerprint"] != fingerprint:
+        def _check_schema(self, item: CompleteTime) -> None:
+            got = item.updates.schema.field("data").type
+            if got != record:
                 raise RuntimeError(
-                    f"feed {feed!r}: its record schema changed while this program read it "
-                    f"(a version from time {now[-1]['from']}); start the program again to read "
-                    "the new columns"
+                    f"feed {feed!r}: time {item.time} has records of another schema than "
+                    f"when this program started ({got} against {record}); start the program "
+                    "again to read the new columns"
                 )
 
         def _send(self, item: CompleteTime) -> None:

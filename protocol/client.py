@@ -198,11 +198,17 @@ class FeedClient:
         snapshot: bool = False,
         follow: bool = True,
         until: int | None = None,
+        from_ack: bool = True,
     ) -> Generator[CompleteTime, None, None]:
         """The complete times from ``after`` (see the module); each item's ``frontier`` is
-        the token to resume after it."""
-        if after is None and self.name is not None:
-            after = self.subscription_ack()
+        the token to resume after it. ``from_ack=False``: with ``name=``, the subscription
+        is only ACKed, the iteration starts at ``after`` even when that is None (a
+        consumer that keeps its own resume point, such as a Pathway program's persisted
+        offset)."""
+        if self.name is not None:
+            acked = self.subscription_ack()
+            if after is None and from_ack:
+                after = acked
         store = _Handover(after)
         consumer = Consumer(store, feed=self.feed)
         self.frontier = after
@@ -308,9 +314,12 @@ class FeedClient:
         snapshot: bool = False,
         follow: bool = True,
         until: int | None = None,
+        from_ack: bool = True,
     ) -> AsyncIterator[CompleteTime]:
         """:meth:`times` as an async iterator (the blocking reads run in a worker thread)."""
-        it = self.times(after=after, snapshot=snapshot, follow=follow, until=until)
+        it = self.times(
+            after=after, snapshot=snapshot, follow=follow, until=until, from_ack=from_ack
+        )
         end = object()
         try:
             while (item := await asyncio.to_thread(next, it, end)) is not end:

@@ -37,9 +37,9 @@ import sys, orjson
 import pathway as pw
 from feed.pathway import read
 
-url, out_path, until = sys.argv[1], sys.argv[2], int(sys.argv[3])
-regions = orjson.loads(sys.argv[4])
-accounts = read(url, "bank", until=until)
+url, out_path, until, state = sys.argv[1], sys.argv[2], int(sys.argv[3]) or None, sys.argv[4]
+regions = orjson.loads(sys.argv[5])
+accounts = read(url, "bank", until=until, name="views")
 by_owner = accounts.groupby(accounts.owner).reduce(
     accounts.owner, total=pw.reducers.sum(accounts.balance), n=pw.reducers.count()
 )
@@ -62,7 +62,8 @@ def sink(view):
 
 for view, table in (("accounts", accounts), ("by_owner", by_owner), ("by_region", by_region)):
     pw.io.subscribe(table, on_change=sink(view))
-pw.run(monitoring_level=pw.MonitoringLevel.NONE)
+persistence = pw.persistence.Config(pw.persistence.Backend.filesystem(state))
+pw.run(monitoring_level=pw.MonitoringLevel.NONE, persistence_config=persistence)
 """
 
 
@@ -102,9 +103,10 @@ def truth(reader: FeedReader, t: int) -> dict[str, Counter]:
 
 def test_a_pathway_program_over_a_growing_feed_equals_the_truth_at_every_time(tmp_path):
     """An emitter follows the bank's files as they arrive and a server serves its log;
-    a Pathway program reads the feed while it grows. Each complete time is one Pathway
-    commit, and after each, the table and the views (a groupby and a join with a static
-    table) equal the views of the feed's collection at that time."""
+    a Pathway program reads the feed while it grows, is stopped by SIGTERM midway and
+    started again on its persisted state. Each complete time is one Pathway commit, none
+    is read twice, and after each the table and the views (a groupby and a join with a
+    static table) equal the views of the feed's collection at that time."""
     python = pathway_python()
     src, log = tmp_path / "in", tmp_path / "log"
     src.mkdir()
@@ -129,21 +131,27 @@ def test_a_pathway_program_over_a_growing_feed_equals_the_truth_at_every_time(tm
         until = 1 + BANK.transactions
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("PYSPARK_SUBMIT_ARGS", None)
-        program = subprocess.Popen(
-            [
-                python,
-                "-c",
-                PROGRAM,
-                f"http://127.0.0.1:{port}",
-                str(out),
-                str(until),
-                orjson.dumps(REGIONS).decode(),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for part in staged[1:]:  # the rest arrives while Pathway reads
+
+        def run(until: int) -> subprocess.Popen:
+            args = [f"http://127.0.0.1:{port}", str(out), str(until), str(tmp_path / "state")]
+            return subprocess.Popen(
+                [python, "-c", PROGRAM, *args, orjson.dumps(REGIONS).decode()],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+
+        program = run(0)  # follows until it is stopped
+        for part in staged[1:3]:  # more arrives while Pathway reads
+            time.sleep(1.5)
+            part.rename(src / part.name)
+        time.sleep(2)
+        program.send_signal(signal.SIGTERM)
+        output, _ = program.communicate(timeout=120)
+        assert program.returncode == 143, output.decode()[-3000:]  # Pathway's clean stop
+        first = len(out.read_bytes().splitlines())
+        program = run(until)  # the same program again, on its persisted state
+        for part in staged[3:]:
             time.sleep(1.5)
             part.rename(src / part.name)
         output, _ = program.communicate(timeout=300)
@@ -159,6 +167,7 @@ def test_a_pathway_program_over_a_growing_feed_equals_the_truth_at_every_time(tm
 
     reader = FeedReader(str(log), "bank")
     assert reader.frontier == until
+    assert 0 < first < len(out.read_bytes().splitlines())  # each run read some of it
     changes: dict[int, list] = {}
     for line in out.read_bytes().splitlines():
         view, pw_time, added, row = orjson.loads(line)
