@@ -206,3 +206,79 @@ async def test_refusals_are_client_errors_naming_the_cause(half_feed):
         assert accumulate(items) == TRUTH_HALF
     finally:
         await runner.cleanup()
+
+
+def test_a_server_killed_mid_stream_and_restarted_loses_and_repeats_nothing(growing_feed):
+    """A client follows a real ``tidefeed serve``; the server is SIGKILLed, the feed
+    grows while it is down, and a new server starts on the same port: the client
+    reconnects by itself and ends with every time once."""
+    import signal
+
+    from ..e2e.helpers import free_port, start, wait_up
+
+    log, more = growing_feed
+    port = free_port()
+    args = ("serve", "--log", str(log), "--port", str(port))
+    server = start(*args)
+    first = FeedReader(str(log), "bank").frontier
+    client = FeedClient(f"http://127.0.0.1:{port}", "bank", retry_for=120)
+    got: list = []
+    caught_up = threading.Event()
+
+    def follow() -> None:
+        for item in client.times(follow=True):
+            got.append(item)
+            if item.frontier >= first:
+                caught_up.set()
+            if accumulate(got) == TRUTH_ALL:
+                return
+
+    try:
+        wait_up(port)
+        reading = threading.Thread(target=follow, daemon=True)
+        reading.start()
+        assert caught_up.wait(120)
+        assert accumulate(got) == TRUTH_HALF
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=30)
+        more()  # the emitter commits the rest while no server runs
+        server = start(*args)
+        reading.join(180)
+        assert not reading.is_alive(), "the client did not come back after the restart"
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    assert client.reconnects >= 1
+    times = [i.time for i in got]
+    assert times == sorted(set(times))  # nothing twice
+    assert accumulate(got) == TRUTH_ALL
+
+
+async def test_a_feed_compacted_past_the_client_is_compacted_and_a_snapshot_goes_on(
+    growing_feed,
+):
+    """A client resumes after the feed was compacted past its frontier: the server says
+    410, the client raises Compacted with the feed's ``since``, and the documented way on,
+    a new iteration with ``snapshot=True``, takes the collection and is exact."""
+    from feed.log.compaction import compact
+    from protocol import Compacted
+
+    log, more = growing_feed
+    base, runner = await serve(make_server_app(ServerConfig(log=str(log))))
+    try:
+        items = await pulled(base, follow=False)
+        token = items[-1].frontier
+        await asyncio.to_thread(more)
+        cut = FeedReader(str(log), "bank").times()[-3]
+        assert cut > token
+        await asyncio.to_thread(compact, str(log), "bank", cut)
+        with pytest.raises(Compacted) as e:
+            await pulled(base, after=token, follow=False)
+        assert e.value.since == cut
+        restarted = await pulled(base, snapshot=True, follow=False)
+        end = FeedReader(str(log), "bank").frontier
+        # the collection, consolidated at the last complete time, in one item
+        assert [(i.time, i.frontier) for i in restarted] == [(end - 1, end)]
+        assert accumulate(restarted) == TRUTH_ALL
+    finally:
+        await runner.cleanup()
