@@ -1,4 +1,4 @@
-"""A feed as a Pathway table (extra ``pathway``): :func:`read`.
+"""A feed as a Pathway table and back (extra ``pathway``): :func:`read`, :func:`write`.
 
 Pathway (PyPI ``pathway``) is a differential-dataflow engine with a Python API. :func:`read`
 pulls a feed from ``tidefeed serve`` with the client library
@@ -44,14 +44,19 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import os
+import types
+import typing
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pyarrow as pa
 
 from protocol import avro_to_arrow
 from protocol.client import CompleteTime, FeedClient
 
-__all__ = ["pathway_columns", "read"]
+__all__ = ["pathway_columns", "read", "write"]
 
 #: column names Pathway keeps for itself
 RESERVED = frozenset({"id"})
@@ -231,3 +236,73 @@ def read(
                 self.copies[ident] = n + d
 
     return pw.io.python.read(_Subject(), schema=schema, autocommit_duration_ms=None, name=name)
+
+
+#: Avro types of the Pathway column types :func:`write` takes
+_AVRO = {int: "long", float: "double", str: "string", bool: "boolean"}
+
+
+def write(table: Any, folder: str | os.PathLike[str], *, schema_file: str | None = None) -> None:
+    """A Pathway table's changes as input of a feed: every Pathway time with changes
+    becomes one file in ``folder`` of ``weighted`` rows (``{"record": row, "delta": ±1}``),
+    and the record's Avro schema goes to ``schema_file`` (default: ``folder`` + ``.avsc``).
+    ``tidefeed emit --source weighted:FOLDER --schema FOLDER.avsc --max-files-per-txn 1``
+    (``--follow`` while the program runs) makes them a feed, one time per Pathway time,
+    with the emitter's consolidation, progress and exactly-once commits; served, checked
+    and read like any other feed (docs/consumers.md, "Pathway").
+
+    Each file appears whole (written under a hidden name, then renamed) and is named by
+    its Pathway time, so the files sort in time order. Columns of int, float, str and
+    bool (each optionally None) are taken; another type is refused here, before the
+    program runs."""
+    import pathway as pw
+
+    out = Path(folder)
+    fields = []
+    for name, hint in table.schema.typehints().items():
+        base, nullable = _without_none(hint)
+        if base not in _AVRO:
+            raise TypeError(
+                f"feed.pathway.write: column {name!r} is {hint}; only int, float, str and "
+                "bool columns (or None) can be written, so convert it first"
+            )
+        fields.append(
+            {"name": name, "type": ["null", _AVRO[base]], "default": None}
+            if nullable
+            else {"name": name, "type": _AVRO[base]}
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    schema = {"type": "record", "name": _avro_name(out.name), "fields": fields}
+    Path(schema_file or f"{out}.avsc").write_bytes(orjson.dumps(schema, option=orjson.OPT_INDENT_2))
+    pending: list[bytes] = []
+
+    def on_change(key: Any, row: dict[str, Any], time: int, is_addition: bool) -> None:
+        pending.append(orjson.dumps({"record": row, "delta": 1 if is_addition else -1}))
+
+    def on_time_end(time: int) -> None:
+        if not pending:
+            return
+        final = out / f"part-{time:020d}.json"
+        hidden = out / f".{final.name}.writing"  # (sources skip hidden files)
+        with open(hidden, "wb") as f:
+            f.write(b"\n".join(pending) + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        hidden.rename(final)
+        pending.clear()
+
+    pw.io.subscribe(table, on_change=on_change, on_time_end=on_time_end)
+
+
+def _without_none(hint: Any) -> tuple[Any, bool]:
+    """``T | None`` as ``(T, True)``; ``T`` as ``(T, False)``."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return hint, False
+
+
+def _avro_name(name: str) -> str:
+    cleaned = "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "record"
+    return cleaned if not cleaned[0].isdigit() else "_" + cleaned
