@@ -236,3 +236,77 @@ write(t, sys.argv[1])
     assert done.returncode == 1
     assert b"TypeError: feed.pathway.write: column 'at' is" in done.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.avsc").exists()
+
+
+def test_a_feed_without_a_key_is_a_row_per_copy(tmp_path):
+    """A multiset feed (records there 2 and 3 times, copies taken away one by one) read
+    by Pathway: at every time the table holds one row per copy, numbered by ``copy_``,
+    and its records counted equal the feed's collection."""
+    python = pathway_python()
+    src = tmp_path / "in"
+    src.mkdir()
+    steps = [  # one file, one time each
+        [({"k": "a", "v": 1}, 2), ({"k": "b", "v": 2}, 1)],
+        [({"k": "a", "v": 1}, -1), ({"k": "c", "v": 3}, 3)],
+        [({"k": "a", "v": 1}, -1), ({"k": "b", "v": 2}, -1), ({"k": "c", "v": 3}, -1)],
+        [({"k": "a", "v": 1}, 1)],
+    ]
+    for i, rows in enumerate(steps):
+        lines = [orjson.dumps({"record": r, "delta": d}) for r, d in rows]
+        (src / f"part-{i}.json").write_bytes(b"\n".join(lines) + b"\n")
+    schema = {"type": "record", "name": "r", "fields": [
+        {"name": "k", "type": "string"}, {"name": "v", "type": "long"}]}  # fmt: skip
+    (tmp_path / "r.avsc").write_bytes(orjson.dumps(schema))
+    log = tmp_path / "log"
+    made = tidefeed(
+        "emit", "--source", f"weighted:{src}", "--schema", str(tmp_path / "r.avsc"),
+        "--feed", "m", "--log", str(log), "--clock", "logical", "--max-files-per-txn", "1",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr.decode()[-3000:]
+    port = free_port()
+    server = start("serve", "--log", str(log), "--port", str(port), log=tmp_path / "serve.log")
+    program = r"""
+import sys, orjson
+import pathway as pw
+from feed.pathway import read
+t = read(sys.argv[1], "m", follow=False)
+out = open(sys.argv[2], "ab")
+def on_change(key, row, time, is_addition):
+    out.write(orjson.dumps([time, is_addition, row]) + b"\n")
+    out.flush()
+pw.io.subscribe(t, on_change=on_change)
+pw.run(monitoring_level=pw.MonitoringLevel.NONE)
+"""
+    out = tmp_path / "rows.jsonl"
+    try:
+        wait_up(port)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        done = subprocess.run(
+            [python, "-c", program, f"http://127.0.0.1:{port}", str(out)],
+            env=env,
+            capture_output=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    by_time: dict[int, list] = {}
+    for line in out.read_bytes().splitlines():
+        pw_time, added, row = orjson.loads(line)
+        by_time.setdefault(pw_time, []).append((added, row))
+    reader = FeedReader(str(log), "m")
+    assert len(by_time) == len(reader.times()) == len(steps)
+    rows: Counter = Counter()
+    for pw_time, t in zip(sorted(by_time), reader.times(), strict=True):
+        for added, row in by_time[pw_time]:
+            rows[orjson.dumps(row)] += 1 if added else -1
+        held = [orjson.loads(r) for r, n in rows.items() if n]
+        assert all(rows[r] in (0, 1) for r in rows)  # every row once: copies are rows
+        copies: dict[tuple, list[int]] = {}
+        for r in held:
+            copies.setdefault((r["k"], r["v"]), []).append(r["copy_"])
+        want = {(r["k"], r["v"]): r["count"] for r in reader.snapshot(t).to_pylist()}
+        assert {k: sorted(c) for k, c in copies.items()} == {
+            k: list(range(n)) for k, n in want.items()
+        }, f"time {t}"
