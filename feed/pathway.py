@@ -54,7 +54,7 @@ import orjson
 import pyarrow as pa
 
 from protocol import avro_to_arrow
-from protocol.client import CompleteTime, FeedClient
+from protocol.client import ClientError, CompleteTime, FeedClient
 
 __all__ = ["pathway_columns", "read", "write"]
 
@@ -147,7 +147,13 @@ def read(
     from pathway.io.python import ConnectorSubject
 
     client = FeedClient(server_url, feed, token=token, name=name)
-    info = client.info()
+    try:
+        info = client.info()
+    except OSError as e:  # (refused, unreachable, timed out: said before Pathway starts)
+        raise ClientError(
+            f"feed {feed!r}: cannot reach a feed server at {server_url}: "
+            f"{getattr(e, 'reason', e)} (is 'tidefeed serve' running there?)"
+        ) from None
     record = avro_to_arrow(info["schema"])
     key = list(info.get("key") or [])
     columns = pathway_columns(record)

@@ -39,40 +39,7 @@ BANK = generate_bank(transactions=30, seed=21)
 #: the region of every owner: the static table of the join
 REGIONS = {"ada": "north", "chen": "east", "dolores": "south", "émile": "south", "grace": "north"}
 
-PROGRAM = r"""
-import sys, orjson
-import pathway as pw
-from feed.pathway import read, write
-
-url, out_path, until, state = sys.argv[1], sys.argv[2], int(sys.argv[3]) or None, sys.argv[4]
-regions, written = orjson.loads(sys.argv[5]), sys.argv[6]
-accounts = read(url, "bank", until=until, name="views")
-by_owner = accounts.groupby(accounts.owner).reduce(
-    accounts.owner, total=pw.reducers.sum(accounts.balance), n=pw.reducers.count()
-)
-static = pw.debug.table_from_rows(
-    pw.schema_from_types(owner=str, region=str), list(regions.items())
-)
-joined = accounts.join(static, accounts.owner == static.owner).select(
-    static.region, accounts.balance
-)
-by_region = joined.groupby(joined.region).reduce(
-    joined.region, total=pw.reducers.sum(joined.balance)
-)
-out = open(out_path, "ab")
-
-def sink(view):
-    def on_change(key, row, time, is_addition):
-        out.write(orjson.dumps([view, time, is_addition, row]) + b"\n")
-        out.flush()
-    return on_change
-
-for view, table in (("accounts", accounts), ("by_owner", by_owner), ("by_region", by_region)):
-    pw.io.subscribe(table, on_change=sink(view))
-write(by_owner, written)  # the view back into a feed's input
-persistence = pw.persistence.Config(pw.persistence.Backend.filesystem(state))
-pw.run(monitoring_level=pw.MonitoringLevel.NONE, persistence_config=persistence)
-"""
+EXAMPLE = ROOT / "docs" / "examples" / "pathway_views.py"  # the documented program
 
 
 def pathway_python() -> str:
@@ -140,10 +107,15 @@ def test_a_pathway_program_over_a_growing_feed_equals_the_truth_at_every_time(tm
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("PYSPARK_SUBMIT_ARGS", None)
 
+        regions = tmp_path / "regions.json"
+        regions.write_bytes(orjson.dumps(REGIONS))
+
         def run(until: int) -> subprocess.Popen:
-            args = [f"http://127.0.0.1:{port}", str(out), str(until), str(tmp_path / "state")]
+            args = [f"http://127.0.0.1:{port}", "bank", "--regions", str(regions)]
+            args += ["--changes", str(out), "--state", str(tmp_path / "state")]
+            args += ["--write-back", str(written), *(["--until", str(until)] if until else [])]
             return subprocess.Popen(
-                [python, "-c", PROGRAM, *args, orjson.dumps(REGIONS).decode(), str(written)],
+                [python, str(EXAMPLE), *args],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -310,3 +282,18 @@ pw.run(monitoring_level=pw.MonitoringLevel.NONE)
         assert {k: sorted(c) for k, c in copies.items()} == {
             k: list(range(n)) for k, n in want.items()
         }, f"time {t}"
+
+
+def test_no_server_is_one_clear_error_before_pathway_starts(tmp_path):
+    python = pathway_python()
+    (tmp_path / "regions.json").write_bytes(b"{}")
+    args = [f"http://127.0.0.1:{free_port()}", "bank", "--regions", str(tmp_path / "regions.json")]
+    done = subprocess.run(
+        [python, str(EXAMPLE), *args, "--changes", str(tmp_path / "c.jsonl")],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert b"ClientError: feed 'bank': cannot reach a feed server at" in done.stderr
+    assert not (tmp_path / "c.jsonl").exists()  # nothing ran
