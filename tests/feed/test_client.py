@@ -71,6 +71,17 @@ def accumulate(items) -> Counter:
     return +c
 
 
+def follow_to_the_end(client, first: int, got: list, caught_up: threading.Event) -> None:
+    """Follow ``client`` until it holds the whole bank, setting ``caught_up`` once it is
+    past the frontier ``first``."""
+    for item in client.times(follow=True):
+        got.append(item)
+        if item.frontier >= first:
+            caught_up.set()
+        if accumulate(got) == TRUTH_ALL:
+            return
+
+
 def pulled(base: str, **kw):
     options = {k: kw.pop(k) for k in ("fmt", "name") if k in kw}
     return asyncio.to_thread(lambda: list(FeedClient(base, "bank", **options).times(**kw)))
@@ -157,12 +168,7 @@ async def test_a_named_subscription_follows_a_growing_feed_and_holds_its_place(g
     client = FeedClient(base, "bank", name="view", ack_seconds=0)
 
     def follow() -> None:
-        for item in client.times(follow=True):
-            got.append(item)
-            if item.frontier >= first:
-                caught_up.set()
-            if accumulate(got) == TRUTH_ALL:
-                break
+        follow_to_the_end(client, first, got, caught_up)
         client.ack()
 
     try:
@@ -225,17 +231,11 @@ def test_a_server_killed_mid_stream_and_restarted_loses_and_repeats_nothing(grow
     got: list = []
     caught_up = threading.Event()
 
-    def follow() -> None:
-        for item in client.times(follow=True):
-            got.append(item)
-            if item.frontier >= first:
-                caught_up.set()
-            if accumulate(got) == TRUTH_ALL:
-                return
-
     try:
         wait_up(port)
-        reading = threading.Thread(target=follow, daemon=True)
+        reading = threading.Thread(
+            target=follow_to_the_end, args=(client, first, got, caught_up), daemon=True
+        )
         reading.start()
         assert caught_up.wait(120)
         assert accumulate(got) == TRUTH_HALF
