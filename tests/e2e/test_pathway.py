@@ -297,3 +297,62 @@ def test_no_server_is_one_clear_error_before_pathway_starts(tmp_path):
     assert done.returncode == 1
     assert b"ClientError: feed 'bank': cannot reach a feed server at" in done.stderr
     assert not (tmp_path / "c.jsonl").exists()  # nothing ran
+
+
+def test_a_new_record_schema_under_a_running_program_stops_it_saying_so(tmp_path):
+    """The feed takes a column more while a Pathway program follows it: the program
+    stops with an error naming the time and the two record types, after handing Pathway
+    every time of the old shape."""
+    from ..feed.test_debezium import CONNECT_COLUMNS, SCHEMA, end, event, snapshot, wrapped
+    from ..feed.test_debezium import write as write_events
+
+    python = pathway_python()
+    staged, src, log = tmp_path / "staged", tmp_path / "in", tmp_path / "log"
+    src.mkdir()
+    more = [*CONNECT_COLUMNS, {"field": "qty", "type": "int64", "optional": True}]
+    old = [wrapped(e) for e in snapshot(1)]
+    old += [wrapped(event("c", {"id": 10, "owner": "a", "doc": None}, 300, xid=7, order=1))]
+    write_events(staged, "part-0.json", [*old, end(7, 310, {"accounts": 1})])
+    new = event("c", {"id": 20, "owner": "b", "doc": None, "qty": 5}, 400, xid=8, order=1)
+    write_events(staged, "part-1.json", [wrapped(new, more), end(8, 410, {"accounts": 1})])
+    (tmp_path / "schema.avsc").write_bytes(orjson.dumps(SCHEMA))
+    args = ["--source", f"debezium:{src}", "--log", str(log), "--feed", "t", "--key", "id"]
+    args += ["--table", "public.accounts", "--clock", "logical", "--schema"]
+    args += [str(tmp_path / "schema.avsc"), "--follow", "--trigger", "0.2"]
+    emitter = start("emit", *args, log=tmp_path / "emit.log")
+    server = program = None
+    try:
+        (staged / "part-0.json").rename(src / "part-0.json")
+        deadline = time.monotonic() + 120
+        while not (log / "t").exists() or FeedReader(str(log), "t").frontier == 0:
+            assert time.monotonic() < deadline, (tmp_path / "emit.log").read_text()[-3000:]
+            time.sleep(0.2)
+        port = free_port()
+        server = start("serve", "--log", str(log), "--port", str(port), log=tmp_path / "serve.log")
+        wait_up(port)
+        code = """
+import sys, pathway as pw
+from feed.pathway import read
+t = read(sys.argv[1], "t")
+pw.io.subscribe(t, on_change=lambda key, row, time, is_addition: print("row", row, flush=True))
+pw.run(monitoring_level=pw.MonitoringLevel.NONE)
+"""
+        program = subprocess.Popen(
+            [python, "-c", code, f"http://127.0.0.1:{port}"],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        time.sleep(3)  # (the program holds the old shape's times)
+        (staged / "part-1.json").rename(src / "part-1.json")
+        output, _ = program.communicate(timeout=120)
+    finally:
+        for p in (program, emitter, server):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    text = output.decode()
+    assert program.returncode not in (0, None), text[-3000:]
+    assert "has records of another schema than when this program started" in text, text[-3000:]
+    assert "start the program again to read the new columns" in text
+    assert "'id_': 10" in text  # what came before the change reached Pathway
