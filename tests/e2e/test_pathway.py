@@ -213,7 +213,8 @@ write(t, sys.argv[1])
 def test_a_feed_without_a_key_is_a_row_per_copy(tmp_path):
     """A multiset feed (records there 2 and 3 times, copies taken away one by one) read
     by Pathway: at every time the table holds one row per copy, numbered by ``copy_``,
-    and its records counted equal the feed's collection."""
+    and its records counted equal the feed's collection. Started again on its persisted
+    state, the program refuses: the copy numbers were the first run's."""
     python = pathway_python()
     src = tmp_path / "in"
     src.mkdir()
@@ -247,19 +248,22 @@ def on_change(key, row, time, is_addition):
     out.write(orjson.dumps([time, is_addition, row]) + b"\n")
     out.flush()
 pw.io.subscribe(t, on_change=on_change)
-pw.run(monitoring_level=pw.MonitoringLevel.NONE)
+state = pw.persistence.Config(pw.persistence.Backend.filesystem(sys.argv[3]))
+pw.run(monitoring_level=pw.MonitoringLevel.NONE, persistence_config=state)
 """
     out = tmp_path / "rows.jsonl"
+    run = [python, "-c", program, f"http://127.0.0.1:{port}", str(out), str(tmp_path / "state")]
     try:
         wait_up(port)
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        done = subprocess.run(
-            [python, "-c", program, f"http://127.0.0.1:{port}", str(out)],
-            env=env,
-            capture_output=True,
-            timeout=120,
-        )
+        done = subprocess.run(run, env=env, capture_output=True, timeout=120)
         assert done.returncode == 0, done.stderr.decode()[-3000:]
+        read_once = out.read_bytes()
+        # started again on its persisted state: the copy numbers lived in the first run
+        again = subprocess.run(run, env=env, capture_output=True, timeout=120)
+        assert again.returncode != 0
+        assert b"has no key: its copies are numbered by this program" in again.stderr
+        assert out.read_bytes() == read_once  # nothing more reached Pathway's output
     finally:
         server.kill()
         server.wait(timeout=30)
