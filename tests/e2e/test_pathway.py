@@ -360,3 +360,86 @@ pw.run(monitoring_level=pw.MonitoringLevel.NONE)
     assert "has records of another schema than when this program started" in text, text[-3000:]
     assert "start the program again to read the new columns" in text
     assert "'id_': 10" in text  # what came before the change reached Pathway
+
+
+TYPED_SCHEMA = {
+    "type": "record",
+    "name": "r",
+    "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "amount", "type": {"type": "bytes", "logicalType": "decimal",
+                                    "precision": 12, "scale": 2}},
+        {"name": "at", "type": ["null", {"type": "long", "logicalType": "timestamp-micros"}],
+         "default": None},
+        {"name": "local", "type": {"type": "long", "logicalType": "local-timestamp-micros"}},
+        {"name": "day", "type": {"type": "int", "logicalType": "date"}},
+        {"name": "ratio", "type": "double"},
+        {"name": "tags", "type": {"type": "array", "items": "string"}},
+    ],
+}  # fmt: skip
+
+
+def test_columns_arrive_as_pathway_types(tmp_path):
+    """Decimals, timestamps, local timestamps, dates, doubles and nested values of a feed
+    are Pathway columns of the documented types, with their values; ``id`` is ``id_``."""
+    python = pathway_python()
+    src = tmp_path / "in"
+    src.mkdir()
+    rows = [
+        {"id": 1, "amount": "12.34", "at": "2026-01-02T03:04:05.123456Z",
+         "local": "2026-01-02T03:04:05", "day": "2026-01-02", "ratio": 0.5, "tags": ["a", "b"]},
+        {"id": 2, "amount": "-0.01", "at": None, "local": "1999-12-31T23:59:59",
+         "day": "1999-12-31", "ratio": -1.25, "tags": []},
+    ]  # fmt: skip
+    lines = [orjson.dumps({"record": r, "delta": 1}) for r in rows]
+    (src / "part-0.json").write_bytes(b"\n".join(lines) + b"\n")
+    (tmp_path / "r.avsc").write_bytes(orjson.dumps(TYPED_SCHEMA))
+    log = tmp_path / "log"
+    made = tidefeed(
+        "emit", "--source", f"weighted:{src}", "--schema", str(tmp_path / "r.avsc"),
+        "--feed", "typed", "--log", str(log), "--key", "id", "--clock", "logical",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr.decode()[-3000:]
+    port = free_port()
+    server = start("serve", "--log", str(log), "--port", str(port), log=tmp_path / "serve.log")
+    program = r"""
+import sys, pathway as pw
+from feed.pathway import read
+t = read(sys.argv[1], "typed", follow=False)
+print("types", {c: str(h) for c, h in t.schema.typehints().items()}, flush=True)
+pw.io.subscribe(t, on_change=lambda key, row, time, is_addition: print("row", repr(row)))
+pw.run(monitoring_level=pw.MonitoringLevel.NONE)
+"""
+    try:
+        wait_up(port)
+        done = subprocess.run(
+            [python, "-c", program, f"http://127.0.0.1:{port}"],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            timeout=120,
+        )
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    out = done.stdout.decode()
+    types = next(line for line in out.splitlines() if line.startswith("types "))
+    for column in [
+        "'id_': \"<class 'int'>\"",
+        "'amount': \"<class 'float'>\"",
+        "'at': 'pathway.internals.datetime_types.DateTimeUtc | None'",
+        "'local': \"<class 'pathway.internals.datetime_types.DateTimeNaive'>\"",
+        "'day': \"<class 'pathway.internals.datetime_types.DateTimeNaive'>\"",
+        "'ratio': \"<class 'float'>\"",
+        "'tags': \"<class 'pathway.internals.json.Json'>\"",
+    ]:
+        assert column in types, (column, types)
+    got = sorted(line for line in out.splitlines() if line.startswith("row "))
+    assert got == [
+        "row {'id_': 1, 'amount': 12.34, 'at': Timestamp('2026-01-02 03:04:05.123456+0000', "
+        "tz='tzutc()'), 'local': Timestamp('2026-01-02 03:04:05'), 'day': "
+        "Timestamp('2026-01-02 00:00:00'), 'ratio': 0.5, 'tags': pw.Json(['a', 'b'])}",
+        "row {'id_': 2, 'amount': -0.01, 'at': None, 'local': Timestamp('1999-12-31 "
+        "23:59:59'), 'day': Timestamp('1999-12-31 00:00:00'), 'ratio': -1.25, 'tags': "
+        "pw.Json([])}",
+    ]
