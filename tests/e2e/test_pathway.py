@@ -10,11 +10,13 @@ makes the skip a failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -74,6 +76,38 @@ def truth(reader: FeedReader, t: int) -> dict[str, Counter]:
         ),
         "by_region": Counter(orjson.dumps({"region": g, "total": s}) for g, s in regions.items()),
     }
+
+
+def weighted_feed(tmp_path: Path, feed: str, schema: dict, steps: list, *flags: str) -> Path:
+    """A feed made by ``tidefeed emit`` from weighted input, one file per step (a list of
+    ``(record, delta)``), one time per file; its log."""
+    src = tmp_path / "in"
+    src.mkdir()
+    for i, rows in enumerate(steps):
+        lines = [orjson.dumps({"record": r, "delta": d}) for r, d in rows]
+        (src / f"part-{i}.json").write_bytes(b"\n".join(lines) + b"\n")
+    (tmp_path / f"{feed}.avsc").write_bytes(orjson.dumps(schema))
+    log = tmp_path / "log"
+    made = tidefeed(
+        "emit", "--source", f"weighted:{src}", "--schema", str(tmp_path / f"{feed}.avsc"),
+        "--feed", feed, "--log", str(log), "--clock", "logical", "--max-files-per-txn", "1",
+        *flags,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr.decode()[-3000:]
+    return log
+
+
+@contextlib.contextmanager
+def served(log: Path, tmp_path: Path) -> Iterator[str]:
+    """A ``tidefeed serve`` of ``log`` while the block runs: its URL."""
+    port = free_port()
+    server = start("serve", "--log", str(log), "--port", str(port), log=tmp_path / "serve.log")
+    try:
+        wait_up(port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.kill()
+        server.wait(timeout=30)
 
 
 def test_a_pathway_program_over_a_growing_feed_equals_the_truth_at_every_time(tmp_path):
@@ -216,28 +250,15 @@ def test_a_feed_without_a_key_is_a_row_per_copy(tmp_path):
     and its records counted equal the feed's collection. Started again on its persisted
     state, the program refuses: the copy numbers were the first run's."""
     python = pathway_python()
-    src = tmp_path / "in"
-    src.mkdir()
     steps = [  # one file, one time each
         [({"k": "a", "v": 1}, 2), ({"k": "b", "v": 2}, 1)],
         [({"k": "a", "v": 1}, -1), ({"k": "c", "v": 3}, 3)],
         [({"k": "a", "v": 1}, -1), ({"k": "b", "v": 2}, -1), ({"k": "c", "v": 3}, -1)],
         [({"k": "a", "v": 1}, 1)],
     ]
-    for i, rows in enumerate(steps):
-        lines = [orjson.dumps({"record": r, "delta": d}) for r, d in rows]
-        (src / f"part-{i}.json").write_bytes(b"\n".join(lines) + b"\n")
     schema = {"type": "record", "name": "r", "fields": [
         {"name": "k", "type": "string"}, {"name": "v", "type": "long"}]}  # fmt: skip
-    (tmp_path / "r.avsc").write_bytes(orjson.dumps(schema))
-    log = tmp_path / "log"
-    made = tidefeed(
-        "emit", "--source", f"weighted:{src}", "--schema", str(tmp_path / "r.avsc"),
-        "--feed", "m", "--log", str(log), "--clock", "logical", "--max-files-per-txn", "1",
-    )  # fmt: skip
-    assert made.returncode == 0, made.stderr.decode()[-3000:]
-    port = free_port()
-    server = start("serve", "--log", str(log), "--port", str(port), log=tmp_path / "serve.log")
+    log = weighted_feed(tmp_path, "m", schema, steps)
     program = r"""
 import sys, orjson
 import pathway as pw
@@ -252,9 +273,8 @@ state = pw.persistence.Config(pw.persistence.Backend.filesystem(sys.argv[3]))
 pw.run(monitoring_level=pw.MonitoringLevel.NONE, persistence_config=state)
 """
     out = tmp_path / "rows.jsonl"
-    run = [python, "-c", program, f"http://127.0.0.1:{port}", str(out), str(tmp_path / "state")]
-    try:
-        wait_up(port)
+    with served(log, tmp_path) as url:
+        run = [python, "-c", program, url, str(out), str(tmp_path / "state")]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         done = subprocess.run(run, env=env, capture_output=True, timeout=120)
         assert done.returncode == 0, done.stderr.decode()[-3000:]
@@ -264,9 +284,6 @@ pw.run(monitoring_level=pw.MonitoringLevel.NONE, persistence_config=state)
         assert again.returncode != 0
         assert b"has no key: its copies are numbered by this program" in again.stderr
         assert out.read_bytes() == read_once  # nothing more reached Pathway's output
-    finally:
-        server.kill()
-        server.wait(timeout=30)
     by_time: dict[int, list] = {}
     for line in out.read_bytes().splitlines():
         pw_time, added, row = orjson.loads(line)
@@ -383,25 +400,13 @@ def test_columns_arrive_as_pathway_types(tmp_path):
     """Decimals, timestamps, local timestamps, dates, doubles and nested values of a feed
     are Pathway columns of the documented types, with their values; ``id`` is ``id_``."""
     python = pathway_python()
-    src = tmp_path / "in"
-    src.mkdir()
     rows = [
         {"id": 1, "amount": "12.34", "at": "2026-01-02T03:04:05.123456Z",
          "local": "2026-01-02T03:04:05", "day": "2026-01-02", "ratio": 0.5, "tags": ["a", "b"]},
         {"id": 2, "amount": "-0.01", "at": None, "local": "1999-12-31T23:59:59",
          "day": "1999-12-31", "ratio": -1.25, "tags": []},
     ]  # fmt: skip
-    lines = [orjson.dumps({"record": r, "delta": 1}) for r in rows]
-    (src / "part-0.json").write_bytes(b"\n".join(lines) + b"\n")
-    (tmp_path / "r.avsc").write_bytes(orjson.dumps(TYPED_SCHEMA))
-    log = tmp_path / "log"
-    made = tidefeed(
-        "emit", "--source", f"weighted:{src}", "--schema", str(tmp_path / "r.avsc"),
-        "--feed", "typed", "--log", str(log), "--key", "id", "--clock", "logical",
-    )  # fmt: skip
-    assert made.returncode == 0, made.stderr.decode()[-3000:]
-    port = free_port()
-    server = start("serve", "--log", str(log), "--port", str(port), log=tmp_path / "serve.log")
+    log = weighted_feed(tmp_path, "typed", TYPED_SCHEMA, [[(r, 1) for r in rows]], "--key", "id")
     program = r"""
 import sys, pathway as pw
 from feed.pathway import read
@@ -410,17 +415,13 @@ print("types", {c: str(h) for c, h in t.schema.typehints().items()}, flush=True)
 pw.io.subscribe(t, on_change=lambda key, row, time, is_addition: print("row", repr(row)))
 pw.run(monitoring_level=pw.MonitoringLevel.NONE)
 """
-    try:
-        wait_up(port)
+    with served(log, tmp_path) as url:
         done = subprocess.run(
-            [python, "-c", program, f"http://127.0.0.1:{port}"],
+            [python, "-c", program, url],
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             capture_output=True,
             timeout=120,
         )
-    finally:
-        server.kill()
-        server.wait(timeout=30)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     out = done.stdout.decode()
     types = next(line for line in out.splitlines() if line.startswith("types "))
