@@ -24,6 +24,7 @@ import pytest
 
 from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 from feed.log.reader import FeedReader
+from protocol import CheckpointError
 
 from .helpers import (
     bank_emit_args,
@@ -97,6 +98,18 @@ def weighted_feed(tmp_path: Path, feed: str, schema: dict, steps: list, *flags: 
     return log
 
 
+def wait_first_commit(log: Path, feed: str, emit_log: Path) -> None:
+    """Wait until the emitter has committed a first time of ``feed`` (the feed's folder
+    appears before its settings are written: until then there is no feed to read)."""
+    deadline = time.monotonic() + 120
+    while True:
+        with contextlib.suppress(CheckpointError):
+            if FeedReader(str(log), feed).frontier > 0:
+                return
+        assert time.monotonic() < deadline, emit_log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def served(log: Path, tmp_path: Path) -> Iterator[str]:
     """A ``tidefeed serve`` of ``log`` while the block runs: its URL."""
@@ -129,10 +142,7 @@ def test_a_pathway_program_over_a_growing_feed_equals_the_truth_at_every_time(tm
     program = server = None
     try:
         staged[0].rename(src / staged[0].name)
-        deadline = time.monotonic() + 120
-        while not (log / "bank").exists() or FeedReader(str(log), "bank").frontier == 0:
-            assert time.monotonic() < deadline, (tmp_path / "emit.log").read_text()[-3000:]
-            time.sleep(0.2)
+        wait_first_commit(log, "bank", tmp_path / "emit.log")
         port = free_port()
         server = start("serve", "--log", str(log), "--port", str(port), log=tmp_path / "serve.log")
         wait_up(port)
@@ -344,10 +354,7 @@ def test_a_new_record_schema_under_a_running_program_stops_it_saying_so(tmp_path
     server = program = None
     try:
         (staged / "part-0.json").rename(src / "part-0.json")
-        deadline = time.monotonic() + 120
-        while not (log / "t").exists() or FeedReader(str(log), "t").frontier == 0:
-            assert time.monotonic() < deadline, (tmp_path / "emit.log").read_text()[-3000:]
-            time.sleep(0.2)
+        wait_first_commit(log, "t", tmp_path / "emit.log")
         port = free_port()
         server = start("serve", "--log", str(log), "--port", str(port), log=tmp_path / "serve.log")
         wait_up(port)
