@@ -55,6 +55,7 @@ import pyarrow as pa
 
 from protocol import avro_to_arrow
 from protocol.client import ClientError, CompleteTime, FeedClient
+from protocol.schema import avro_name
 
 __all__ = ["pathway_columns", "read", "write"]
 
@@ -278,7 +279,7 @@ def write(table: Any, folder: str | os.PathLike[str], *, schema_file: str | None
             else {"name": name, "type": _AVRO[base]}
         )
     out.mkdir(parents=True, exist_ok=True)
-    schema = {"type": "record", "name": _avro_name(out.name), "fields": fields}
+    schema = {"type": "record", "name": avro_name(out.name), "fields": fields}
     Path(schema_file or f"{out}.avsc").write_bytes(orjson.dumps(schema, option=orjson.OPT_INDENT_2))
     pending: list[bytes] = []
 
@@ -307,8 +308,3 @@ def _without_none(hint: Any) -> tuple[Any, bool]:
         if len(args) == 1:
             return args[0], True
     return hint, False
-
-
-def _avro_name(name: str) -> str:
-    cleaned = "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "record"
-    return cleaned if not cleaned[0].isdigit() else "_" + cleaned

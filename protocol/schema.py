@@ -21,6 +21,7 @@ from .errors import CodecError
 __all__ = [
     "CDC_NAMESPACE",
     "arrow_to_avro",
+    "avro_name",
     "avro_to_arrow",
     "cdcv2_schema",
     "fingerprint",
@@ -126,7 +127,8 @@ def _logical_to_arrow(kind: Any, logical: str, schema: dict[str, Any]) -> pa.Dat
 _NAME_BAD = re.compile(r"[^A-Za-z0-9_]")
 
 
-def _avro_name(name: str) -> str:
+def avro_name(name: str) -> str:
+    """``name`` made a valid Avro name: other characters become ``_``, no leading digit."""
     cleaned = _NAME_BAD.sub("_", name) or "_"
     return cleaned if not cleaned[0].isdigit() else "_" + cleaned
 
@@ -152,12 +154,12 @@ def _to_avro(t: pa.DataType, path: str) -> Any:
         fields = []
         for i in range(t.num_fields):
             f = t.field(i)
-            ft = _to_avro(f.type, f"{path}_{_avro_name(f.name)}")
+            ft = _to_avro(f.type, f"{path}_{avro_name(f.name)}")
             entry: dict[str, Any] = {"name": f.name, "type": _nullable(ft, f.nullable)}
             if f.nullable and ft != "null":
                 entry["default"] = None
             fields.append(entry)
-        return {"type": "record", "name": _avro_name(path), "fields": fields}
+        return {"type": "record", "name": avro_name(path), "fields": fields}
     if pa.types.is_null(t):
         return "null"
     if pa.types.is_boolean(t):
@@ -175,7 +177,7 @@ def _to_avro(t: pa.DataType, path: str) -> Any:
     if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
         return "string"
     if pa.types.is_fixed_size_binary(t):
-        return {"type": "fixed", "name": _avro_name(path), "size": t.byte_width}
+        return {"type": "fixed", "name": avro_name(path), "size": t.byte_width}
     if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t):
         return "bytes"
     if pa.types.is_decimal(t):

@@ -85,11 +85,9 @@ class FeedReader:
 
     def times(self, after: int | None = None, until: int | None = None) -> list[int]:
         """Committed times with updates, ``>= after`` and ``< until`` (default: the frontier)."""
-        cp = self.checkpoint
-        if cp is None:
+        lo, hi = self._committed(after or 0, until)
+        if lo >= hi:
             return []
-        lo = max(after or 0, self.since)
-        hi = min(until if until is not None else cp.frontier, cp.frontier)
         return [int(t) for t in self._manifests.table(self.manifest, lo, hi)["time"].to_pylist()]
 
     def counts(self) -> dict[int, int]:
@@ -120,11 +118,16 @@ class FeedReader:
     def _segments(self, lo: int, hi: int) -> list[Segment]:
         """The manifest's entries of the committed times ``>= lo`` and ``< hi`` (and
         ``>= since``), in time order, from one read of the manifest."""
+        lo, hi = self._committed(lo, hi)
+        return self._manifests.segments(self.manifest, lo, hi) if lo < hi else []
+
+    def _committed(self, lo: int, hi: int | None) -> tuple[int, int]:
+        """``[lo, hi)`` clamped to the times kept one at a time, ``[since, frontier)``
+        (``hi`` None: the frontier); empty when nothing is committed."""
         cp = self.checkpoint
         if cp is None:
-            return []
-        lo, hi = max(lo, self.since), min(hi, cp.frontier)
-        return self._manifests.segments(self.manifest, lo, hi) if lo < hi else []
+            return 0, 0
+        return max(lo, self.since), cp.frontier if hi is None else min(hi, cp.frontier)
 
     def batches(self, time: int, rows: int = STREAM_ROWS, skip: int = 0) -> Iterator[Updates]:
         """The updates at a committed ``time`` in batches of at most ``rows``, each read
