@@ -8,7 +8,10 @@ measures the floor: a Structured Streaming query (file source, ``foreachBatch`` 
 writes the 10 rows as Parquet) picking up the same kind of 10-line file, on the same
 machine, in its own process.
 
-    .venv/bin/python benchmarks/bench_follow.py [--sizes 10000,1000000] [--files 8]
+    .venv/bin/python benchmarks/bench_follow.py [--sizes 10000,1000000] [--files 8] [--unkeyed]
+
+``--unkeyed``: the emitter runs without ``--key``, and each file holds 10 inserts of new
+rows (an unkeyed feed has no key to update by).
 """
 
 from __future__ import annotations
@@ -81,7 +84,9 @@ def wait_for_file(log: Path, name: str, timeout: float = 900) -> float:
     raise TimeoutError(f"no commit consumed {name}")
 
 
-def bench_tidefeed(work: Path, size: int, files: int, conf: list[str]) -> list[float]:
+def bench_tidefeed(
+    work: Path, size: int, files: int, conf: list[str], *, keyed: bool = True
+) -> list[float]:
     src, log = work / f"in-{size}", work / f"log-{size}"
     for d in (src, log):
         shutil.rmtree(d, ignore_errors=True)
@@ -106,8 +111,7 @@ def bench_tidefeed(work: Path, size: int, files: int, conf: list[str]) -> list[f
             "t",
             "--log",
             str(log),
-            "--key",
-            "id",
+            *(["--key", "id"] if keyed else []),
             "--schema",
             str(schema),
             "--clock",
@@ -131,6 +135,8 @@ def bench_tidefeed(work: Path, size: int, files: int, conf: list[str]) -> list[f
             time.sleep(1.0)
             lines = [
                 event("u", (k * 7919 + j * 104729) % size, k + 1, lsn + j, 100 + k)
+                if keyed
+                else event("c", size + 10 * k + j, k + 1, lsn + j, 100 + k)
                 for j in range(10)
             ]
             lsn += 10
@@ -213,6 +219,7 @@ def main() -> None:
         "--conf", action="append", default=[], help="a Spark setting for the emitter (k=v)"
     )
     ap.add_argument("--no-floor", action="store_true", help="skip the floor's measurement")
+    ap.add_argument("--unkeyed", action="store_true", help="an unkeyed feed of inserts")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -221,7 +228,7 @@ def main() -> None:
     results = {}
     for size in (int(s) for s in args.sizes.split(",")):
         print(f"table of {size:,} rows:")
-        lat = bench_tidefeed(work, size, args.files, args.conf)
+        lat = bench_tidefeed(work, size, args.files, args.conf, keyed=not args.unkeyed)
         results[size] = lat
         print(f"  tidefeed emit --follow, a 10-update file -> its commit: {summary(lat)}")
         print(f"  p50 above the floor: {statistics.median(lat) - statistics.median(floor):+.2f}s")

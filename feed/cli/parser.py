@@ -221,7 +221,7 @@ def _emit_spark(p: OptionParser) -> None:
         "--driver-txn-bytes",
         type=non_negative_int,
         default=DEFAULT_DRIVER_TXN_BYTES,
-        help="a keyed debezium transaction over at most this many input bytes is computed "
+        help="a debezium transaction over at most this many input bytes is computed "
         "on the driver, without Spark's per-job cost, when its input is plain (0: always "
         "in Spark; docs/emitter.md)",
     )

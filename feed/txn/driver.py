@@ -1,4 +1,4 @@
-"""A small keyed Debezium transaction, computed on the driver.
+"""A small Debezium transaction, computed on the driver.
 
 A follow-mode transaction of ten changes against a large keyed table costs the Spark path
 (:mod:`feed.txn.dataflow`) about two seconds whatever the table's size: a dozen small jobs
@@ -10,19 +10,22 @@ the result comes to the driver as Arrow. The rest is done there, following
 :mod:`feed.sources.transactions`, :mod:`feed.txn.times` and :mod:`feed.txn.diffs` for the
 plain case: drop input at or below the committed position, number the source transactions, diff each
 key's changes against its row in the touched state buckets (read and rewritten with
-pyarrow), consolidate per time, and write each time's segment.
+pyarrow), consolidate per time, and write each time's segment. An unkeyed feed has no
+state: each event retracts its before image and adds its after image, as
+:func:`feed.txn.diffs.unkeyed_diffs` has it, and only its first transaction, which fixes
+the feed's settings, goes to Spark.
 
 The plain case is what a streaming Debezium connector delivers between snapshots: data
 events (c/u/d), END records and skipped lines only; no bad row, no snapshot read or
 snapshot end marker; no unavailable-value placeholder without an earlier value to fill
-it; every source transaction complete (with transaction metadata: its END record read,
-and every event it counts); no delete of a key the feed does not hold; a record of scalar
-columns and a key without floating-point ones; a bucketed state not due to be
-rebucketed. An event delivered twice is kept once, as the Spark path keeps it. On
-anything else :func:`run` returns None before writing a file, and the Spark path
-computes the transaction (its parse is one small job more). Input larger than
-``--driver-txn-bytes`` goes to Spark directly. The row-by-row semantics are in
-:mod:`feed.txn.driver_diffs`.
+it (in an unkeyed feed, none at all: Spark quarantines those); every source transaction
+complete (with transaction metadata: its END record read, and every event it counts); no
+delete of a key the feed does not hold; a record of scalar columns and a key without
+floating-point ones; a bucketed state not due to be rebucketed. An event delivered twice
+is kept once, as the Spark path keeps it. On anything else :func:`run` returns None
+before writing a file, and the Spark path computes the transaction (its parse is one
+small job more). Input larger than ``--driver-txn-bytes`` goes to Spark directly. The
+row-by-row semantics are in :mod:`feed.txn.driver_diffs`.
 
 Both paths give the same feed: tests/feed/test_driver_txn.py runs random histories
 through each and compares the updates, the progress and the state.
@@ -40,6 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from feed.log.checkpoint import fixed
 from feed.log.manifest import Segment
 from feed.log.store import PARQUET_PAGES
 from feed.sources.positions import committed_position
@@ -54,6 +58,7 @@ from feed.txn.driver_diffs import (
     fill_unavailable,
     keyed_diffs,
     once,
+    unkeyed_diffs,
 )
 from feed.txn.segments import Written, install_segments, staging_folder
 from feed.txn.state import LoadedState
@@ -83,13 +88,14 @@ def _scalar(t: pa.DataType) -> bool:
     )
 
 
-def _committed_state(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> Any:
-    """The committed state this transaction would start from on the driver, or None when
-    it goes to Spark: not a keyed Debezium feed, input over the size limit, pending
-    ``--tx-metadata`` files, or a state :meth:`~feed.txn.state.BucketedState.committed` does
-    not give."""
+def _start(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> Any:
+    """What this transaction starts from on the driver: the committed keyed state,
+    :data:`_STATELESS` for an unkeyed feed, or None when it goes to Spark: not a Debezium
+    feed, input over the size limit, pending ``--tx-metadata`` files, a keyed state
+    :meth:`~feed.txn.state.BucketedState.committed` does not give, or an unkeyed feed's
+    first transaction."""
     cfg = ctx.config
-    if not cfg.kind.events or not ctx.info.key or tx_files or not files:
+    if not cfg.kind.events or tx_files or not files:
         return None
     from feed.sources.inputs import input_bytes
 
@@ -98,7 +104,13 @@ def _committed_state(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[s
             return None
     except (OSError, SourceError):
         return None  # Spark's read says what is wrong
+    if not ctx.info.key:
+        return _STATELESS if fixed(ctx.cp) else None
     return ctx.state.committed(ctx.cp.state)
+
+
+#: what an unkeyed feed's transaction starts from (it has no state)
+_STATELESS = object()
 
 
 def _not_plain(t: pa.Table, key: Sequence[str]) -> str | None:
@@ -115,6 +127,8 @@ def _not_plain(t: pa.Table, key: Sequence[str]) -> str | None:
         return "a record with nested columns"
     if any(pa.types.is_floating(record.field(k).type) for k in key):
         return "a floating-point key column"
+    if not key and t.column("_toast").null_count < t.num_rows:
+        return "an unavailable value in an unkeyed feed"
     return None
 
 
@@ -134,14 +148,17 @@ def run(
 
     from feed.txn.state import bucket_of
 
-    loaded: LoadedState | None = _committed_state(ctx, files, tx_files)
-    if loaded is None:
+    start = _start(ctx, files, tx_files)
+    if start is None:
         return None
     cfg, cp, key = ctx.config, ctx.cp, tuple(ctx.info.key)
     changes = read_source(ctx, files)
-    image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
-    bucket = bucket_of(image, key, loaded.buckets).alias("_bucket")
-    t = changes.select(*_COLUMNS, bucket).toArrow()
+    if start is _STATELESS:
+        t = changes.select(*_COLUMNS).toArrow()
+    else:
+        image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
+        t = changes.select(*_COLUMNS, bucket_of(image, key, start.buckets).alias("_bucket"))
+        t = t.toArrow()
     why = _not_plain(t, key)
     if why is not None:
         return _to_spark(ctx, seq, why)
@@ -163,7 +180,13 @@ def run(
         return _to_spark(ctx, seq, events)
     data, kept = events
     units = assign_units(kept, cfg.granularity)
-
+    if start is _STATELESS:
+        reached("after_read", rows_read=t.num_rows)
+        reached("before_write", bad_rows=0)
+        consolidated = consolidate(unkeyed_diffs(kept), record)
+        segments = _write_segments(ctx, seq, consolidated, record)
+        return _written(segments, cp.state, units, t, kept, len(data), skipped)
+    loaded: LoadedState = start
     touched = {e["_bucket"] for e in kept}
     state = _read_buckets(ctx, loaded, touched, record)
     if state is None:
@@ -188,6 +211,20 @@ def run(
                 new_rows.setdefault(b, []).append(img)
         loaded = replace(loaded, touched=frozenset(touched))
         state_ref = _write_state(ctx, seq, loaded, carried, new_rows, record)
+    return _written(segments, state_ref, units, t, kept, len(data), skipped)
+
+
+def _written(
+    segments: list[Segment],
+    state_ref: str | None,
+    units: int,
+    t: pa.Table,
+    kept: list[dict[str, Any]],
+    read: int,
+    skipped: Counter[str],
+) -> Written:
+    """What the transaction wrote: ``kept`` of the ``read`` data events of the parsed
+    input ``t`` became ``units`` times' ``segments``."""
     return Written(
         segments=segments,
         state_ref=state_ref,
@@ -195,7 +232,7 @@ def run(
         position=max((e["o"][:3] for e in kept), default=None),
         input_rows=t.num_rows,
         skipped=dict(skipped),
-        redelivered=len(data) - len(kept),
+        redelivered=read - len(kept),
         snapshot_lsn=None,  # (no snapshot read: the Spark path takes those)
     )
 

@@ -26,6 +26,7 @@ __all__ = [
     "fill_unavailable",
     "keyed_diffs",
     "once",
+    "unkeyed_diffs",
 ]
 
 
@@ -138,6 +139,18 @@ def keyed_diffs(
             prev = img
         final[k] = (evs[0]["_bucket"], prev)
     return diffs, final
+
+
+def unkeyed_diffs(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], int, int]]:
+    """Each event's diffs in its unit, as :func:`feed.txn.diffs.unkeyed_diffs`: its before
+    image retracted, its after image added (a Debezium event weighs 1)."""
+    diffs: list[tuple[dict[str, Any], int, int]] = []
+    for e in events:
+        if e["before"] is not None:
+            diffs.append((e["before"], e["unit"], -1))
+        if e["after"] is not None:
+            diffs.append((e["after"], e["unit"], 1))
+    return diffs
 
 
 def consolidate(

@@ -9,7 +9,7 @@ wrote nothing). :func:`run_job` offers the job to each engine in turn.
 
 Two engines give the same feed for every transaction both take:
 
-- :data:`DRIVER` (:mod:`feed.txn.driver`): a small, plain, keyed Debezium transaction,
+- :data:`DRIVER` (:mod:`feed.txn.driver`): a small, plain Debezium transaction,
   computed on the driver with pyarrow after one Spark job parses it;
 - :data:`SPARK` (:mod:`feed.txn.spark`): any transaction, computed in Spark.
 
@@ -60,7 +60,7 @@ class Engine(Protocol):
 
 
 class DriverEngine:
-    """Small plain keyed Debezium transactions, on the driver (feed/txn/driver.py)."""
+    """Small plain Debezium transactions, on the driver (feed/txn/driver.py)."""
 
     name = "driver"
 
