@@ -11,7 +11,8 @@ machine, in its own process.
     .venv/bin/python benchmarks/bench_follow.py [--sizes 10000,1000000] [--files 8] [--unkeyed]
 
 ``--unkeyed``: the emitter runs without ``--key``, and each file holds 10 inserts of new
-rows (an unkeyed feed has no key to update by).
+rows (an unkeyed feed has no key to update by). ``--spark-path``: the emitter computes
+every transaction in Spark (``--driver-txn-bytes 0``), the baseline of the driver engine.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def wait_for_file(log: Path, name: str, timeout: float = 900) -> float:
 
 
 def bench_tidefeed(
-    work: Path, size: int, files: int, conf: list[str], *, keyed: bool = True
+    work: Path, size: int, files: int, conf: list[str], *, keyed: bool = True, spark: bool = False
 ) -> list[float]:
     src, log = work / f"in-{size}", work / f"log-{size}"
     for d in (src, log):
@@ -122,6 +123,7 @@ def bench_tidefeed(
             "--max-files-per-txn",
             "100000",
             *[x for c in conf for x in ("--conf", c)],
+            *(["--driver-txn-bytes", "0"] if spark else []),
         ],
         stdout=subprocess.DEVNULL,
         stderr=open(work / f"emit-{size}.log", "wb"),  # noqa: SIM115
@@ -220,6 +222,7 @@ def main() -> None:
     )
     ap.add_argument("--no-floor", action="store_true", help="skip the floor's measurement")
     ap.add_argument("--unkeyed", action="store_true", help="an unkeyed feed of inserts")
+    ap.add_argument("--spark-path", action="store_true", help="every transaction in Spark")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -228,7 +231,9 @@ def main() -> None:
     results = {}
     for size in (int(s) for s in args.sizes.split(",")):
         print(f"table of {size:,} rows:")
-        lat = bench_tidefeed(work, size, args.files, args.conf, keyed=not args.unkeyed)
+        lat = bench_tidefeed(
+            work, size, args.files, args.conf, keyed=not args.unkeyed, spark=args.spark_path
+        )
         results[size] = lat
         print(f"  tidefeed emit --follow, a 10-update file -> its commit: {summary(lat)}")
         print(f"  p50 above the floor: {statistics.median(lat) - statistics.median(floor):+.2f}s")
