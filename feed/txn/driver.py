@@ -181,50 +181,26 @@ def run(
     data, kept = events
     units = assign_units(kept, cfg.granularity)
     if start is _STATELESS:
-        reached("after_read", rows_read=t.num_rows)
-        reached("before_write", bad_rows=0)
-        consolidated = consolidate(unkeyed_diffs(kept), record)
-        segments = _write_segments(ctx, seq, consolidated, record)
-        return _written(segments, cp.state, units, t, kept, len(data), skipped)
-    loaded: LoadedState = start
-    touched = {e["_bucket"] for e in kept}
-    state = _read_buckets(ctx, loaded, touched, record)
-    if state is None:
-        return _to_spark(ctx, seq, "state with positions or tombstones")
-    old, carried = _split_state(state, {e["k"] for e in kept}, key, record)
-    if not fill_unavailable(kept, old):
-        return _to_spark(ctx, seq, "an unavailable value with no earlier value to take")
-    diffs = keyed_diffs(kept, old)
-    if diffs is None:
-        return _to_spark(ctx, seq, "a delete of a key the feed does not hold")
-    updates, final = diffs
+        updates, keyed = unkeyed_diffs(kept), None
+    else:
+        keyed = _against_state(ctx, start, kept, key, record)
+        if isinstance(keyed, str):
+            return _to_spark(ctx, seq, keyed)
+        updates = keyed[0]
 
     # (told only now: a transaction handed to Spark above reaches them there, once)
     reached("after_read", rows_read=t.num_rows)
     reached("before_write", bad_rows=0)
     segments = _write_segments(ctx, seq, consolidate(updates, record), record)
     state_ref = cp.state
-    if kept:
+    if keyed is not None and kept:
+        _, final, touched, carried = keyed
         new_rows: dict[int, list[dict[str, Any]]] = {}
         for b, img in final.values():
             if img is not None:
                 new_rows.setdefault(b, []).append(img)
-        loaded = replace(loaded, touched=frozenset(touched))
+        loaded = replace(start, touched=frozenset(touched))
         state_ref = _write_state(ctx, seq, loaded, carried, new_rows, record)
-    return _written(segments, state_ref, units, t, kept, len(data), skipped)
-
-
-def _written(
-    segments: list[Segment],
-    state_ref: str | None,
-    units: int,
-    t: pa.Table,
-    kept: list[dict[str, Any]],
-    read: int,
-    skipped: Counter[str],
-) -> Written:
-    """What the transaction wrote: ``kept`` of the ``read`` data events of the parsed
-    input ``t`` became ``units`` times' ``segments``."""
     return Written(
         segments=segments,
         state_ref=state_ref,
@@ -232,9 +208,34 @@ def _written(
         position=max((e["o"][:3] for e in kept), default=None),
         input_rows=t.num_rows,
         skipped=dict(skipped),
-        redelivered=read - len(kept),
+        redelivered=len(data) - len(kept),
         snapshot_lsn=None,  # (no snapshot read: the Spark path takes those)
     )
+
+
+def _against_state(
+    ctx: TxnContext,
+    loaded: LoadedState,
+    kept: list[dict[str, Any]],
+    key: tuple[str, ...],
+    record: pa.Schema,
+) -> Any:
+    """A keyed feed's diffs of the ``kept`` events against the committed state ``loaded``:
+    ``(diffs, final, touched, carried)`` (:func:`~feed.txn.driver_diffs.keyed_diffs`'
+    diffs and final images, the buckets touched and their rows of other keys), or why the
+    transaction goes to Spark."""
+    touched = {e["_bucket"] for e in kept}
+    state = _read_buckets(ctx, loaded, touched, record)
+    if state is None:
+        return "state with positions or tombstones"
+    old, carried = _split_state(state, {e["k"] for e in kept}, key, record)
+    if not fill_unavailable(kept, old):
+        return "an unavailable value with no earlier value to take"
+    diffs = keyed_diffs(kept, old)
+    if diffs is None:
+        return "a delete of a key the feed does not hold"
+    updates, final = diffs
+    return updates, final, touched, carried
 
 
 def _released(
