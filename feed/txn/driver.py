@@ -12,8 +12,9 @@ plain case: drop input at or below the committed position, number the source tra
 key's changes against its row in the touched state buckets (read and rewritten with
 pyarrow), consolidate per time, and write each time's segment. An unkeyed feed has no
 state: each event retracts its before image and adds its after image, as
-:func:`feed.txn.diffs.unkeyed_diffs` has it, and only its first transaction, which fixes
-the feed's settings, goes to Spark.
+:func:`feed.txn.diffs.unkeyed_diffs` has it. A new feed's first transaction is taken
+too (a bad row in it, which may stop the feed being created, goes to Spark as any bad
+row does); a keyed feed's new state gets the bucket count Spark would give it.
 
 The plain case is what a streaming Debezium connector delivers between snapshots: data
 events (c/u/d), END records and skipped lines only; no bad row, no snapshot read or
@@ -43,7 +44,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from feed.log.checkpoint import fixed
 from feed.log.manifest import Segment
 from feed.log.store import PARQUET_PAGES
 from feed.sources.positions import committed_position
@@ -61,7 +61,7 @@ from feed.txn.driver_diffs import (
     unkeyed_diffs,
 )
 from feed.txn.segments import Written, install_segments, staging_folder
-from feed.txn.state import LoadedState
+from feed.txn.state import MIN_BUCKETS, LoadedState, fitting_buckets
 from protocol import SourceError
 
 __all__ = ["run"]
@@ -89,11 +89,11 @@ def _scalar(t: pa.DataType) -> bool:
 
 
 def _start(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> Any:
-    """What this transaction starts from on the driver: the committed keyed state,
+    """What this transaction starts from on the driver: the committed keyed state (a new,
+    empty one of :data:`~feed.txn.state.MIN_BUCKETS` buckets when the feed has none yet),
     :data:`_STATELESS` for an unkeyed feed, or None when it goes to Spark: not a Debezium
-    feed, input over the size limit, pending ``--tx-metadata`` files, a keyed state
-    :meth:`~feed.txn.state.BucketedState.committed` does not give, or an unkeyed feed's
-    first transaction."""
+    feed, input over the size limit, pending ``--tx-metadata`` files, or a keyed state
+    :meth:`~feed.txn.state.BucketedState.committed` does not give."""
     cfg = ctx.config
     if not cfg.kind.events or tx_files or not files:
         return None
@@ -105,7 +105,9 @@ def _start(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> An
     except (OSError, SourceError):
         return None  # Spark's read says what is wrong
     if not ctx.info.key:
-        return _STATELESS if fixed(ctx.cp) else None
+        return _STATELESS
+    if not ctx.cp.state:  # (as BucketedState.load starts one: checked against the input)
+        return LoadedState(None, frozenset(), MIN_BUCKETS, {}, {})
     return ctx.state.committed(ctx.cp.state)
 
 
@@ -129,6 +131,15 @@ def _not_plain(t: pa.Table, key: Sequence[str]) -> str | None:
         return "a floating-point key column"
     if not key and t.column("_toast").null_count < t.num_rows:
         return "an unavailable value in an unkeyed feed"
+    return None
+
+
+def _not_new(ctx: TxnContext, t: pa.Table) -> str | None:
+    """Why a keyed feed's first transaction with state goes to Spark, or None: a new state
+    is sized by the rows read (:func:`~feed.txn.state.fitting_buckets`), which must give
+    the count its buckets were computed with (:func:`_start`)."""
+    if ctx.info.key and not ctx.cp.state and fitting_buckets(t.num_rows) != MIN_BUCKETS:
+        return "a new state of more buckets"
     return None
 
 
@@ -159,7 +170,7 @@ def run(
         image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
         t = changes.select(*_COLUMNS, bucket_of(image, key, start.buckets).alias("_bucket"))
         t = t.toArrow()
-    why = _not_plain(t, key)
+    why = _not_plain(t, key) or _not_new(ctx, t)
     if why is not None:
         return _to_spark(ctx, seq, why)
     committed = committed_position(cp.source.get("pos", [0, 0]))

@@ -169,10 +169,10 @@ def test_spark_tasks_write_grouped_files_into_the_store(bucket, spark):
 
 
 def test_a_keyed_feed_in_an_s3_log_takes_small_transactions_on_the_driver(bucket, spark, tmp_path):
-    """A log in the store: the first transaction is Spark's (its tasks write through
-    pyarrow), the next ones are computed on the driver (feed/txn/driver.py), which reads
-    and writes the state's buckets and the segments in the store; the feed reads back as
-    the table."""
+    """A log in the store: the first transaction is Spark's (its input is over
+    ``driver_txn_bytes``; its tasks write through pyarrow), the next one is computed on
+    the driver (feed/txn/driver.py), which reads the state's buckets Spark wrote and
+    writes new ones and the segments in the store; the feed reads back as the table."""
     from feed.emit.emitter import Emitter, EmitterConfig
     from feed.log.reader import FeedReader
 
@@ -198,6 +198,7 @@ def test_a_keyed_feed_in_an_s3_log_takes_small_transactions_on_the_driver(bucket
         schema=ACCOUNTS_SCHEMA,
         clock="logical",
         max_files_per_txn=1,
+        driver_txn_bytes=(src / "b.json").stat().st_size,
     )
     e = Emitter(cfg, spark=spark)
     e.open()
