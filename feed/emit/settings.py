@@ -15,12 +15,14 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import orjson
+import pyarrow as pa
 
 from feed.log.checkpoint import Checkpoint, fixed
 from feed.log.info import Clock, FeedInfo, Granularity
 from feed.log.store import FeedLog
 from feed.sources.registry import SourceKind, source_kind
-from protocol import SourceError, fingerprint
+from protocol import CodecError, SourceError, fingerprint
+from protocol.schema import avro_to_arrow
 
 __all__ = [
     "DEFAULT_CLOCK",
@@ -246,4 +248,29 @@ def load_schema_file(path: str) -> dict[str, Any]:
         raise SourceError(f"schema file {path} is not JSON: {e}") from e
     if not isinstance(schema, dict) or schema.get("type") != "record":
         raise SourceError(f"schema file {path} must hold an Avro record schema")
+    try:
+        record = avro_to_arrow(schema)
+    except (CodecError, KeyError, TypeError, ValueError) as e:
+        raise SourceError(f"schema file {path}: not a record schema tidefeed holds: {e}") from e
+    for name, t in _columns(record):
+        if pa.types.is_time(t):
+            # (Spark has no time-of-day type, and would say so only once it runs)
+            raise SourceError(
+                f"schema file {path}: column {name!r} is a time of day ({t}), which Spark "
+                "cannot hold; declare it as a long (microseconds since midnight, as "
+                "Debezium's MicroTime is captured) or a string"
+            )
     return schema
+
+
+def _columns(t: pa.DataType, prefix: str = "") -> list[tuple[str, pa.DataType]]:
+    """Every column of a record type and of the records, lists and maps inside it, by its
+    dotted name."""
+    if pa.types.is_struct(t):
+        fields = [t.field(i) for i in range(t.num_fields)]
+        return [c for f in fields for c in _columns(f.type, f"{prefix}{f.name}.")]
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return _columns(t.value_type, prefix)
+    if pa.types.is_map(t):
+        return _columns(t.item_type, prefix)
+    return [(prefix[:-1], t)]

@@ -196,6 +196,50 @@ def test_a_batch_emit_needs_its_tx_metadata_folder(tmp_path):
     assert out.returncode == 1 and b"--tx-metadata path" in out.stderr
 
 
+@pytest.mark.parametrize(
+    ("column", "says"),
+    [
+        ({"type": "long", "logicalType": "time-micros"}, b"column 't' is a time of day"),
+        (
+            {
+                "type": "record",
+                "name": "w",
+                "fields": [{"name": "at", "type": {"type": "int", "logicalType": "time-millis"}}],
+            },
+            b"column 't.at' is a time of day",
+        ),
+        (["int", "string"], b"not a record schema tidefeed holds"),
+    ],
+)
+def test_a_schema_spark_cannot_hold_is_refused_before_spark_starts(tmp_path, column, says):
+    """A time-of-day column would fail only once Spark had started and read the input;
+    it is refused first, naming the column, with nothing written."""
+    (tmp_path / "in").mkdir()
+    line = {"before": None, "after": {"id": 1, "t": 5}, "op": "c", "source": {"lsn": 1}}
+    (tmp_path / "in" / "part-0000.json").write_bytes(orjson.dumps(line))
+    schema = {
+        "type": "record",
+        "name": "r",
+        "fields": [{"name": "id", "type": "long"}, {"name": "t", "type": column}],
+    }
+    (tmp_path / "r.avsc").write_bytes(orjson.dumps(schema))
+    out = run(
+        "emit",
+        "--source",
+        f"debezium:{tmp_path / 'in'}",
+        "--feed",
+        "f",
+        "--log",
+        str(tmp_path / "log"),
+        "--schema",
+        str(tmp_path / "r.avsc"),
+    )
+    assert out.returncode == 1, out.stderr
+    assert says in out.stderr and b"Traceback" not in out.stderr
+    assert b"spark 4" not in out.stderr  # (Spark's start-up line: it never started)
+    assert not (tmp_path / "log").exists()
+
+
 def test_check_of_empty_input_is_not_valid():
     out = run("check", "-", stdin=b"")
     assert out.returncode == 1 and b"no messages" in out.stderr
