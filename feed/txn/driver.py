@@ -37,7 +37,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
@@ -88,7 +88,26 @@ def _scalar(t: pa.DataType) -> bool:
     )
 
 
-def _start(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> Any:
+class _Stateless:
+    """What an unkeyed feed's transaction starts from: it has no state."""
+
+
+_STATELESS = _Stateless()
+
+
+@dataclass(frozen=True, slots=True)
+class _Keyed:
+    """A keyed transaction's work against its state (:func:`_against_state`)."""
+
+    diffs: list[tuple[dict[str, Any], int, int]]  # (image, unit, diff)
+    final: dict[tuple[Any, ...], tuple[int, Any]]  # key -> (bucket, last image or None)
+    touched: set[int]  # the buckets its keys fall in
+    carried: dict[int, pa.Table]  # per touched bucket, the rows of the other keys
+
+
+def _start(
+    ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]
+) -> LoadedState | _Stateless | None:
     """What this transaction starts from on the driver: the committed keyed state (a new,
     empty one of :data:`~feed.txn.state.MIN_BUCKETS` buckets when the feed has none yet),
     :data:`_STATELESS` for an unkeyed feed, or None when it goes to Spark: not a Debezium
@@ -108,11 +127,8 @@ def _start(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> An
         return _STATELESS
     if not ctx.cp.state:  # (as BucketedState.load starts one: checked against the input)
         return LoadedState(None, frozenset(), MIN_BUCKETS, {}, {})
-    return ctx.state.committed(ctx.cp.state)
-
-
-#: what an unkeyed feed's transaction starts from (it has no state)
-_STATELESS = object()
+    committed: LoadedState | None = ctx.state.committed(ctx.cp.state)
+    return committed
 
 
 def _not_plain(t: pa.Table, key: Sequence[str]) -> str | None:
@@ -152,7 +168,7 @@ def run(
 ) -> Written | None:
     """Compute and write transaction ``seq`` over ``files`` on the driver, from the
     committed state; None, with nothing written, when it is not the driver's (see
-    :func:`_committed_state`) or the input is not the plain case. ``reached(step,
+    :func:`_start`) or the input is not the plain case. ``reached(step,
     **facts)`` is told ``after_read`` and ``before_write`` once the transaction is sure to
     be computed here, before its first file is written."""
     from pyspark.sql import functions as F
@@ -164,7 +180,7 @@ def run(
         return None
     cfg, cp, key = ctx.config, ctx.cp, tuple(ctx.info.key)
     changes = read_source(ctx, files)
-    if start is _STATELESS:
+    if isinstance(start, _Stateless):
         t = changes.select(*_COLUMNS).toArrow()
     else:
         image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
@@ -191,27 +207,27 @@ def run(
         return _to_spark(ctx, seq, events)
     data, kept = events
     units = assign_units(kept, cfg.granularity)
-    if start is _STATELESS:
-        updates, keyed = unkeyed_diffs(kept), None
+    keyed: _Keyed | str | None = None
+    if isinstance(start, _Stateless):
+        updates = unkeyed_diffs(kept)
     else:
         keyed = _against_state(ctx, start, kept, key, record)
         if isinstance(keyed, str):
             return _to_spark(ctx, seq, keyed)
-        updates = keyed[0]
+        updates = keyed.diffs
 
     # (told only now: a transaction handed to Spark above reaches them there, once)
     reached("after_read", rows_read=t.num_rows)
     reached("before_write", bad_rows=0)
     segments = _write_segments(ctx, seq, consolidate(updates, record), record)
     state_ref = cp.state
-    if keyed is not None and kept:
-        _, final, touched, carried = keyed
+    if isinstance(keyed, _Keyed) and isinstance(start, LoadedState) and kept:
         new_rows: dict[int, list[dict[str, Any]]] = {}
-        for b, img in final.values():
+        for b, img in keyed.final.values():
             if img is not None:
                 new_rows.setdefault(b, []).append(img)
-        loaded = replace(start, touched=frozenset(touched))
-        state_ref = _write_state(ctx, seq, loaded, carried, new_rows, record)
+        loaded = replace(start, touched=frozenset(keyed.touched))
+        state_ref = _write_state(ctx, seq, loaded, keyed.carried, new_rows, record)
     return Written(
         segments=segments,
         state_ref=state_ref,
@@ -230,11 +246,9 @@ def _against_state(
     kept: list[dict[str, Any]],
     key: tuple[str, ...],
     record: pa.Schema,
-) -> Any:
-    """A keyed feed's diffs of the ``kept`` events against the committed state ``loaded``:
-    ``(diffs, final, touched, carried)`` (:func:`~feed.txn.driver_diffs.keyed_diffs`'
-    diffs and final images, the buckets touched and their rows of other keys), or why the
-    transaction goes to Spark."""
+) -> _Keyed | str:
+    """A keyed feed's diffs of the ``kept`` events against the committed state
+    ``loaded``, or why the transaction goes to Spark."""
     touched = {e["_bucket"] for e in kept}
     state = _read_buckets(ctx, loaded, touched, record)
     if state is None:
@@ -246,7 +260,7 @@ def _against_state(
     if diffs is None:
         return "a delete of a key the feed does not hold"
     updates, final = diffs
-    return updates, final, touched, carried
+    return _Keyed(updates, final, touched, carried)
 
 
 def _released(
