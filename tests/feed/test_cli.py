@@ -180,19 +180,19 @@ def test_serve_on_a_log_that_is_not_there_says_so(tmp_path):
     assert out.returncode == 1 and b"no feed log at" in out.stderr
 
 
+def _emit_from(tmp_path, *extra):
+    """``tidefeed emit`` of feed ``f`` from Debezium files in ``tmp_path/in`` into
+    ``tmp_path/log``, with ``extra`` options."""
+    return run(
+        "emit",
+        *("--source", f"debezium:{tmp_path / 'in'}", "--feed", "f"),
+        *("--log", str(tmp_path / "log"), *extra),
+    )
+
+
 def test_a_batch_emit_needs_its_tx_metadata_folder(tmp_path):
     (tmp_path / "in").mkdir()
-    out = run(
-        "emit",
-        "--source",
-        f"debezium:{tmp_path / 'in'}",
-        "--feed",
-        "f",
-        "--log",
-        str(tmp_path / "log"),
-        "--tx-metadata",
-        str(tmp_path / "tx"),
-    )
+    out = _emit_from(tmp_path, "--tx-metadata", str(tmp_path / "tx"))
     assert out.returncode == 1 and b"--tx-metadata path" in out.stderr
 
 
@@ -223,17 +223,7 @@ def test_a_schema_spark_cannot_hold_is_refused_before_spark_starts(tmp_path, col
         "fields": [{"name": "id", "type": "long"}, {"name": "t", "type": column}],
     }
     (tmp_path / "r.avsc").write_bytes(orjson.dumps(schema))
-    out = run(
-        "emit",
-        "--source",
-        f"debezium:{tmp_path / 'in'}",
-        "--feed",
-        "f",
-        "--log",
-        str(tmp_path / "log"),
-        "--schema",
-        str(tmp_path / "r.avsc"),
-    )
+    out = _emit_from(tmp_path, "--schema", str(tmp_path / "r.avsc"))
     assert out.returncode == 1, out.stderr
     assert says in out.stderr and b"Traceback" not in out.stderr
     assert b"spark 4" not in out.stderr  # (Spark's start-up line: it never started)
