@@ -47,15 +47,34 @@ class Committer:
 
     def claim(self, latest: Checkpoint, state: BucketedState) -> tuple[Checkpoint, list[int]]:
         """Commit a new epoch on top of ``latest`` and roll back what no commit names;
-        return the claimed checkpoint and the uncommitted times deleted."""
-        claimed = latest.successor(epoch=latest.epoch + 1)
-        if latest.seq and latest.manifest is None and latest.frontier > 0:
-            # a feed from before manifests: publish the one its folders imply
-            legacy = self.manifests.of(latest)
-            m = self.manifests.write(seq=claimed.seq, epoch=claimed.epoch, base=legacy)
-            claimed = replace(claimed, manifest=m.name, writers=())
-            self.log.info("feed %s: migrated to a manifest-based log (%s)", self.feed, m.name)
-        self.store.commit(claimed)
+        return the claimed checkpoint and the uncommitted times deleted. A compaction that
+        committed since ``latest`` was read (same epoch, a higher seq) is claimed on top
+        of, as :meth:`commit` does; a higher epoch means another emitter claimed first."""
+        read = latest  # (what this start read: later seqs are uncommitted or compactions)
+        for _ in range(16):
+            claimed = latest.successor(epoch=latest.epoch + 1)
+            if latest.seq and latest.manifest is None and latest.frontier > 0:
+                # a feed from before manifests: publish the one its folders imply
+                legacy = self.manifests.of(latest)
+                m = self.manifests.write(seq=claimed.seq, epoch=claimed.epoch, base=legacy)
+                claimed = replace(claimed, manifest=m.name, writers=())
+                self.log.info("feed %s: migrated to a manifest-based log (%s)", self.feed, m.name)
+            try:
+                self.store.commit(claimed)
+                break
+            except CommitConflict:
+                winner = self.store.latest()
+                if winner is None or winner.epoch != latest.epoch or winner.seq <= latest.seq:
+                    raise
+                self.log.info(
+                    "feed %s: seq %d was taken by a compaction (since %d); claiming on top of it",
+                    self.feed,
+                    claimed.seq,
+                    winner.since,
+                )
+                latest = winner
+        else:
+            raise CommitConflict(f"feed {self.feed!r}: gave up claiming after 16 conflicts")
         kept_states, kept_manifests = self.kept_refs(claimed)
         self.manifests.prune(kept_manifests)
         gone = self.feedlog.delete_times_from(claimed.progress.upper)
@@ -63,7 +82,7 @@ class Committer:
         state.prune(kept_states)
         for name in ("quarantine",):
             for n in self.feedlog.numbered_dirs(name):
-                if n > latest.seq and f"{name}/{n}" != claimed.state:
+                if n > read.seq and f"{name}/{n}" != claimed.state:
                     self.feedlog.delete_dir(self.feedlog.path(name, str(n)))
         return claimed, gone
 

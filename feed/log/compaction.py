@@ -10,7 +10,8 @@ policy) does, in this order:
    to ``compacted/C/part-00000.parquet`` and make it durable (fsync locally);
 3. **commit** ``since = C``: a manifest without the folded times and naming the collection
    file, then the next checkpoint (the same commit sequence as the emitter's, in the
-   emitter's epoch; an emitter that finds its next seq taken by it commits on top);
+   emitter's epoch; an emitter that finds its next seq taken by it commits, or claims
+   its epoch at start-up, on top);
 4. delete the folded segments: every ``times/<t>`` with ``t < C`` and every older
    ``compacted/<c>``.
 

@@ -21,6 +21,7 @@ from feed.log.subscriptions import PushHold, Subscription, SubscriptionStore
 from feed.serve.server import ServerConfig, make_server_app
 from protocol import (
     CheckpointError,
+    CommitConflict,
     Compacted,
     Updates,
     check_messages,
@@ -134,6 +135,38 @@ def test_compaction_never_passes_a_subscription_ack(log_copy):
     r = FeedReader(str(log_copy), "bank")
     assert r.since == 0 and r.log.time_dirs() == before and not r.log.numbered_dirs("compacted")
     assert compact(str(log_copy), "bank", times[4]).since == times[4]
+
+
+def test_an_emitter_start_racing_a_compaction_claims_on_top_of_it(log_copy):
+    """An emitter reads the latest commit; a compaction (the server's ``--retain``, say)
+    commits the next seq; then the emitter claims its epoch. It claims on top of the
+    compaction, keeping its ``since``, instead of failing to start; the feed reads whole.
+    A claim over another emitter's epoch is still refused: that start is stale."""
+    import logging
+
+    from feed.log.commits import Committer
+    from feed.log.store import FeedLog
+    from feed.sources.rows import spark_record_type
+    from feed.txn.state import BucketedState
+
+    flog = FeedLog(str(log_copy), "bank")
+    committer = Committer(flog, feed="bank", logger=logging.getLogger("test"))
+    read = committer.store.latest()
+    before = FeedReader(str(log_copy), "bank")
+    to = before.frontier - 3
+    compact(str(log_copy), "bank", to)
+    record = spark_record_type(ACCOUNTS_SCHEMA)
+    state = BucketedState(lambda: None, flog, record, ("id",), str)
+    claimed, gone = committer.claim(read, state)
+    assert (claimed.seq, claimed.epoch, claimed.since) == (read.seq + 2, read.epoch + 1, to)
+    assert gone == []
+    after = FeedReader(str(log_copy), "bank")
+    assert (after.since, after.frontier) == (to, before.frontier)
+    assert collection_of(after) == truth_multiset()
+    assert check_messages(after.messages(), key=["id"]) == []
+    with pytest.raises(CommitConflict):
+        committer.claim(read, state)
+    assert committer.store.latest() == claimed
 
 
 def test_retention_target():
