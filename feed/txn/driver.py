@@ -61,7 +61,7 @@ from feed.txn.driver_diffs import (
     unkeyed_diffs,
 )
 from feed.txn.segments import Written, install_segments, staging_folder
-from feed.txn.state import MIN_BUCKETS, LoadedState, fitting_buckets
+from feed.txn.state import LoadedState, new_state
 from protocol import SourceError
 
 __all__ = ["run"]
@@ -101,7 +101,7 @@ class _Keyed:
 
     diffs: list[tuple[dict[str, Any], int, int]]  # (image, unit, diff)
     final: dict[tuple[Any, ...], tuple[int, Any]]  # key -> (bucket, last image or None)
-    touched: set[int]  # the buckets its keys fall in
+    loaded: LoadedState  # the state it started from, with the buckets its keys touch
     carried: dict[int, pa.Table]  # per touched bucket, the rows of the other keys
 
 
@@ -109,7 +109,7 @@ def _start(
     ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]
 ) -> LoadedState | _Stateless | None:
     """What this transaction starts from on the driver: the committed keyed state (a new,
-    empty one of :data:`~feed.txn.state.MIN_BUCKETS` buckets when the feed has none yet),
+    empty one, :func:`~feed.txn.state.new_state`, when the feed has none yet),
     :data:`_STATELESS` for an unkeyed feed, or None when it goes to Spark: not a Debezium
     feed, input over the size limit, pending ``--tx-metadata`` files, or a keyed state
     :meth:`~feed.txn.state.BucketedState.committed` does not give."""
@@ -125,8 +125,8 @@ def _start(
         return None  # Spark's read says what is wrong
     if not ctx.info.key:
         return _STATELESS
-    if not ctx.cp.state:  # (as BucketedState.load starts one: checked against the input)
-        return LoadedState(None, frozenset(), MIN_BUCKETS, {}, {})
+    if not ctx.cp.state:  # (its size is checked against the input: _not_new)
+        return new_state()
     committed: LoadedState | None = ctx.state.committed(ctx.cp.state)
     return committed
 
@@ -150,13 +150,13 @@ def _not_plain(t: pa.Table, key: Sequence[str]) -> str | None:
     return None
 
 
-def _not_new(ctx: TxnContext, t: pa.Table) -> str | None:
+def _not_new(ctx: TxnContext, t: pa.Table, start: LoadedState | _Stateless) -> str | None:
     """Why a keyed feed's first transaction with state goes to Spark, or None: a new state
-    is sized by the rows read (:func:`~feed.txn.state.fitting_buckets`), which must give
-    the count its buckets were computed with (:func:`_start`)."""
-    if ctx.info.key and not ctx.cp.state and fitting_buckets(t.num_rows) != MIN_BUCKETS:
-        return "a new state of more buckets"
-    return None
+    is sized by the rows read (:func:`~feed.txn.state.new_state`), which must give the
+    bucket count the parse computed buckets with (:func:`_start`'s)."""
+    if not isinstance(start, LoadedState) or ctx.cp.state:
+        return None
+    return "a new state of more buckets" if new_state(t.num_rows) != start else None
 
 
 def run(
@@ -186,7 +186,7 @@ def run(
         image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
         t = changes.select(*_COLUMNS, bucket_of(image, key, start.buckets).alias("_bucket"))
         t = t.toArrow()
-    why = _not_plain(t, key) or _not_new(ctx, t)
+    why = _not_plain(t, key) or _not_new(ctx, t, start)
     if why is not None:
         return _to_spark(ctx, seq, why)
     committed = committed_position(cp.source.get("pos", [0, 0]))
@@ -221,13 +221,12 @@ def run(
     reached("before_write", bad_rows=0)
     segments = _write_segments(ctx, seq, consolidate(updates, record), record)
     state_ref = cp.state
-    if isinstance(keyed, _Keyed) and isinstance(start, LoadedState) and kept:
+    if isinstance(keyed, _Keyed) and kept:
         new_rows: dict[int, list[dict[str, Any]]] = {}
         for b, img in keyed.final.values():
             if img is not None:
                 new_rows.setdefault(b, []).append(img)
-        loaded = replace(start, touched=frozenset(keyed.touched))
-        state_ref = _write_state(ctx, seq, loaded, keyed.carried, new_rows, record)
+        state_ref = _write_state(ctx, seq, keyed.loaded, keyed.carried, new_rows, record)
     return Written(
         segments=segments,
         state_ref=state_ref,
@@ -260,7 +259,7 @@ def _against_state(
     if diffs is None:
         return "a delete of a key the feed does not hold"
     updates, final = diffs
-    return _Keyed(updates, final, touched, carried)
+    return _Keyed(updates, final, replace(loaded, touched=frozenset(touched)), carried)
 
 
 def _released(

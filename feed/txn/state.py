@@ -52,7 +52,14 @@ from feed.log.store import FeedLog
 from feed.txn.grouped import by_group, strays, write_groups
 from protocol import CheckpointError
 
-__all__ = ["BUCKETS", "BucketedState", "LoadedState", "bucket_of", "fitting_buckets"]
+__all__ = [
+    "BUCKETS",
+    "BucketedState",
+    "LoadedState",
+    "bucket_of",
+    "fitting_buckets",
+    "new_state",
+]
 
 #: buckets of a whole-state folder from before buckets, migrated (its size is unknown)
 BUCKETS = 1024
@@ -71,6 +78,12 @@ def fitting_buckets(rows: int) -> int:
     ``rows / ROWS_PER_BUCKET``, within ``[MIN_BUCKETS, MAX_BUCKETS]``."""
     want = max(1, -(-rows // ROWS_PER_BUCKET))
     return min(MAX_BUCKETS, max(MIN_BUCKETS, 1 << (want - 1).bit_length()))
+
+
+def new_state(rows: int = 0) -> LoadedState:
+    """A new, empty state for a first transaction that read ``rows`` rows (at most a row
+    per input row): :func:`fitting_buckets` of them."""
+    return LoadedState(None, frozenset(), fitting_buckets(rows), {}, {})
 
 
 def bucket_of(row: Column, key: Sequence[str], buckets: int) -> Column:
@@ -204,8 +217,8 @@ class BucketedState:
             return LoadedState(
                 self.read([ref], with_pos=True), frozenset(range(BUCKETS)), BUCKETS, {}, {}
             )
-        if not ref:  # a new state: at most a row per input row
-            return LoadedState(None, frozenset(), fitting_buckets(input_rows), {}, {})
+        if not ref:
+            return new_state(input_rows)
         m = self._manifest(ref)
         buckets, files = m.buckets, m.files
         # (a manifest from before row counts: its buckets' footers are read, once)
@@ -232,7 +245,7 @@ class BucketedState:
         """Every row of the state ``ref`` (with positions and tombstones), to be written
         whole into the same bucket count (a new record schema: feed/txn/evolve.py)."""
         if not ref:
-            return LoadedState(None, frozenset(), MIN_BUCKETS, {}, {})
+            return new_state()
         if not ref.endswith(".json"):
             return LoadedState(
                 self.read([ref], with_pos=True), frozenset(range(BUCKETS)), BUCKETS, {}, {}
