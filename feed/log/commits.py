@@ -63,15 +63,9 @@ class Committer:
                 self.store.commit(claimed)
                 break
             except CommitConflict:
-                winner = self.store.latest()
-                if winner is None or winner.epoch != latest.epoch or winner.seq <= latest.seq:
+                winner = self._compaction_over(latest, claimed.seq, "claiming")
+                if winner is None:
                     raise
-                self.log.info(
-                    "feed %s: seq %d was taken by a compaction (since %d); claiming on top of it",
-                    self.feed,
-                    claimed.seq,
-                    winner.since,
-                )
                 latest = winner
         else:
             raise CommitConflict(f"feed {self.feed!r}: gave up claiming after 16 conflicts")
@@ -109,20 +103,29 @@ class Committer:
             try:
                 self.store.commit(new_cp)
             except CommitConflict:
-                winner = self.store.latest()
-                if winner is None or winner.epoch != base.epoch or winner.seq <= base.seq:
+                winner = self._compaction_over(base, new_cp.seq, "committing")
+                if winner is None:
                     raise
-                self.log.info(
-                    "feed %s: commit %d was taken by a compaction (since %d); "
-                    "committing on top of it",
-                    self.feed,
-                    new_cp.seq,
-                    winner.since,
-                )
                 base = winner
                 continue
             return new_cp
         raise CommitConflict(f"feed {self.feed!r}: gave up committing after 16 conflicts")
+
+    def _compaction_over(self, base: Checkpoint, seq: int, doing: str) -> Checkpoint | None:
+        """After commit ``seq`` on top of ``base`` lost: the latest commit when a compaction
+        made it (same epoch, a higher seq), said in the log, for ``doing`` again on top of
+        it; None when another emitter did (a higher epoch: this one is stale)."""
+        winner = self.store.latest()
+        if winner is None or winner.epoch != base.epoch or winner.seq <= base.seq:
+            return None
+        self.log.info(
+            "feed %s: commit %d was taken by a compaction (since %d); %s on top of it",
+            self.feed,
+            seq,
+            winner.since,
+            doing,
+        )
+        return winner
 
     def kept_refs(self, cp: Checkpoint) -> tuple[set[str | None], set[str | None]]:
         """The state snapshots and manifests the kept commits name."""
