@@ -238,6 +238,11 @@ def settle(cfg: EmitterConfig, info: FeedInfo) -> EmitterConfig:
     return replace(cfg, **settled)
 
 
+#: the deepest nesting of records a ``--schema`` may have (deeper ones exhaust Python's
+#: stack further on, after the feed's folder is made)
+MAX_SCHEMA_DEPTH = 64
+
+
 def load_schema_file(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
@@ -250,9 +255,16 @@ def load_schema_file(path: str) -> dict[str, Any]:
         raise SourceError(f"schema file {path} must hold an Avro record schema")
     try:
         record = avro_to_arrow(schema)
-    except (CodecError, KeyError, TypeError, ValueError) as e:
+    except (CodecError, KeyError, TypeError, ValueError, RecursionError) as e:
         raise SourceError(f"schema file {path}: not a record schema tidefeed holds: {e}") from e
-    for name, t in _columns(record):
+    columns = _columns(record)
+    depth = max((n.count(".") + 1 for n, _ in columns), default=0)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise SourceError(
+            f"schema file {path}: records nested {depth} deep; tidefeed holds at most "
+            f"{MAX_SCHEMA_DEPTH} levels"
+        )
+    for name, t in columns:
         if pa.types.is_time(t):
             # (Spark has no time-of-day type, and would say so only once it runs)
             raise SourceError(

@@ -196,6 +196,14 @@ def test_a_batch_emit_needs_its_tx_metadata_folder(tmp_path):
     assert out.returncode == 1 and b"--tx-metadata path" in out.stderr
 
 
+def _nested(depth: int) -> bytes:
+    """A record type ``depth`` records deep, as JSON (deeper than orjson writes)."""
+    t = b'"long"'
+    for i in range(depth):
+        t = b'{"type":"record","name":"n%d","fields":[{"name":"x","type":%s}]}' % (i, t)
+    return t
+
+
 @pytest.mark.parametrize(
     ("column", "says"),
     [
@@ -209,6 +217,7 @@ def test_a_batch_emit_needs_its_tx_metadata_folder(tmp_path):
             b"column 't.at' is a time of day",
         ),
         (["int", "string"], b"not a record schema tidefeed holds"),
+        (_nested(100), b"records nested 101 deep; tidefeed holds at most 64 levels"),
     ],
 )
 def test_a_schema_spark_cannot_hold_is_refused_before_spark_starts(tmp_path, column, says):
@@ -217,12 +226,9 @@ def test_a_schema_spark_cannot_hold_is_refused_before_spark_starts(tmp_path, col
     (tmp_path / "in").mkdir()
     line = {"before": None, "after": {"id": 1, "t": 5}, "op": "c", "source": {"lsn": 1}}
     (tmp_path / "in" / "part-0000.json").write_bytes(orjson.dumps(line))
-    schema = {
-        "type": "record",
-        "name": "r",
-        "fields": [{"name": "id", "type": "long"}, {"name": "t", "type": column}],
-    }
-    (tmp_path / "r.avsc").write_bytes(orjson.dumps(schema))
+    text = column if isinstance(column, bytes) else orjson.dumps(column)
+    fields = b'[{"name":"id","type":"long"},{"name":"t","type":%s}]' % text
+    (tmp_path / "r.avsc").write_bytes(b'{"type":"record","name":"r","fields":%s}' % fields)
     out = _emit_from(tmp_path, "--schema", str(tmp_path / "r.avsc"))
     assert out.returncode == 1, out.stderr
     assert says in out.stderr and b"Traceback" not in out.stderr
