@@ -16,9 +16,11 @@ state: each event retracts its before image and adds its after image, as
 too (a bad row in it, which may stop the feed being created, goes to Spark as any bad
 row does); a keyed feed's new state gets the bucket count Spark would give it.
 
-The plain case is what a streaming Debezium connector delivers between snapshots: data
-events (c/u/d), END records and skipped lines only; no bad row, no snapshot read or
-snapshot end marker; no unavailable-value placeholder without an earlier value to fill
+The plain case is what a Debezium connector delivers from its first snapshot on: data
+events (c/u/d), reads of the feed's own snapshot (on a new feed, the one it reads
+first) and its end marker, END records and skipped lines only; no bad row, no read of
+another snapshot (a new one replaces the table; an old one is quarantined) and no
+incremental snapshot read; no unavailable-value placeholder without an earlier value to fill
 it (in an unkeyed feed, none at all: Spark quarantines those); every source transaction
 complete (with transaction metadata: its END record read, and every event it counts); no
 delete of a key the feed does not hold; a record of scalar columns and a key without
@@ -46,7 +48,7 @@ import pyarrow.parquet as pq
 
 from feed.log.manifest import Segment
 from feed.log.store import PARQUET_PAGES
-from feed.sources.positions import committed_position
+from feed.sources.positions import ALL_DONE, committed_position, snapshot_done
 from feed.sources.rows import CHANGE_COLUMNS
 from feed.txn.assembly import unfit_shape
 from feed.txn.context import TxnContext, read_source
@@ -68,8 +70,7 @@ __all__ = ["run"]
 
 #: the parsed columns the driver needs (not the weight, the file or the raw line)
 _COLUMNS = tuple(c for c in CHANGE_COLUMNS if c not in ("weight", "_file", "_raw"))
-_DATA_OPS = ("c", "u", "d")
-_SNAPSHOT_ENDS = ("last", "last_in_data_collection")
+_DATA_OPS = ("c", "u", "d", "r")
 
 
 def _scalar(t: pa.DataType) -> bool:
@@ -138,8 +139,12 @@ def _not_plain(t: pa.Table, key: Sequence[str]) -> str | None:
     ops = set(pc.unique(t.column("op")).to_pylist())
     if ops - {*_DATA_OPS, "x", "E"}:
         return f"ops {sorted(o for o in ops - {*_DATA_OPS, 'x', 'E'} if o)}"
-    if set(pc.unique(t.column("_snap")).to_pylist()) & set(_SNAPSHOT_ENDS):
-        return "a snapshot's end"
+    snap = pc.fill_null(t.column("_snap"), "")
+    if pc.any(pc.and_(pc.equal(t.column("op"), "r"), pc.equal(snap, "incremental"))).as_py():
+        return "incremental snapshot reads"
+    data = t.filter(pc.is_in(t.column("op"), pa.array(_DATA_OPS)))
+    if data.column("pos_lo").null_count:
+        return "an event without a source position"
     record = t.schema.field("after").type
     if not all(_scalar(f.type) for f in record):
         return "a record with nested columns"
@@ -148,6 +153,46 @@ def _not_plain(t: pa.Table, key: Sequence[str]) -> str | None:
     if not key and t.column("_toast").null_count < t.num_rows:
         return "an unavailable value in an unkeyed feed"
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    """The feed's own snapshot among the rows read (:func:`_own_snapshot`): its LSN (None:
+    no snapshot row was read) and, once it is known whole, its LSN in ``ended``
+    (:func:`~feed.sources.positions.snapshot_done`)."""
+
+    lsn: int | None
+    ended: frozenset[int] = frozenset()
+
+
+def _own_snapshot(t: pa.Table, source: dict[str, Any]) -> _Snapshot | str:
+    """The snapshot whose reads the driver applies, the feed's own (on a new feed, the one
+    read), or why the transaction goes to Spark: rows of another snapshot, a new one that
+    replaces the table or an old one behind the feed. It is whole, as
+    :func:`feed.sources.snapshots.classify` has it, once its end marker (of any table) is
+    read or an event was delivered after its last read."""
+    snap = pc.fill_null(t.column("_snap"), "")
+    rows = t.filter(pc.or_(pc.equal(t.column("op"), "r"), pc.equal(snap, "last")))
+    if not rows.num_rows:
+        return _Snapshot(None)
+    lsns = set(rows.column("pos_lo").to_pylist())
+    own = source.get("snapshot_lsn", min(lsns, key=lambda v: v is None))
+    if lsns != {own} or own is None:
+        return "rows of another snapshot than the feed's own"
+    op, snap = rows.column("op"), pc.fill_null(rows.column("_snap"), "")
+    in_data = pc.and_(pc.equal(op, "r"), pc.equal(snap, "last_in_data_collection"))
+    if pc.any(pc.or_(pc.equal(snap, "last"), in_data)).as_py():
+        return _Snapshot(own, frozenset({own}))
+    data = t.filter(pc.is_in(t.column("op"), pa.array(_DATA_OPS)))
+    last_read, latest = _last_place(rows), _last_place(data)
+    whole = latest is not None and last_read is not None and latest > last_read
+    return _Snapshot(own, frozenset({own}) if whole else frozenset())
+
+
+def _last_place(t: pa.Table) -> tuple[int, int] | None:
+    """The latest place in delivery order, (``ord_file``, ``ord_row``), among ``t``'s rows."""
+    places = zip(t.column("ord_file").to_pylist(), t.column("ord_row").to_pylist(), strict=True)
+    return max(places, default=None)
 
 
 def _not_new(ctx: TxnContext, t: pa.Table, start: LoadedState | _Stateless) -> str | None:
@@ -189,14 +234,17 @@ def run(
     why = _not_plain(t, key) or _not_new(ctx, t, start)
     if why is not None:
         return _to_spark(ctx, seq, why)
+    snapshot = _own_snapshot(t, cp.source)
+    if isinstance(snapshot, str):
+        return _to_spark(ctx, seq, snapshot)
     committed = committed_position(cp.source.get("pos", [0, 0]))
     # (an event read again, committed under an older shape, is no change of shape; one
     # without a commit position yet is not committed, as position_filter has it)
-    cols = [t.column(c).to_pylist() for c in ("_shape", "pos_hi", "pos_lo", "pos_n")]
+    rows = t.select(["_shape", "op", "pos_hi", "pos_lo", "pos_n"]).to_pylist()
     shapes = {
-        h
-        for h, *pos in zip(*cols, strict=True)
-        if h is not None and (pos[0] is None or tuple(pos) > committed)
+        r["_shape"]
+        for r in rows
+        if r["_shape"] is not None and (r["pos_hi"] is None or _after(r, committed))
     }
     if unfit_shape(ctx, files, shapes) is not None:
         return _to_spark(ctx, seq, "the source table changed shape")
@@ -227,15 +275,17 @@ def run(
             if img is not None:
                 new_rows.setdefault(b, []).append(img)
         state_ref = _write_state(ctx, seq, keyed.loaded, keyed.carried, new_rows, record)
+    last = max((e["o"][:3] for e in kept), default=None)
     return Written(
         segments=segments,
         state_ref=state_ref,
         units=units,
-        position=max((e["o"][:3] for e in kept), default=None),
+        position=snapshot_done(last, snapshot.ended),
         input_rows=t.num_rows,
         skipped=dict(skipped),
         redelivered=len(data) - len(kept),
-        snapshot_lsn=None,  # (no snapshot read: the Spark path takes those)
+        # (a new feed's own snapshot is the one it read, if any)
+        snapshot_lsn=min((e["pos_lo"] for e in kept if e["op"] == "r"), default=None),
     )
 
 
@@ -274,7 +324,7 @@ def _released(
     why = complete(ends_read, data)
     if why is not None:
         return why
-    fresh = [e for e in data if (e["pos_hi"], e["pos_lo"], e["pos_n"]) > committed]
+    fresh = [e for e in data if _after(e, committed)]
     kept = once(fresh)
     if not counted(ends_read, kept, committed):
         return "a source transaction not complete, or over its END count"
@@ -283,6 +333,15 @@ def _released(
         img = e["before"] if e["op"] == "d" else e["after"]
         e["k"] = tuple(img[c] for c in key)
     return data, kept
+
+
+def _after(e: dict[str, Any], committed: tuple[int, int, int]) -> bool:
+    """Whether event ``e`` is still to be turned into updates: it comes after the
+    ``committed`` position, or it is a read of the snapshot at that position whose end
+    is not committed (:func:`feed.sources.positions.position_filter`)."""
+    at = (e["pos_hi"], e["pos_lo"], e["pos_n"])
+    same_snapshot = e["op"] == "r" and at[:2] == committed[:2] and committed[2] < ALL_DONE
+    return at > committed or same_snapshot
 
 
 def _to_spark(ctx: TxnContext, seq: int, why: str) -> Written | None:

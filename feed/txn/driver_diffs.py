@@ -31,11 +31,15 @@ __all__ = [
 
 
 def once(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The events with a repeat (the same transaction, position and op: an at-least-once
-    redelivery) left out, keeping the first delivered."""
+    """The events with a repeat (the same transaction, position and op, and for a
+    snapshot read the same row: an at-least-once redelivery) left out, keeping the first
+    delivered (:data:`feed.sources.positions.EVENT`)."""
     first: dict[tuple[Any, ...], dict[str, Any]] = {}
     for e in sorted(events, key=lambda e: (e["ord_file"], e["ord_row"])):
-        first.setdefault((e["txn"], e["pos_lo"], e["pos_n"], e["op"]), e)
+        # (the reads of one snapshot share a position: the row tells them apart; repr
+        # keeps -0.0 from 0.0 and every NaN alike, as the JSON text Spark compares does)
+        row = repr(tuple(e["after"].values())) if e["op"] == "r" else ""
+        first.setdefault((e["txn"], e["pos_lo"], e["pos_n"], e["op"], row), e)
     return list(first.values())
 
 
