@@ -15,6 +15,7 @@ from feed.log.checkpoint import Checkpoint
 from feed.log.store import FeedLog
 
 __all__ = [
+    "DECLINED",
     "NEED_MORE",
     "Computed",
     "GroupHold",
@@ -30,6 +31,10 @@ __all__ = [
 #: what :func:`feed.txn.dataflow.read_input` returns when nothing in its input is complete
 #: yet but more input files are pending
 NEED_MORE = object()
+
+#: a transaction engine's answer for a job it does not take, having written nothing
+#: (:mod:`feed.txn.engine`)
+DECLINED = object()
 
 
 def spillable() -> Any:

@@ -20,15 +20,17 @@ The plain case is what a Debezium connector delivers from its first snapshot on:
 events (c/u/d), reads of the feed's own snapshot (on a new feed, the one it reads
 first) and its end marker, END records and skipped lines only; no bad row, no read of
 another snapshot (a new one replaces the table; an old one is quarantined) and no
-incremental snapshot read; no unavailable-value placeholder without an earlier value to fill
-it (in an unkeyed feed, none at all: Spark quarantines those); every source transaction
-complete (with transaction metadata: its END record read, and every event it counts); no
-delete of a key the feed does not hold; a record of scalar columns and a key without
-floating-point ones; a bucketed state not due to be rebucketed. An event delivered twice
-is kept once, as the Spark path keeps it. On anything else :func:`run` returns None
-before writing a file, and the Spark path computes the transaction (its parse is one
-small job more). Input larger than ``--driver-txn-bytes`` goes to Spark directly. The
-row-by-row semantics are in :mod:`feed.txn.driver_diffs`.
+incremental snapshot read; no unavailable-value placeholder without an earlier value to
+fill it (in an unkeyed feed, none at all: Spark quarantines those); no source
+transaction with more events than its END record counts, nor transaction blocks without
+any END record read; no delete of a key the feed does not hold; a record of scalar
+columns and a key without floating-point ones; a bucketed state not due to be
+rebucketed. An event delivered twice is kept once, as the Spark path keeps it, and an
+incomplete source transaction is held back with every one delivered after it
+(:func:`~feed.txn.driver_diffs.held_back`). On anything else :func:`run` declines before
+writing a file, and the Spark path computes the transaction (its parse is one small job
+more). Input larger than ``--driver-txn-bytes`` goes to Spark directly. The row-by-row
+semantics are in :mod:`feed.txn.driver_diffs`.
 
 Both paths give the same feed: tests/feed/test_driver_txn.py runs random histories
 through each and compares the updates, the progress and the state.
@@ -48,16 +50,16 @@ import pyarrow.parquet as pq
 
 from feed.log.manifest import Segment
 from feed.log.store import PARQUET_PAGES
-from feed.sources.positions import ALL_DONE, committed_position, snapshot_done
+from feed.sources.positions import ALL_DONE, Position, committed_position, snapshot_done
 from feed.sources.rows import CHANGE_COLUMNS
 from feed.txn.assembly import unfit_shape
-from feed.txn.context import TxnContext, read_source
+from feed.txn.context import DECLINED, NEED_MORE, TxnContext, base_name, read_source
 from feed.txn.driver_diffs import (
     assign_units,
-    complete,
+    at_commit,
     consolidate,
-    counted,
     fill_unavailable,
+    held_back,
     keyed_diffs,
     once,
     unkeyed_diffs,
@@ -68,8 +70,8 @@ from protocol import SourceError
 
 __all__ = ["run"]
 
-#: the parsed columns the driver needs (not the weight, the file or the raw line)
-_COLUMNS = tuple(c for c in CHANGE_COLUMNS if c not in ("weight", "_file", "_raw"))
+#: the parsed columns the driver needs (not the weight or the raw line)
+_COLUMNS = tuple(c for c in CHANGE_COLUMNS if c not in ("weight", "_raw"))
 _DATA_OPS = ("c", "u", "d", "r")
 
 
@@ -210,19 +212,23 @@ def run(
     files: Sequence[str],
     tx_files: Sequence[str],
     reached: Callable[..., None],
-) -> Written | None:
+    *,
+    more: bool = False,
+) -> Written | object | None:
     """Compute and write transaction ``seq`` over ``files`` on the driver, from the
-    committed state; None, with nothing written, when it is not the driver's (see
-    :func:`_start`) or the input is not the plain case. ``reached(step,
-    **facts)`` is told ``after_read`` and ``before_write`` once the transaction is sure to
-    be computed here, before its first file is written."""
+    committed state; :data:`~feed.txn.context.DECLINED`, with nothing written, when it is
+    not the driver's (see :func:`_start`) or the input is not the plain case. As the
+    Spark path: None when every source transaction read is held back, and
+    :data:`~feed.txn.context.NEED_MORE` when ``more`` input files are pending then.
+    ``reached(step, **facts)`` is told ``after_read`` and ``before_write`` once the
+    transaction is sure to be computed here, before its first file is written."""
     from pyspark.sql import functions as F
 
     from feed.txn.state import bucket_of
 
     start = _start(ctx, files, tx_files)
     if start is None:
-        return None
+        return DECLINED
     cfg, cp, key = ctx.config, ctx.cp, tuple(ctx.info.key)
     changes = read_source(ctx, files)
     if isinstance(start, _Stateless):
@@ -249,11 +255,28 @@ def run(
     if unfit_shape(ctx, files, shapes) is not None:
         return _to_spark(ctx, seq, "the source table changed shape")
     record = pa.schema(list(t.schema.field("after").type))
-    skipped = Counter(s for s in t.column("_skip").to_pylist() if s is not None)
-    events = _released(t, committed, key)
-    if isinstance(events, str):
-        return _to_spark(ctx, seq, events)
-    data, kept = events
+    r = _released(t, committed, key)
+    if isinstance(r, str):
+        return _to_spark(ctx, seq, r)
+    if r.held:
+        ctx.log.info(
+            "feed %s: %d source transaction(s) incomplete or behind an incomplete one "
+            "or a new snapshot: held back until the rest arrives",
+            cfg.feed,
+            len(r.held),
+        )
+        if not r.ready:
+            if more:
+                return NEED_MORE
+            ctx.log.info(
+                "feed %s: waiting for the rest of %d source transaction(s)", cfg.feed, len(r.held)
+            )
+            return None
+    # (a file read again later is counted then)
+    held_files = pa.array(sorted(r.files), t.schema.field("_file").type)
+    counted = t.filter(pc.invert(pc.is_in(t.column("_file"), held_files)))
+    skipped = Counter(s for s in counted.column("_skip").to_pylist() if s is not None)
+    kept = r.kept
     units = assign_units(kept, cfg.granularity)
     keyed: _Keyed | str | None = None
     if isinstance(start, _Stateless):
@@ -265,7 +288,7 @@ def run(
         updates = keyed.diffs
 
     # (told only now: a transaction handed to Spark above reaches them there, once)
-    reached("after_read", rows_read=t.num_rows)
+    reached("after_read", rows_read=counted.num_rows)
     reached("before_write", bad_rows=0)
     segments = _write_segments(ctx, seq, consolidate(updates, record), record)
     state_ref = cp.state
@@ -281,11 +304,13 @@ def run(
         state_ref=state_ref,
         units=units,
         position=snapshot_done(last, snapshot.ended),
-        input_rows=t.num_rows,
+        input_rows=counted.num_rows,
         skipped=dict(skipped),
-        redelivered=len(data) - len(kept),
+        redelivered=r.redelivered,
         # (a new feed's own snapshot is the one it read, if any)
         snapshot_lsn=min((e["pos_lo"] for e in kept if e["op"] == "r"), default=None),
+        held=len(r.held),
+        held_files=frozenset(base_name(f) for f in r.files),
     )
 
 
@@ -312,42 +337,63 @@ def _against_state(
     return _Keyed(updates, final, replace(loaded, touched=frozenset(touched)), carried)
 
 
-def _released(
-    t: pa.Table, committed: tuple[Any, ...], key: Sequence[str]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | str:
-    """The data events read and those to turn into updates (past the ``committed``
-    position, each once, with their order ``o`` and key ``k``), when every source
-    transaction is complete; else why not."""
+@dataclass(frozen=True, slots=True)
+class _Release:
+    """What :func:`_released` lets go of the events read."""
+
+    kept: list[dict[str, Any]]  # to turn into updates now, with their order and key
+    redelivered: int  # events dropped as done already or repeated
+    held: set[Any]  # the source transactions held back
+    ready: int  # how many are released
+    files: set[str]  # the input files holding the held ones' events and END records
+
+
+def _released(t: pa.Table, committed: Position, key: Sequence[str]) -> _Release | str:
+    """The data events to turn into updates (past the ``committed`` position, each once,
+    in the source transactions not held back, with their order ``o`` and key ``k``), or
+    why the transaction goes to Spark."""
     data = t.filter(pc.is_in(t.column("op"), pa.array(_DATA_OPS))).to_pylist()
     ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi", "tx_count"])
     ends_read = ends.to_pylist()
-    why = complete(ends_read, data)
-    if why is not None:
-        return why
-    fresh = [e for e in data if _after(e, committed)]
-    kept = once(fresh)
-    if not counted(ends_read, kept, committed):
-        return "a source transaction not complete, or over its END count"
+    at_commit(ends_read, data)
+    fresh = once([e for e in data if _after(e, committed)])
+    if not ends_read and len({e["txn"] for e in fresh if e["tx_meta"]}) > 1:
+        return "transaction blocks without any END record read"  # (Spark may refuse them)
+    hold = held_back(data, fresh, ends_read, committed[0])
+    if hold is None:
+        return "a source transaction with more events than its END record counts"
+    held, ready = hold
+    files: set[str] = set()
+    if held:
+        theirs = pc.and_(
+            pc.is_in(t.column("op"), pa.array([*_DATA_OPS, "E"])),
+            pc.is_in(t.column("txn"), pa.array(sorted(held, key=str), t.schema.field("txn").type)),
+        )
+        files = set(pc.unique(t.filter(theirs).column("_file")).to_pylist())
+    kept = [e for e in fresh if e["txn"] not in held]
     for e in kept:
         e["o"] = (e["pos_hi"], e["pos_lo"], e["pos_n"], e["ord_file"], e["ord_row"])
         img = e["before"] if e["op"] == "d" else e["after"]
         e["k"] = tuple(img[c] for c in key)
-    return data, kept
+    return _Release(kept, len(data) - len(fresh), held, ready, files)
 
 
 def _after(e: dict[str, Any], committed: tuple[int, int, int]) -> bool:
     """Whether event ``e`` is still to be turned into updates: it comes after the
     ``committed`` position, or it is a read of the snapshot at that position whose end
     is not committed (:func:`feed.sources.positions.position_filter`)."""
+    if e["pos_hi"] is None:  # of a transaction whose END is not read: not committed
+        return True
     at = (e["pos_hi"], e["pos_lo"], e["pos_n"])
     same_snapshot = e["op"] == "r" and at[:2] == committed[:2] and committed[2] < ALL_DONE
     return at > committed or same_snapshot
 
 
-def _to_spark(ctx: TxnContext, seq: int, why: str) -> Written | None:
-    """None (the transaction goes to Spark), saying why in the debug log."""
+def _to_spark(ctx: TxnContext, seq: int, why: str) -> object:
+    """:data:`~feed.txn.context.DECLINED` (the transaction goes to Spark), saying why in
+    the debug log."""
     ctx.log.debug("feed %s: transaction %d is computed in Spark: %s", ctx.config.feed, seq, why)
-    return None
+    return DECLINED
 
 
 def _read_buckets(

@@ -19,10 +19,10 @@ from feed.log.info import Granularity
 
 __all__ = [
     "assign_units",
+    "at_commit",
     "by_key",
-    "complete",
     "consolidate",
-    "counted",
+    "held_back",
     "fill_unavailable",
     "keyed_diffs",
     "once",
@@ -43,33 +43,61 @@ def once(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(first.values())
 
 
-def complete(ends: list[dict[str, Any]], data: list[dict[str, Any]]) -> str | None:
+def at_commit(ends: list[dict[str, Any]], data: list[dict[str, Any]]) -> None:
     """Give each event of a transaction with metadata its END record's commit LSN as
-    ``pos_hi`` (:func:`feed.sources.transactions.assemble`); why not, when an END is missing.
-    ``ends``: the END records read (``txn``, ``pos_hi``, ``tx_count``)."""
+    ``pos_hi``, or None while its END is not read (it has no commit position yet), as
+    :func:`feed.sources.transactions.assemble` does. ``ends``: the END records read
+    (``txn``, ``pos_hi``, ``tx_count``)."""
     commit: dict[Any, int] = {}
     for end in ends:
         commit[end["txn"]] = max(commit.get(end["txn"], end["pos_hi"]), end["pos_hi"])
     for e in data:
         if e["tx_meta"]:
-            if e["txn"] not in commit:
-                return "a source transaction whose END record is not read yet"
-            e["pos_hi"] = commit[e["txn"]]
-    return None
+            e["pos_hi"] = commit.get(e["txn"])
 
 
-def counted(
-    ends: list[dict[str, Any]], kept: list[dict[str, Any]], committed: tuple[int, ...]
-) -> bool:
-    """Whether every source transaction with metadata has exactly the events its END
-    record counts (an END at or below the committed position is done with)."""
-    expected: dict[Any, int] = {}
+def held_back(
+    data: list[dict[str, Any]],
+    kept: list[dict[str, Any]],
+    ends: list[dict[str, Any]],
+    committed_hi: int,
+) -> tuple[set[Any], int] | None:
+    """The source transactions held back and how many are released, as
+    :meth:`feed.sources.holdback.SecondPass.hold` decides: a transaction with metadata
+    (a ``transaction`` block on an event read, or an END record past the committed
+    position) is incomplete while its END is not read or fewer of its events are in than
+    END counts, and the first incomplete one in delivery order holds back every one
+    delivered after it. ``data``: every data event read; ``kept``: those past the
+    committed position, each once. None when a transaction has more events than its END
+    counts (Spark warns and releases it)."""
+    meta = {e["txn"] for e in data if e["tx_meta"]}
+    commit: dict[Any, int] = {}
+    counts: dict[Any, int | None] = {}
     for end in ends:
-        if end["pos_hi"] > committed[0]:
-            expected[end["txn"]] = max(expected.get(end["txn"], 0), end["tx_count"] or 0)
+        x = end["txn"]
+        commit[x] = max(commit.get(x, end["pos_hi"]), end["pos_hi"])
+        n = end["tx_count"]
+        counts[x] = n if counts.get(x) is None else max(n or 0, counts[x] or 0)
+    expected = {x: n for x, n in counts.items() if commit[x] > committed_hi}
     events = Counter(e["txn"] for e in kept)
-    meta = {e["txn"] for e in kept if e["tx_meta"]}
-    return meta <= expected.keys() and all(events[x] == n for x, n in expected.items())
+    first: dict[Any, tuple[int, int]] = {}
+    for e in kept:
+        at = (e["ord_file"], e["ord_row"])
+        first[e["txn"]] = min(first.get(e["txn"], at), at)
+    opened = set()
+    for x in set(events) | expected.keys():
+        n, want = events.get(x, 0), expected.get(x)
+        if x not in meta and want is None:
+            continue  # no metadata: complete as read
+        if want is not None and n > want:
+            return None
+        if (want is None and n > 0) or (want is not None and n < want):
+            opened.add(x)
+    held = set(opened)
+    starts = [first[x] for x in opened if x in first]
+    if starts:
+        held |= {x for x, at in first.items() if at >= min(starts)}
+    return held, sum(1 for x in events if x not in held)
 
 
 def assign_units(events: list[dict[str, Any]], granularity: Granularity | None) -> int:

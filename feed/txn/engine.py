@@ -25,13 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from feed.txn import driver, spark
-from feed.txn.context import TxnContext
+from feed.txn.context import DECLINED, TxnContext
 from feed.txn.segments import Written
 
 __all__ = ["DECLINED", "DRIVER", "ENGINES", "SPARK", "Engine", "Job", "run_job"]
-
-#: an engine's answer for a job it does not take (it wrote nothing)
-DECLINED = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +67,8 @@ class DriverEngine:
         if job.eager is not None:
             return DECLINED  # the executors push eagerly: only the Spark path has them
         t0 = time.perf_counter()
-        written = driver.run(ctx, job.seq, job.files, job.tx_files, reached)
-        if written is None:
+        written = driver.run(ctx, job.seq, job.files, job.tx_files, reached, more=job.more)
+        if written is DECLINED:
             return DECLINED
         secs["driver"] = time.perf_counter() - t0
         return written

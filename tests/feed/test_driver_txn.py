@@ -114,19 +114,21 @@ def _history(
     redeliver: bool,
     absent_delete: bool,
     metadata: bool,
+    cut: bool = False,
     load: int | None = None,
 ) -> None:
     """A first file with the first ``load`` events (by default a third), then files of a
     few events each; with ``redeliver`` some files start with the tail of the one before (a
     connector restarting), with ``absent_delete`` one file deletes a key the table never
-    had; with ``metadata`` the files end at END records (files that cut a transaction are
-    held back, which the Spark path does)."""
+    had; with ``metadata`` the files end at END records, unless ``cut``: then a file may
+    end inside a source transaction, which is held back until its END and every event it
+    counts are read."""
     load = len(events) // 3 if load is None else load
     write_parts(src, events[:load], 1)
     rest, n, i = events[load:], 1, 0
     while i < len(rest):
         step = 7
-        while metadata and i + step < len(rest) and b'"END"' not in rest[i + step - 1]:
+        while metadata and not cut and i + step < len(rest) and b'"END"' not in rest[i + step - 1]:
             step += 1  # a file ends with a transaction's END record
         chunk = rest[i : i + step]
         if redeliver and n % 3 == 0:
@@ -201,7 +203,7 @@ def _snapshot_first(events: list[bytes], *, end: bool, again: int) -> tuple[list
         ("transaction", True, False, True, False, "end", 14, ("id",)),
         ("transaction", False, False, False, True, None, 15, ("id",)),
         ("transaction", True, False, False, False, "no end", 16, ()),
-        ("batch", False, False, True, False, None, 17, ()),
+        ("batch", False, False, "cut", False, None, 17, ()),
     ],
 )
 def test_the_driver_gives_the_feed_spark_gives(
@@ -216,15 +218,23 @@ def test_the_driver_gives_the_feed_spark_gives(
         events, n = _snapshot_first(events, end=snapshot == "end", again=3 if key else 0)
         load = n // 2 if key else n
     _history(
-        src, events, redeliver=redeliver, absent_delete=absent_delete, metadata=metadata, load=load
+        src,
+        events,
+        redeliver=redeliver,
+        absent_delete=absent_delete,
+        metadata=bool(metadata),
+        cut=metadata == "cut",
+        load=load,
     )
     on = _run(spark, src, tmp_path / "driver", driver=True, granularity=granularity, key=key)
     off = _run(spark, src, tmp_path / "spark", driver=False, granularity=granularity, key=key)
 
     assert [r.progress for r in on] == [r.progress for r in off]
-    assert [(r.input_rows, r.redelivered, r.skipped) for r in on] == [
-        (r.input_rows, r.redelivered, r.skipped) for r in off
+    assert [(r.input_rows, r.redelivered, r.skipped, r.held) for r in on] == [
+        (r.input_rows, r.redelivered, r.skipped, r.held) for r in off
     ]
+    if metadata == "cut":  # transactions held back, on the driver too
+        assert any(r.held and "driver" in r.seconds for r in on)
     by_driver = [r for r in on if "driver" in r.seconds]
     assert len(by_driver) >= len(on) // 2, "the driver computed too few transactions"
     assert not any("driver" in r.seconds for r in off)
