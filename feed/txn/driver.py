@@ -50,7 +50,7 @@ import pyarrow.parquet as pq
 
 from feed.log.manifest import Segment
 from feed.log.store import PARQUET_PAGES
-from feed.sources.positions import ALL_DONE, Position, committed_position, snapshot_done
+from feed.sources.positions import ALL_DONE, DATA_OPS, Position, committed_position, snapshot_done
 from feed.sources.rows import CHANGE_COLUMNS
 from feed.txn.assembly import unfit_shape
 from feed.txn.context import DECLINED, NEED_MORE, TxnContext, base_name, read_source
@@ -72,7 +72,6 @@ __all__ = ["run"]
 
 #: the parsed columns the driver needs (not the weight or the raw line)
 _COLUMNS = tuple(c for c in CHANGE_COLUMNS if c not in ("weight", "_raw"))
-_DATA_OPS = ("c", "u", "d", "r")
 
 
 def _scalar(t: pa.DataType) -> bool:
@@ -134,17 +133,21 @@ def _start(
     return committed
 
 
-def _not_plain(t: pa.Table, key: Sequence[str]) -> str | None:
+def _data_events(t: pa.Table) -> pa.Table:
+    """The data events (c/u/d/r) among the rows parsed."""
+    return t.filter(pc.is_in(t.column("op"), pa.array(DATA_OPS)))
+
+
+def _not_plain(t: pa.Table, data: pa.Table, key: Sequence[str]) -> str | None:
     """Why the parsed input is not the plain case (see the module docstring), or None."""
     if t.column("_error").null_count < t.num_rows:
         return "bad rows"
     ops = set(pc.unique(t.column("op")).to_pylist())
-    if ops - {*_DATA_OPS, "x", "E"}:
-        return f"ops {sorted(o for o in ops - {*_DATA_OPS, 'x', 'E'} if o)}"
+    if ops - {*DATA_OPS, "x", "E"}:
+        return f"ops {sorted(o for o in ops - {*DATA_OPS, 'x', 'E'} if o)}"
     snap = pc.fill_null(t.column("_snap"), "")
     if pc.any(pc.and_(pc.equal(t.column("op"), "r"), pc.equal(snap, "incremental"))).as_py():
         return "incremental snapshot reads"
-    data = t.filter(pc.is_in(t.column("op"), pa.array(_DATA_OPS)))
     if data.column("pos_lo").null_count:
         return "an event without a source position"
     record = t.schema.field("after").type
@@ -167,7 +170,7 @@ class _Snapshot:
     ended: frozenset[int] = frozenset()
 
 
-def _own_snapshot(t: pa.Table, source: dict[str, Any]) -> _Snapshot | str:
+def _own_snapshot(t: pa.Table, data: pa.Table, source: dict[str, Any]) -> _Snapshot | str:
     """The snapshot whose reads the driver applies, the feed's own (on a new feed, the one
     read), or why the transaction goes to Spark: rows of another snapshot, a new one that
     replaces the table or an old one behind the feed. It is whole, as
@@ -178,14 +181,13 @@ def _own_snapshot(t: pa.Table, source: dict[str, Any]) -> _Snapshot | str:
     if not rows.num_rows:
         return _Snapshot(None)
     lsns = set(rows.column("pos_lo").to_pylist())
-    own = source.get("snapshot_lsn", min(lsns, key=lambda v: v is None))
+    own = source.get("snapshot_lsn", next(iter(lsns)))  # (one LSN, or it is refused)
     if lsns != {own} or own is None:
         return "rows of another snapshot than the feed's own"
     op, snap = rows.column("op"), pc.fill_null(rows.column("_snap"), "")
     in_data = pc.and_(pc.equal(op, "r"), pc.equal(snap, "last_in_data_collection"))
     if pc.any(pc.or_(pc.equal(snap, "last"), in_data)).as_py():
         return _Snapshot(own, frozenset({own}))
-    data = t.filter(pc.is_in(t.column("op"), pa.array(_DATA_OPS)))
     last_read, latest = _last_place(rows), _last_place(data)
     whole = latest is not None and last_read is not None and latest > last_read
     return _Snapshot(own, frozenset({own}) if whole else frozenset())
@@ -237,25 +239,22 @@ def run(
         image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
         t = changes.select(*_COLUMNS, bucket_of(image, key, start.buckets).alias("_bucket"))
         t = t.toArrow()
-    why = _not_plain(t, key) or _not_new(ctx, t, start)
+    data = _data_events(t)
+    why = _not_plain(t, data, key) or _not_new(ctx, t, start)
     if why is not None:
         return _to_spark(ctx, seq, why)
-    snapshot = _own_snapshot(t, cp.source)
+    snapshot = _own_snapshot(t, data, cp.source)
     if isinstance(snapshot, str):
         return _to_spark(ctx, seq, snapshot)
     committed = committed_position(cp.source.get("pos", [0, 0]))
     # (an event read again, committed under an older shape, is no change of shape; one
     # without a commit position yet is not committed, as position_filter has it)
     rows = t.select(["_shape", "op", "pos_hi", "pos_lo", "pos_n"]).to_pylist()
-    shapes = {
-        r["_shape"]
-        for r in rows
-        if r["_shape"] is not None and (r["pos_hi"] is None or _after(r, committed))
-    }
+    shapes = {r["_shape"] for r in rows if r["_shape"] is not None and _after(r, committed)}
     if unfit_shape(ctx, files, shapes) is not None:
         return _to_spark(ctx, seq, "the source table changed shape")
     record = pa.schema(list(t.schema.field("after").type))
-    r = _released(t, committed, key)
+    r = _released(t, data, committed, key)
     if isinstance(r, str):
         return _to_spark(ctx, seq, r)
     if r.held:
@@ -348,11 +347,13 @@ class _Release:
     files: set[str]  # the input files holding the held ones' events and END records
 
 
-def _released(t: pa.Table, committed: Position, key: Sequence[str]) -> _Release | str:
+def _released(
+    t: pa.Table, data_read: pa.Table, committed: Position, key: Sequence[str]
+) -> _Release | str:
     """The data events to turn into updates (past the ``committed`` position, each once,
     in the source transactions not held back, with their order ``o`` and key ``k``), or
     why the transaction goes to Spark."""
-    data = t.filter(pc.is_in(t.column("op"), pa.array(_DATA_OPS))).to_pylist()
+    data = data_read.to_pylist()
     ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi", "tx_count"])
     ends_read = ends.to_pylist()
     at_commit(ends_read, data)
@@ -366,7 +367,7 @@ def _released(t: pa.Table, committed: Position, key: Sequence[str]) -> _Release 
     files: set[str] = set()
     if held:
         theirs = pc.and_(
-            pc.is_in(t.column("op"), pa.array([*_DATA_OPS, "E"])),
+            pc.is_in(t.column("op"), pa.array([*DATA_OPS, "E"])),
             pc.is_in(t.column("txn"), pa.array(sorted(held, key=str), t.schema.field("txn").type)),
         )
         files = set(pc.unique(t.filter(theirs).column("_file")).to_pylist())

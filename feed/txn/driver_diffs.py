@@ -22,8 +22,8 @@ __all__ = [
     "at_commit",
     "by_key",
     "consolidate",
-    "held_back",
     "fill_unavailable",
+    "held_back",
     "keyed_diffs",
     "once",
     "unkeyed_diffs",
@@ -43,14 +43,20 @@ def once(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(first.values())
 
 
+def _commit_lsns(ends: list[dict[str, Any]]) -> dict[Any, int]:
+    """Each source transaction's commit LSN: the highest of its END records read."""
+    commit: dict[Any, int] = {}
+    for end in ends:
+        commit[end["txn"]] = max(commit.get(end["txn"], end["pos_hi"]), end["pos_hi"])
+    return commit
+
+
 def at_commit(ends: list[dict[str, Any]], data: list[dict[str, Any]]) -> None:
     """Give each event of a transaction with metadata its END record's commit LSN as
     ``pos_hi``, or None while its END is not read (it has no commit position yet), as
     :func:`feed.sources.transactions.assemble` does. ``ends``: the END records read
     (``txn``, ``pos_hi``, ``tx_count``)."""
-    commit: dict[Any, int] = {}
-    for end in ends:
-        commit[end["txn"]] = max(commit.get(end["txn"], end["pos_hi"]), end["pos_hi"])
+    commit = _commit_lsns(ends)
     for e in data:
         if e["tx_meta"]:
             e["pos_hi"] = commit.get(e["txn"])
@@ -71,11 +77,10 @@ def held_back(
     committed position, each once. None when a transaction has more events than its END
     counts (Spark warns and releases it)."""
     meta = {e["txn"] for e in data if e["tx_meta"]}
-    commit: dict[Any, int] = {}
+    commit = _commit_lsns(ends)
     counts: dict[Any, int | None] = {}
     for end in ends:
         x = end["txn"]
-        commit[x] = max(commit.get(x, end["pos_hi"]), end["pos_hi"])
         n = end["tx_count"]
         counts[x] = n if counts.get(x) is None else max(n or 0, counts[x] or 0)
     expected = {x: n for x, n in counts.items() if commit[x] > committed_hi}
