@@ -48,8 +48,9 @@ from feed.emit.settings import EmitterConfig
 from feed.log.checkpoint import Checkpoint
 from feed.log.manifest import Segment
 from feed.sources.shapes import Evolve
-from feed.txn.context import NEED_MORE
+from feed.txn.context import DECLINED, NEED_MORE
 from feed.txn.dataflow import numbered_once, read_group
+from feed.txn.engine import DRIVER, ENGINES, Engine, Job
 from feed.txn.segments import Written
 from feed.txn.spark import compute_and_write
 from protocol import CheckpointError, Progress
@@ -88,6 +89,7 @@ class GroupEmitter:
         logger: logging.Logger | None = None,
         clock: Callable[[], int] = now_ms,
         progress: TxnProgress | None = None,
+        engines: Sequence[Engine] = ENGINES,
     ) -> None:
         if len(configs) < 2:
             raise ValueError("a group holds two or more feeds")
@@ -100,6 +102,7 @@ class GroupEmitter:
         self._clock = clock
         self._now = clock()
         self.progress = progress
+        self.engines = tuple(engines)  # the driver's run_group is tried first when it is in
         self.members = [
             Emitter(replace(c, group=feeds), logger=self.log, clock=self._frozen) for c in configs
         ]
@@ -214,8 +217,17 @@ class GroupEmitter:
         first = self.members[0]
         assert first.cp is not None
         tx_files = first.inputs.pending_tx(first.cp.source)
-        t0 = time.perf_counter()
         ctxs = [m.context() for m in self.members]
+        if DRIVER in self.engines:
+            job = Job(self.seq + 1, files, tx_files, more=more)
+            out = DRIVER.run_group(ctxs, job, secs, _die_at, self.name)
+            if isinstance(out, list):
+                parts = [_Done(m, w, {}) for m, w in zip(self.members, out, strict=True)]
+                held = max(w.held for w in out)
+                return self._commit_txn(files, tx_files, parts, secs, held_txns=held)
+            if out is not DECLINED:
+                return out
+        t0 = time.perf_counter()
         reads, hold = read_group(ctxs, files, tx_files, more=more, group=self.name)
         secs["read"] = time.perf_counter() - t0
         stopped = {i: r.shape_error for i, r in enumerate(reads) if r.shape_error is not None}

@@ -79,7 +79,8 @@ def run(emitter: Emitter, *, stop: Callable[[], bool] | None = None) -> list[Txn
             if stop is not None and stop():
                 return reports
             if not emitter.config.follow and total > emitter.config.max_files_per_txn:
-                done = sum(r.files for r in reports)
+                # (files held back are read again: counted once they are committed)
+                done = max(0, total - len(emitter.pending_files()))
                 emitter.log.info(
                     "feed %s: %d/%d input files (%.0f%%)",
                     emitter.config.feed,

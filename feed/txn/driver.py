@@ -53,7 +53,14 @@ from feed.log.store import PARQUET_PAGES
 from feed.sources.positions import ALL_DONE, DATA_OPS, Position, committed_position, snapshot_done
 from feed.sources.rows import CHANGE_COLUMNS
 from feed.txn.assembly import unfit_shape
-from feed.txn.context import DECLINED, NEED_MORE, TxnContext, base_name, read_source
+from feed.txn.context import (
+    DECLINED,
+    NEED_MORE,
+    GroupHold,
+    TxnContext,
+    base_name,
+    read_source,
+)
 from feed.txn.driver_diffs import (
     assign_units,
     at_commit,
@@ -68,7 +75,7 @@ from feed.txn.segments import Written, install_segments, staging_folder
 from feed.txn.state import LoadedState, new_state
 from protocol import SourceError
 
-__all__ = ["run"]
+__all__ = ["run", "run_group"]
 
 #: the parsed columns the driver needs (not the weight or the raw line)
 _COLUMNS = tuple(c for c in CHANGE_COLUMNS if c not in ("weight", "_raw"))
@@ -208,6 +215,90 @@ def _not_new(ctx: TxnContext, t: pa.Table, start: LoadedState | _Stateless) -> s
     return "a new state of more buckets" if new_state(t.num_rows) != start else None
 
 
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """A transaction's input parsed by one Spark job and found the plain case, before
+    anything is held back or numbered (:func:`_read`)."""
+
+    start: LoadedState | _Stateless  # what it starts from
+    t: pa.Table  # every row parsed
+    data: pa.Table  # its data events
+    snapshot: _Snapshot
+    committed: Position
+    record: pa.Schema
+    key: tuple[str, ...]
+
+
+def _read(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> _Read | str | None:
+    """The input of a transaction over ``files``, parsed; why it goes to Spark; or None
+    when it is not the driver's at all, unparsed (:func:`_start`)."""
+    from pyspark.sql import functions as F
+
+    from feed.txn.state import bucket_of
+
+    start = _start(ctx, files, tx_files)
+    if start is None:
+        return None
+    cp, key = ctx.cp, tuple(ctx.info.key)
+    changes = read_source(ctx, files)
+    if isinstance(start, _Stateless):
+        t = changes.select(*_COLUMNS).toArrow()
+    else:
+        image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
+        t = changes.select(*_COLUMNS, bucket_of(image, key, start.buckets).alias("_bucket"))
+        t = t.toArrow()
+    data = _data_events(t)
+    why = _not_plain(t, data, key) or _not_new(ctx, t, start)
+    if why is not None:
+        return why
+    snapshot = _own_snapshot(t, data, cp.source)
+    if isinstance(snapshot, str):
+        return snapshot
+    committed = committed_position(cp.source.get("pos", [0, 0]))
+    # (an event read again, committed under an older shape, is no change of shape; one
+    # without a commit position yet is not committed, as position_filter has it)
+    rows = t.select(["_shape", "op", "pos_hi", "pos_lo", "pos_n"]).to_pylist()
+    shapes = {r["_shape"] for r in rows if r["_shape"] is not None and _after(r, committed)}
+    if unfit_shape(ctx, files, shapes) is not None:
+        return "the source table changed shape"
+    record = pa.schema(list(t.schema.field("after").type))
+    return _Read(start, t, data, snapshot, committed, record, key)
+
+
+@dataclass(frozen=True, slots=True)
+class _Diffs:
+    """A transaction's diffs (:func:`_diffs`), before anything is written."""
+
+    counted: int  # the rows read and counted now (a held file's are counted when read again)
+    skipped: Counter[str]
+    updates: list[tuple[dict[str, Any], int, int]]  # (image, unit, diff)
+    keyed: _Keyed | None
+
+
+def _diffs(ctx: TxnContext, rd: _Read, r: _Release) -> _Diffs | str:
+    """The diffs of the events ``r`` keeps, their units assigned; or why the transaction
+    goes to Spark."""
+    t = rd.t
+    held_files = pa.array(sorted(r.files), t.schema.field("_file").type)
+    counted = t.filter(pc.invert(pc.is_in(t.column("_file"), held_files)))
+    skipped = Counter(s for s in counted.column("_skip").to_pylist() if s is not None)
+    if isinstance(rd.start, _Stateless):
+        return _Diffs(counted.num_rows, skipped, unkeyed_diffs(r.kept), None)
+    keyed = _against_state(ctx, rd.start, r.kept, rd.key, rd.record)
+    if isinstance(keyed, str):
+        return keyed
+    return _Diffs(counted.num_rows, skipped, keyed.diffs, keyed)
+
+
+def _log_held(ctx: TxnContext, held: int) -> None:
+    ctx.log.info(
+        "feed %s: %d source transaction(s) incomplete or behind an incomplete one "
+        "or a new snapshot: held back until the rest arrives",
+        ctx.config.feed,
+        held,
+    )
+
+
 def run(
     ctx: TxnContext,
     seq: int,
@@ -224,87 +315,133 @@ def run(
     :data:`~feed.txn.context.NEED_MORE` when ``more`` input files are pending then.
     ``reached(step, **facts)`` is told ``after_read`` and ``before_write`` once the
     transaction is sure to be computed here, before its first file is written."""
-    from pyspark.sql import functions as F
-
-    from feed.txn.state import bucket_of
-
-    start = _start(ctx, files, tx_files)
-    if start is None:
+    rd = _read(ctx, files, tx_files)
+    if rd is None:
         return DECLINED
-    cfg, cp, key = ctx.config, ctx.cp, tuple(ctx.info.key)
-    changes = read_source(ctx, files)
-    if isinstance(start, _Stateless):
-        t = changes.select(*_COLUMNS).toArrow()
-    else:
-        image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
-        t = changes.select(*_COLUMNS, bucket_of(image, key, start.buckets).alias("_bucket"))
-        t = t.toArrow()
-    data = _data_events(t)
-    why = _not_plain(t, data, key) or _not_new(ctx, t, start)
-    if why is not None:
-        return _to_spark(ctx, seq, why)
-    snapshot = _own_snapshot(t, data, cp.source)
-    if isinstance(snapshot, str):
-        return _to_spark(ctx, seq, snapshot)
-    committed = committed_position(cp.source.get("pos", [0, 0]))
-    # (an event read again, committed under an older shape, is no change of shape; one
-    # without a commit position yet is not committed, as position_filter has it)
-    rows = t.select(["_shape", "op", "pos_hi", "pos_lo", "pos_n"]).to_pylist()
-    shapes = {r["_shape"] for r in rows if r["_shape"] is not None and _after(r, committed)}
-    if unfit_shape(ctx, files, shapes) is not None:
-        return _to_spark(ctx, seq, "the source table changed shape")
-    record = pa.schema(list(t.schema.field("after").type))
-    r = _released(t, data, committed, key)
+    if isinstance(rd, str):
+        return _to_spark(ctx, seq, rd)
+    r = _released(rd)
     if isinstance(r, str):
         return _to_spark(ctx, seq, r)
     if r.held:
-        ctx.log.info(
-            "feed %s: %d source transaction(s) incomplete or behind an incomplete one "
-            "or a new snapshot: held back until the rest arrives",
-            cfg.feed,
-            len(r.held),
-        )
+        _log_held(ctx, len(r.held))
         if not r.ready:
             if more:
                 return NEED_MORE
             ctx.log.info(
-                "feed %s: waiting for the rest of %d source transaction(s)", cfg.feed, len(r.held)
+                "feed %s: waiting for the rest of %d source transaction(s)",
+                ctx.config.feed,
+                len(r.held),
             )
             return None
-    # (a file read again later is counted then)
-    held_files = pa.array(sorted(r.files), t.schema.field("_file").type)
-    counted = t.filter(pc.invert(pc.is_in(t.column("_file"), held_files)))
-    skipped = Counter(s for s in counted.column("_skip").to_pylist() if s is not None)
-    kept = r.kept
-    units = assign_units(kept, cfg.granularity)
-    keyed: _Keyed | str | None = None
-    if isinstance(start, _Stateless):
-        updates = unkeyed_diffs(kept)
-    else:
-        keyed = _against_state(ctx, start, kept, key, record)
-        if isinstance(keyed, str):
-            return _to_spark(ctx, seq, keyed)
-        updates = keyed.diffs
-
+    units = assign_units(r.kept, ctx.config.granularity)
+    d = _diffs(ctx, rd, r)
+    if isinstance(d, str):
+        return _to_spark(ctx, seq, d)
     # (told only now: a transaction handed to Spark above reaches them there, once)
-    reached("after_read", rows_read=counted.num_rows)
+    reached("after_read", rows_read=d.counted)
     reached("before_write", bad_rows=0)
-    segments = _write_segments(ctx, seq, consolidate(updates, record), record)
+    return _write_txn(ctx, seq, rd, r, d, units)
+
+
+def run_group(
+    ctxs: Sequence[TxnContext],
+    files: Sequence[str],
+    tx_files: Sequence[str],
+    reached: Callable[..., None],
+    *,
+    more: bool = False,
+    group: str,
+) -> list[Written] | object | None:
+    """A group's transaction (feed/emit/group.py) over ``files``, each feed's computed and
+    written on the driver, as :func:`feed.txn.dataflow.read_group` and
+    :func:`~feed.txn.dataflow.numbered_once` have it in Spark: every feed holds back the
+    same source transactions (and what is delivered after the first of them), and the
+    released ones of every feed, in source order, are numbered once. Each feed's
+    :class:`~feed.txn.segments.Written`, in the order of ``ctxs``; None or
+    :data:`~feed.txn.context.NEED_MORE` when every feed holds back all it read;
+    :data:`~feed.txn.context.DECLINED`, with nothing written, when any feed's part is not
+    the driver's. ``reached`` is told ``after_read`` once and ``before_write`` per feed."""
+    seq = ctxs[0].cp.seq + 1
+    reads: list[_Read] = []
+    for ctx in ctxs:
+        rd = _read(ctx, files, tx_files)
+        if rd is None:
+            return DECLINED
+        if isinstance(rd, str):
+            return _to_spark(ctx, seq, rd)
+        reads.append(rd)
+    released = _released_together(reads)
+    if isinstance(released, str):
+        return _to_spark(ctxs[0], seq, released)
+    held = len(released[0].held)
+    # (the files any feed holds back are read again by all: counted then, in every feed)
+    files_held = set().union(*(r.files for r in released))
+    released = [replace(r, files=files_held) for r in released]
+    if held:
+        for ctx in ctxs:
+            _log_held(ctx, held)
+        if not any(r.ready for r in released):
+            if more:
+                return NEED_MORE
+            ctxs[0].log.info(
+                "group %s: waiting for the rest of %d source transaction(s)", group, held
+            )
+            return None
+    units = assign_units([e for r in released for e in r.kept], ctxs[0].config.granularity)
+    diffs = []
+    for ctx, rd, r in zip(ctxs, reads, released, strict=True):
+        d = _diffs(ctx, rd, r)
+        if isinstance(d, str):
+            return _to_spark(ctx, seq, d)
+        diffs.append(d)
+    reached("after_read", rows_read=max(d.counted for d in diffs))
+    out = []
+    for ctx, rd, r, d in zip(ctxs, reads, released, diffs, strict=True):
+        reached("before_write", bad_rows=0)
+        out.append(_write_txn(ctx, ctx.cp.seq + 1, rd, r, d, units))
+    return out
+
+
+def _released_together(reads: Sequence[_Read]) -> list[_Release] | str:
+    """Each feed's release under the group's hold: the source transactions any feed holds
+    back, and every one delivered after the first of them, held in all (a fixed point:
+    the hold only grows)."""
+    hold = GroupHold()
+    for _ in range(len(reads) + 2):
+        out = []
+        for rd in reads:
+            r = _released(rd, hold)
+            if isinstance(r, str):
+                return r
+            out.append(r)
+        places = [r.held_at for r in out if r.held_at is not None]
+        found = GroupHold(frozenset().union(*(r.held for r in out)), min(places, default=None))
+        if found == hold:
+            return out
+        hold = found
+    return "the feeds' held-back transactions disagree"
+
+
+def _write_txn(ctx: TxnContext, seq: int, rd: _Read, r: _Release, d: _Diffs, units: int) -> Written:
+    """Write the transaction's segments and keyed state; what it wrote, for the commit."""
+    cp, kept = ctx.cp, r.kept
+    segments = _write_segments(ctx, seq, consolidate(d.updates, rd.record), rd.record)
     state_ref = cp.state
-    if isinstance(keyed, _Keyed) and kept:
+    if d.keyed is not None and kept:
         new_rows: dict[int, list[dict[str, Any]]] = {}
-        for b, img in keyed.final.values():
+        for b, img in d.keyed.final.values():
             if img is not None:
                 new_rows.setdefault(b, []).append(img)
-        state_ref = _write_state(ctx, seq, keyed.loaded, keyed.carried, new_rows, record)
+        state_ref = _write_state(ctx, seq, d.keyed.loaded, d.keyed.carried, new_rows, rd.record)
     last = max((e["o"][:3] for e in kept), default=None)
     return Written(
         segments=segments,
         state_ref=state_ref,
         units=units,
-        position=snapshot_done(last, snapshot.ended),
-        input_rows=counted.num_rows,
-        skipped=dict(skipped),
+        position=snapshot_done(last, rd.snapshot.ended),
+        input_rows=d.counted,
+        skipped=dict(d.skipped),
         redelivered=r.redelivered,
         # (a new feed's own snapshot is the one it read, if any)
         snapshot_lsn=min((e["pos_lo"] for e in kept if e["op"] == "r"), default=None),
@@ -345,25 +482,41 @@ class _Release:
     held: set[Any]  # the source transactions held back
     ready: int  # how many are released
     files: set[str]  # the input files holding the held ones' events and END records
+    held_at: tuple[int, int] | None  # the first place of a held one's event, or the hold's
 
 
-def _released(
-    t: pa.Table, data_read: pa.Table, committed: Position, key: Sequence[str]
-) -> _Release | str:
-    """The data events to turn into updates (past the ``committed`` position, each once,
-    in the source transactions not held back, with their order ``o`` and key ``k``), or
-    why the transaction goes to Spark."""
-    data = data_read.to_pylist()
+def _released(rd: _Read, hold: GroupHold | None = None) -> _Release | str:
+    """The data events to turn into updates (past the committed position, each once, in
+    the source transactions not held back, with their order ``o`` and key ``k``), or
+    why the transaction goes to Spark. A group's ``hold`` holds back its transactions too,
+    and everything delivered from its place or from the first event of one of them on
+    (:meth:`feed.sources.holdback.SecondPass.hold`)."""
+    t = rd.t
+    data = rd.data.to_pylist()
     ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi", "tx_count"])
     ends_read = ends.to_pylist()
     at_commit(ends_read, data)
-    fresh = once([e for e in data if _after(e, committed)])
+    fresh = once([e for e in data if _after(e, rd.committed)])
     if not ends_read and len({e["txn"] for e in fresh if e["tx_meta"]}) > 1:
         return "transaction blocks without any END record read"  # (Spark may refuse them)
-    hold = held_back(data, fresh, ends_read, committed[0])
-    if hold is None:
+    found = held_back(data, fresh, ends_read, rd.committed[0])
+    if found is None:
         return "a source transaction with more events than its END record counts"
-    held, ready = hold
+    held = found[0]
+    first: dict[Any, tuple[int, int]] = {}
+    for e in fresh:
+        at = (e["ord_file"], e["ord_row"])
+        first[e["txn"]] = min(first.get(e["txn"], at), at)
+    if hold is not None:
+        starts = [first[x] for x in hold.txns if x in first]
+        if hold.at is not None:
+            starts.append(hold.at)
+        held |= hold.txns
+        if starts:
+            held |= {x for x, at in first.items() if at >= min(starts)}
+    places = [first[x] for x in held if x in first]
+    if hold is not None and hold.at is not None:
+        places.append(hold.at)
     files: set[str] = set()
     if held:
         theirs = pc.and_(
@@ -375,8 +528,9 @@ def _released(
     for e in kept:
         e["o"] = (e["pos_hi"], e["pos_lo"], e["pos_n"], e["ord_file"], e["ord_row"])
         img = e["before"] if e["op"] == "d" else e["after"]
-        e["k"] = tuple(img[c] for c in key)
-    return _Release(kept, len(data) - len(fresh), held, ready, files)
+        e["k"] = tuple(img[c] for c in rd.key)
+    ready = len({e["txn"] for e in kept})
+    return _Release(kept, len(data) - len(fresh), held, ready, files, min(places, default=None))
 
 
 def _after(e: dict[str, Any], committed: tuple[int, int, int]) -> bool:

@@ -15,6 +15,10 @@ Two engines give the same feed for every transaction both take:
 
 tests/feed/test_driver_txn.py runs random histories through ``(DRIVER, SPARK)`` and through
 ``(SPARK,)`` alone and compares the feeds.
+
+A group of feeds (feed/emit/group.py) offers its transaction to the driver engine's
+``run_group`` first, when its engines include it; the group's Spark path reads every
+feed's part together and lives in feed/emit/group.py.
 """
 
 from __future__ import annotations
@@ -73,6 +77,23 @@ class DriverEngine:
         secs["driver"] = time.perf_counter() - t0
         return written
 
+    def run_group(
+        self,
+        ctxs: Sequence[TxnContext],
+        job: Job,
+        secs: dict[str, float],
+        reached: Callable[..., None],
+        group: str,
+    ) -> list[Written] | object | None:
+        """A group's transaction (feed/emit/group.py), every feed's part on the driver:
+        each feed's :class:`~feed.txn.segments.Written`, None, NEED_MORE or DECLINED as
+        :func:`feed.txn.driver.run_group` answers."""
+        t0 = time.perf_counter()
+        out = driver.run_group(ctxs, job.files, job.tx_files, reached, more=job.more, group=group)
+        if out is not DECLINED:
+            secs["driver"] = time.perf_counter() - t0
+        return out
+
 
 class SparkEngine:
     """Any transaction, in Spark (feed/txn/spark.py)."""
@@ -87,7 +108,7 @@ class SparkEngine:
         )
 
 
-DRIVER: Engine = DriverEngine()
+DRIVER: DriverEngine = DriverEngine()
 SPARK: Engine = SparkEngine()
 #: the order the emitter offers a transaction in: the driver first, where it is cheap
 ENGINES: tuple[Engine, ...] = (DRIVER, SPARK)

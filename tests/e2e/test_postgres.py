@@ -30,7 +30,13 @@ from typing import Any
 
 import pytest
 
-from feed.demo.pgtemp import TempPostgres, feed_multiset, find_pg_bin, table_multiset
+from feed.demo.pgtemp import (
+    TempPostgres,
+    feed_multiset,
+    feed_multisets,
+    find_pg_bin,
+    table_multiset,
+)
 from feed.log.reader import FeedReader
 from protocol import check_messages
 
@@ -351,9 +357,10 @@ def _assert_each_time(reader: FeedReader, truths: list[Counter]) -> None:
     key = ["id"]
     assert check_messages(reader.messages(), non_negative=True, key=key) == []
     assert reader.frontier == 1 + len(truths), "one time per PostgreSQL transaction"
+    every = dict(feed_multisets(reader, JSON_COLS))
+    assert every[len(truths)] == feed_multiset(reader, len(truths), JSON_COLS)
     for i, truth in enumerate(truths):
-        got = feed_multiset(reader, 1 + i, JSON_COLS)
-        assert got == truth, f"after PostgreSQL transaction {i} (time {1 + i})"
+        assert every[1 + i] == truth, f"after PostgreSQL transaction {i} (time {1 + i})"
 
 
 def _batch(spark, captured, table: str, **kw):
@@ -420,5 +427,6 @@ def test_second_table_from_the_same_folder(spark, captured):
     assert check_messages(reader.messages(), non_negative=True, key=["id"]) == []
     ledger = captured["ledger_truths"]
     assert reader.frontier == 1 + len(ledger)
+    every = dict(feed_multisets(reader))
     for i, truth in enumerate(ledger):
-        assert feed_multiset(reader, 1 + i) == truth, f"ledger transaction {i}"
+        assert every[1 + i] == truth, f"ledger transaction {i}"

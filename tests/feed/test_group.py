@@ -12,6 +12,7 @@ import pytest
 from feed.emit.emitter import Emitter, EmitterConfig
 from feed.emit.group import GroupEmitter
 from feed.log.reader import FeedReader
+from feed.txn.engine import ENGINES, SPARK
 from protocol import CheckpointError, SourceError, check_messages
 
 from ..e2e.helpers import TIDEFEED
@@ -39,8 +40,8 @@ def configs(tmp_path, **kw):
     ]
 
 
-def open_group(spark, tmp_path, **kw):
-    g = GroupEmitter(configs(tmp_path, **kw))
+def open_group(spark, tmp_path, engines=ENGINES, **kw):
+    g = GroupEmitter(configs(tmp_path, **kw), engines=engines)
     for m in g.members:
         m._spark = spark
     g.open()
@@ -128,22 +129,27 @@ def assert_group_log(log, upto):
             assert collection_of(reader, at=t) == TRUTH[feed][t], (feed, t)
 
 
-def test_a_group_gives_each_source_transaction_one_time_in_every_feed(spark, tmp_path):
+@pytest.mark.parametrize("driver", [True, False], ids=["driver", "spark"])
+def test_a_group_gives_each_source_transaction_one_time_in_every_feed(spark, tmp_path, driver):
+    """The same history through the driver engine's group path (feed/txn/driver.py:
+    run_group) and through Spark's alone: the same feeds, the same truth."""
     src = tmp_path / "in"
     bank_input(src, whole=False)
-    g = open_group(spark, tmp_path, max_files_per_txn=1)
+    g = open_group(spark, tmp_path, engines=ENGINES if driver else (SPARK,), max_files_per_txn=1)
+    reports = []
     # the first file alone: the snapshot of both tables, one time in both feeds
-    assert g.step() is not None
+    reports.append(g.step())
+    assert reports[-1] is not None
     assert_group_log(tmp_path / "log", 1)
     # the rest: a transaction of each kind; the last one's accounts event is held back
     # (its END is in the next file) in both feeds, though transfers has nothing of it yet
-    g.step()
+    reports.append(g.step())
     assert_group_log(tmp_path / "log", 4)
     assert g.step() is None  # part-2: transaction 14 is incomplete, in both feeds
     assert_group_log(tmp_path / "log", 4)
     assert g.held_back() == [str(src / "part-2.json")]
     last_part(src)
-    g.run()
+    reports += g.run()
     assert_group_log(tmp_path / "log", 5)
     assert g.pending_files() == []
     # complete in accounts, not in transfers (its event comes later): held in both, with
@@ -158,15 +164,18 @@ def test_a_group_gives_each_source_transaction_one_time_in_every_feed(spark, tmp
             end(16, 705, {"accounts": 1}),
         ],
     )
-    g.run()
+    reports += g.run()
     assert_group_log(tmp_path / "log", 5)
     write(
         src,
         "part-5.json",
         [event("d", row(1, "t1"), 601, xid=15, order=2, commit=505, table="transfers")],
     )
-    g.run()
+    reports += g.run()
     g.close()
+    # every transaction was the engines' to compute: the driver's when it is offered
+    assert len(reports) == 4
+    assert all(("driver" in r.seconds) == driver for r in reports), [r.seconds for r in reports]
     TRUTH["accounts"][6] = rows((1, "a1+"), (4, "a4+"))
     TRUTH["accounts"][7] = rows((4, "a4+"))
     TRUTH["transfers"][6] = TRUTH["transfers"][7] = rows((2, "t2"), (3, "t3"), (4, "t4"))
