@@ -40,7 +40,7 @@ DEFAULT_TRIGGER = 5.0
 DEFAULT_MAX_FILES = 1000
 #: keyed Debezium input of at most this many bytes is computed on the driver
 #: (feed/txn/driver.py; ``--driver-txn-bytes``)
-DEFAULT_DRIVER_TXN_BYTES = 1 << 20
+DEFAULT_DRIVER_TXN_BYTES = 4 << 20
 #: a bad input row is quarantined (kept with its reason) or stops the transaction
 BadRecords = Literal["quarantine", "fail"]
 DEFAULT_CLOCK: Clock = "wallclock"  # a new feed's, when --clock is left out

@@ -27,7 +27,10 @@ any END record read; no delete of a key the feed does not hold; a record of scal
 columns and a key without floating-point ones; a bucketed state not due to be
 rebucketed. An event delivered twice is kept once, as the Spark path keeps it, and an
 incomplete source transaction is held back with every one delivered after it
-(:func:`~feed.txn.driver_diffs.held_back`). On anything else :func:`run` declines before
+(:func:`~feed.txn.driver_diffs.held_back`); a change of the table's shape is cut as
+:func:`feed.txn.assembly._cut_at_shape` cuts it (:func:`_shape_cut`). A group's
+transaction (:func:`run_group`) is taken when every feed's part is plain and none
+changed shape. On anything else :func:`run` declines before
 writing a file, and the Spark path computes the transaction (its parse is one small job
 more). Input larger than ``--driver-txn-bytes`` goes to Spark directly. The row-by-row
 semantics are in :mod:`feed.txn.driver_diffs`.
@@ -227,6 +230,7 @@ class _Read:
     committed: Position
     record: pa.Schema
     key: tuple[str, ...]
+    cut: _Cut | None  # where the table changed shape, if it did
 
 
 def _read(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> _Read | str | None:
@@ -259,10 +263,67 @@ def _read(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> _Re
     # without a commit position yet is not committed, as position_filter has it)
     rows = t.select(["_shape", "op", "pos_hi", "pos_lo", "pos_n"]).to_pylist()
     shapes = {r["_shape"] for r in rows if r["_shape"] is not None and _after(r, committed)}
-    if unfit_shape(ctx, files, shapes) is not None:
-        return "the source table changed shape"
+    unfit = unfit_shape(ctx, files, shapes)
     record = pa.schema(list(t.schema.field("after").type))
-    return _Read(start, t, data, snapshot, committed, record, key)
+    cut = _shape_cut(t, unfit) if unfit is not None else None
+    return _Read(start, t, data, snapshot, committed, record, key, cut)
+
+
+@dataclass(frozen=True, slots=True)
+class _Cut:
+    """Where the table changed shape in the input, as
+    :func:`feed.txn.assembly._cut_at_shape` has it: everything from the first place of the
+    source transaction of the first event of the new shape (``at``) is held back, and
+    every file from that place's file on is read again (``files``)."""
+
+    at: tuple[int, int]
+    files: frozenset[str]
+    start_file: str  # the file that transaction begins in
+    shape_file: str  # the file of the first event of the new shape
+    change: Any  # feed.sources.shapes.ShapeChange
+
+
+def _shape_cut(t: pa.Table, unfit: tuple[int, Any]) -> _Cut:
+    """The cut at the first event of the unfit shape ``unfit`` (its hash, its change)."""
+    shaped = t.filter(pc.equal(t.column("_shape"), unfit[0]))
+    places = zip(
+        shaped.column("ord_file").to_pylist(),
+        shaped.column("ord_row").to_pylist(),
+        shaped.column("_file").to_pylist(),
+        shaped.column("txn").to_pylist(),
+        strict=True,
+    )
+    *_, shape_file, txn = min(places, key=lambda p: (p[0], p[1], p[2]))
+    same = t.filter(pc.equal(t.column("txn"), txn)) if txn is not None else shaped
+    ord_file, ord_row, start_file = min(
+        zip(
+            same.column("ord_file").to_pylist(),
+            same.column("ord_row").to_pylist(),
+            same.column("_file").to_pylist(),
+            strict=True,
+        )
+    )
+    later = t.filter(pc.greater_equal(t.column("ord_file"), ord_file)).column("_file")
+    return _Cut(
+        (ord_file, ord_row),
+        frozenset(pc.unique(later).to_pylist()),
+        start_file,
+        shape_file,
+        unfit[1],
+    )
+
+
+def _evolve_at_head(ctx: TxnContext, cut: _Cut) -> Exception:
+    """What a change of shape at the head of the input raises: the feed's next schema
+    version (:class:`~feed.sources.shapes.Evolve`), or the error that stops the feed."""
+    from feed.sources.inputs import list_files
+    from feed.sources.shapes import next_version, with_renames
+
+    cfg, info = ctx.config, ctx.info
+    change = with_renames(
+        cut.change, list_files(cfg.source_path), info.table, base_name(cut.shape_file)
+    )
+    return next_version(cfg.feed, info.table, info, change, base_name(cut.start_file))
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,9 +381,20 @@ def run(
         return DECLINED
     if isinstance(rd, str):
         return _to_spark(ctx, seq, rd)
-    r = _released(rd)
+    r = _released(rd, GroupHold(at=rd.cut.at) if rd.cut is not None else None)
     if isinstance(r, str):
         return _to_spark(ctx, seq, r)
+    if rd.cut is not None:
+        if not r.ready:
+            raise _evolve_at_head(ctx, rd.cut)
+        ctx.log.info(
+            "feed %s: the source table changed shape in %s (%s): committing what came "
+            "before it first",
+            ctx.config.feed,
+            base_name(rd.cut.start_file),
+            rd.cut.change.describe(),
+        )
+        r = replace(r, files=r.files | rd.cut.files)
     if r.held:
         _log_held(ctx, len(r.held))
         if not r.ready:
@@ -370,6 +442,8 @@ def run_group(
             return DECLINED
         if isinstance(rd, str):
             return _to_spark(ctx, seq, rd)
+        if rd.cut is not None:  # (the group's Spark path commits the version with the others)
+            return _to_spark(ctx, seq, "a group's table changed shape")
         reads.append(rd)
     released = _released_together(reads)
     if isinstance(released, str):
@@ -555,19 +629,30 @@ def _read_buckets(
     ctx: TxnContext, loaded: LoadedState, buckets: set[int], record: pa.Schema
 ) -> dict[int, pa.Table] | None:
     """The rows of the committed state's ``buckets``; None when a bucket holds more than
-    records (tombstones or positions, which Debezium state never has)."""
+    records: tombstones or positions, which Debezium state never has. (State a schema
+    version's rewrite wrote, feed/txn/evolve.py, has the two columns, empty.)"""
+    from feed.txn.state import GONE_COLUMN, POS_COLUMN
+
     fl = ctx.feedlog
     out = {}
     for b in sorted(buckets):
         folder = loaded.files.get(b)
         if folder is None:
             continue
-        parts = [pq.read_table(f, filesystem=fl.fs) for f in fl.parquet_files(fl.path(folder))]
-        if not parts:
-            continue
-        if any(p.schema.names != record.names for p in parts):
-            return None
-        out[b] = pa.concat_tables([p.cast(record) for p in parts])
+        parts = []
+        for f in fl.parquet_files(fl.path(folder)):
+            part = pq.read_table(f, filesystem=fl.fs)
+            extra = set(part.schema.names) - set(record.names)
+            if extra == {POS_COLUMN, GONE_COLUMN}:
+                gone = pc.fill_null(part.column(GONE_COLUMN), False)
+                if part.column(POS_COLUMN).null_count < part.num_rows or pc.any(gone).as_py():
+                    return None
+                part = part.select(record.names)
+            if part.schema.names != record.names:
+                return None
+            parts.append(part.cast(record))
+        if parts:
+            out[b] = pa.concat_tables(parts)
     return out
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from feed.emit.emitter import Emitter, EmitterConfig
 from feed.log.reader import FeedReader
+from feed.txn.engine import ENGINES, SPARK
 from protocol import SourceError, check_messages
 
 from .model import as_multiset, collection_of
@@ -63,7 +64,7 @@ def write(folder, name, lines):
     (folder / name).write_bytes(body + b"\n")
 
 
-def open_emitter(spark, tmp_path, *, key=("id",), **kw):
+def open_emitter(spark, tmp_path, *, key=("id",), engines=ENGINES, **kw):
     e = Emitter(
         EmitterConfig(
             source_kind="debezium",
@@ -78,6 +79,7 @@ def open_emitter(spark, tmp_path, *, key=("id",), **kw):
             **kw,
         ),
         spark=spark,
+        engines=engines,
     )
     e.open()
     return e
@@ -567,13 +569,19 @@ def write_new_column(src) -> None:
     write(src, "part-1.json", [end(8, 410, {"accounts": 1})])
 
 
-def test_a_new_column_is_a_new_schema_version_at_a_time_of_its_own(spark, tmp_path):
+@pytest.mark.parametrize("driver", [True, False], ids=["driver", "spark"])
+def test_a_new_column_is_a_new_schema_version_at_a_time_of_its_own(spark, tmp_path, driver):
     """The first event of the new shape and its END in different files, the event not
     fitting the old record: what came before is committed, then the new version at a
-    time of its own, then the transaction through it; nothing quarantined."""
+    time of its own, then the transaction through it; nothing quarantined. The same
+    through the driver engine (it cuts the transaction at the change as Spark does) and
+    through Spark alone."""
     write_new_column(tmp_path / "in")
-    e = open_emitter(spark, tmp_path)
-    e.run()
+    e = open_emitter(spark, tmp_path, engines=ENGINES if driver else (SPARK,))
+    reports = e.run()
+    # the transactions around the version's time: on the driver when it is offered
+    txns = [r for r in reports if r.files]
+    assert len(txns) == 2 and all(("driver" in r.seconds) == driver for r in txns), reports
     assert e.pending_files() == []
     e.close()
     reader = FeedReader(str(tmp_path / "log"), "t")
