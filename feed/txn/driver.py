@@ -28,7 +28,8 @@ columns and a key without floating-point ones; a bucketed state not due to be
 rebucketed. An event delivered twice is kept once, as the Spark path keeps it, and an
 incomplete source transaction is held back with every one delivered after it
 (:func:`~feed.txn.driver_diffs.held_back`); a change of the table's shape is cut as
-:func:`feed.txn.assembly._cut_at_shape` cuts it (:func:`_shape_cut`). A group's
+:func:`feed.txn.assembly._cut_at_shape` cuts it
+(:func:`feed.txn.driver_plain.shape_cut`). A group's
 transaction (:func:`run_group`) is taken when every feed's part is plain and none
 changed shape. On anything else :func:`run` declines before
 writing a file, and the Spark path computes the transaction (its parse is one small job
@@ -49,11 +50,9 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from feed.log.manifest import Segment
-from feed.log.store import PARQUET_PAGES
-from feed.sources.positions import ALL_DONE, DATA_OPS, Position, committed_position, snapshot_done
+from feed.sources.positions import DATA_OPS, Position, committed_position, snapshot_done
 from feed.sources.rows import CHANGE_COLUMNS
 from feed.txn.assembly import unfit_shape
 from feed.txn.context import (
@@ -68,12 +67,21 @@ from feed.txn.driver_diffs import (
     assign_units,
     at_commit,
     consolidate,
-    fill_unavailable,
     held_back,
-    keyed_diffs,
     once,
     unkeyed_diffs,
 )
+from feed.txn.driver_plain import (
+    Cut,
+    Snapshot,
+    after_committed,
+    data_events,
+    evolve_at_head,
+    not_plain,
+    own_snapshot,
+    shape_cut,
+)
+from feed.txn.driver_state import Keyed, against_state, write_parquet, write_state
 from feed.txn.segments import Written, install_segments, staging_folder
 from feed.txn.state import LoadedState, new_state
 from protocol import SourceError
@@ -84,37 +92,11 @@ __all__ = ["run", "run_group"]
 _COLUMNS = tuple(c for c in CHANGE_COLUMNS if c not in ("weight", "_raw"))
 
 
-def _scalar(t: pa.DataType) -> bool:
-    return bool(
-        pa.types.is_integer(t)
-        or pa.types.is_floating(t)
-        or pa.types.is_string(t)
-        or pa.types.is_large_string(t)
-        or pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_decimal(t)
-        or pa.types.is_date(t)
-        or pa.types.is_timestamp(t)
-        or pa.types.is_time(t)
-        or pa.types.is_boolean(t)
-    )
-
-
 class _Stateless:
     """What an unkeyed feed's transaction starts from: it has no state."""
 
 
 _STATELESS = _Stateless()
-
-
-@dataclass(frozen=True, slots=True)
-class _Keyed:
-    """A keyed transaction's work against its state (:func:`_against_state`)."""
-
-    diffs: list[tuple[dict[str, Any], int, int]]  # (image, unit, diff)
-    final: dict[tuple[Any, ...], tuple[int, Any]]  # key -> (bucket, last image or None)
-    loaded: LoadedState  # the state it started from, with the buckets its keys touch
-    carried: dict[int, pa.Table]  # per touched bucket, the rows of the other keys
 
 
 def _start(
@@ -143,72 +125,6 @@ def _start(
     return committed
 
 
-def _data_events(t: pa.Table) -> pa.Table:
-    """The data events (c/u/d/r) among the rows parsed."""
-    return t.filter(pc.is_in(t.column("op"), pa.array(DATA_OPS)))
-
-
-def _not_plain(t: pa.Table, data: pa.Table, key: Sequence[str]) -> str | None:
-    """Why the parsed input is not the plain case (see the module docstring), or None."""
-    if t.column("_error").null_count < t.num_rows:
-        return "bad rows"
-    ops = set(pc.unique(t.column("op")).to_pylist())
-    if ops - {*DATA_OPS, "x", "E"}:
-        return f"ops {sorted(o for o in ops - {*DATA_OPS, 'x', 'E'} if o)}"
-    snap = pc.fill_null(t.column("_snap"), "")
-    if pc.any(pc.and_(pc.equal(t.column("op"), "r"), pc.equal(snap, "incremental"))).as_py():
-        return "incremental snapshot reads"
-    if data.column("pos_lo").null_count:
-        return "an event without a source position"
-    record = t.schema.field("after").type
-    if not all(_scalar(f.type) for f in record):
-        return "a record with nested columns"
-    if any(pa.types.is_floating(record.field(k).type) for k in key):
-        return "a floating-point key column"
-    if not key and t.column("_toast").null_count < t.num_rows:
-        return "an unavailable value in an unkeyed feed"
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class _Snapshot:
-    """The feed's own snapshot among the rows read (:func:`_own_snapshot`): its LSN (None:
-    no snapshot row was read) and, once it is known whole, its LSN in ``ended``
-    (:func:`~feed.sources.positions.snapshot_done`)."""
-
-    lsn: int | None
-    ended: frozenset[int] = frozenset()
-
-
-def _own_snapshot(t: pa.Table, data: pa.Table, source: dict[str, Any]) -> _Snapshot | str:
-    """The snapshot whose reads the driver applies, the feed's own (on a new feed, the one
-    read), or why the transaction goes to Spark: rows of another snapshot, a new one that
-    replaces the table or an old one behind the feed. It is whole, as
-    :func:`feed.sources.snapshots.classify` has it, once its end marker (of any table) is
-    read or an event was delivered after its last read."""
-    snap = pc.fill_null(t.column("_snap"), "")
-    rows = t.filter(pc.or_(pc.equal(t.column("op"), "r"), pc.equal(snap, "last")))
-    if not rows.num_rows:
-        return _Snapshot(None)
-    lsns = set(rows.column("pos_lo").to_pylist())
-    own = source.get("snapshot_lsn", next(iter(lsns)))  # (one LSN, or it is refused)
-    if lsns != {own} or own is None:
-        return "rows of another snapshot than the feed's own"
-    op, snap = rows.column("op"), pc.fill_null(rows.column("_snap"), "")
-    in_data = pc.and_(pc.equal(op, "r"), pc.equal(snap, "last_in_data_collection"))
-    if pc.any(pc.or_(pc.equal(snap, "last"), in_data)).as_py():
-        return _Snapshot(own, frozenset({own}))
-    last_read, latest = _last_place(rows), _last_place(data)
-    whole = latest is not None and last_read is not None and latest > last_read
-    return _Snapshot(own, frozenset({own}) if whole else frozenset())
-
-
-def _last_place(t: pa.Table) -> tuple[int, int] | None:
-    """The latest place in delivery order, (``ord_file``, ``ord_row``), among ``t``'s rows."""
-    places = zip(t.column("ord_file").to_pylist(), t.column("ord_row").to_pylist(), strict=True)
-    return max(places, default=None)
-
-
 def _not_new(ctx: TxnContext, t: pa.Table, start: LoadedState | _Stateless) -> str | None:
     """Why a keyed feed's first transaction with state goes to Spark, or None: a new state
     is sized by the rows read (:func:`~feed.txn.state.new_state`), which must give the
@@ -226,11 +142,11 @@ class _Read:
     start: LoadedState | _Stateless  # what it starts from
     t: pa.Table  # every row parsed
     data: pa.Table  # its data events
-    snapshot: _Snapshot
+    snapshot: Snapshot
     committed: Position
     record: pa.Schema
     key: tuple[str, ...]
-    cut: _Cut | None  # where the table changed shape, if it did
+    cut: Cut | None  # where the table changed shape, if it did
 
 
 def _read(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> _Read | str | None:
@@ -251,79 +167,24 @@ def _read(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> _Re
         image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
         t = changes.select(*_COLUMNS, bucket_of(image, key, start.buckets).alias("_bucket"))
         t = t.toArrow()
-    data = _data_events(t)
-    why = _not_plain(t, data, key) or _not_new(ctx, t, start)
+    data = data_events(t)
+    why = not_plain(t, data, key) or _not_new(ctx, t, start)
     if why is not None:
         return why
-    snapshot = _own_snapshot(t, data, cp.source)
+    snapshot = own_snapshot(t, data, cp.source)
     if isinstance(snapshot, str):
         return snapshot
     committed = committed_position(cp.source.get("pos", [0, 0]))
     # (an event read again, committed under an older shape, is no change of shape; one
     # without a commit position yet is not committed, as position_filter has it)
     rows = t.select(["_shape", "op", "pos_hi", "pos_lo", "pos_n"]).to_pylist()
-    shapes = {r["_shape"] for r in rows if r["_shape"] is not None and _after(r, committed)}
+    shapes = {
+        r["_shape"] for r in rows if r["_shape"] is not None and after_committed(r, committed)
+    }
     unfit = unfit_shape(ctx, files, shapes)
     record = pa.schema(list(t.schema.field("after").type))
-    cut = _shape_cut(t, unfit) if unfit is not None else None
+    cut = shape_cut(t, unfit) if unfit is not None else None
     return _Read(start, t, data, snapshot, committed, record, key, cut)
-
-
-@dataclass(frozen=True, slots=True)
-class _Cut:
-    """Where the table changed shape in the input, as
-    :func:`feed.txn.assembly._cut_at_shape` has it: everything from the first place of the
-    source transaction of the first event of the new shape (``at``) is held back, and
-    every file from that place's file on is read again (``files``)."""
-
-    at: tuple[int, int]
-    files: frozenset[str]
-    start_file: str  # the file that transaction begins in
-    shape_file: str  # the file of the first event of the new shape
-    change: Any  # feed.sources.shapes.ShapeChange
-
-
-def _shape_cut(t: pa.Table, unfit: tuple[int, Any]) -> _Cut:
-    """The cut at the first event of the unfit shape ``unfit`` (its hash, its change)."""
-    shaped = t.filter(pc.equal(t.column("_shape"), unfit[0]))
-    places = zip(
-        shaped.column("ord_file").to_pylist(),
-        shaped.column("ord_row").to_pylist(),
-        shaped.column("_file").to_pylist(),
-        shaped.column("txn").to_pylist(),
-        strict=True,
-    )
-    *_, shape_file, txn = min(places, key=lambda p: (p[0], p[1], p[2]))
-    same = t.filter(pc.equal(t.column("txn"), txn)) if txn is not None else shaped
-    ord_file, ord_row, start_file = min(
-        zip(
-            same.column("ord_file").to_pylist(),
-            same.column("ord_row").to_pylist(),
-            same.column("_file").to_pylist(),
-            strict=True,
-        )
-    )
-    later = t.filter(pc.greater_equal(t.column("ord_file"), ord_file)).column("_file")
-    return _Cut(
-        (ord_file, ord_row),
-        frozenset(pc.unique(later).to_pylist()),
-        start_file,
-        shape_file,
-        unfit[1],
-    )
-
-
-def _evolve_at_head(ctx: TxnContext, cut: _Cut) -> Exception:
-    """What a change of shape at the head of the input raises: the feed's next schema
-    version (:class:`~feed.sources.shapes.Evolve`), or the error that stops the feed."""
-    from feed.sources.inputs import list_files
-    from feed.sources.shapes import next_version, with_renames
-
-    cfg, info = ctx.config, ctx.info
-    change = with_renames(
-        cut.change, list_files(cfg.source_path), info.table, base_name(cut.shape_file)
-    )
-    return next_version(cfg.feed, info.table, info, change, base_name(cut.start_file))
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +194,7 @@ class _Diffs:
     counted: int  # the rows read and counted now (a held file's are counted when read again)
     skipped: Counter[str]
     updates: list[tuple[dict[str, Any], int, int]]  # (image, unit, diff)
-    keyed: _Keyed | None
+    keyed: Keyed | None
 
 
 def _diffs(ctx: TxnContext, rd: _Read, r: _Release) -> _Diffs | str:
@@ -345,7 +206,7 @@ def _diffs(ctx: TxnContext, rd: _Read, r: _Release) -> _Diffs | str:
     skipped = Counter(s for s in counted.column("_skip").to_pylist() if s is not None)
     if isinstance(rd.start, _Stateless):
         return _Diffs(counted.num_rows, skipped, unkeyed_diffs(r.kept), None)
-    keyed = _against_state(ctx, rd.start, r.kept, rd.key, rd.record)
+    keyed = against_state(ctx, rd.start, r.kept, rd.key, rd.record)
     if isinstance(keyed, str):
         return keyed
     return _Diffs(counted.num_rows, skipped, keyed.diffs, keyed)
@@ -386,7 +247,7 @@ def run(
         return _to_spark(ctx, seq, r)
     if rd.cut is not None:
         if not r.ready:
-            raise _evolve_at_head(ctx, rd.cut)
+            raise evolve_at_head(ctx, rd.cut)
         ctx.log.info(
             "feed %s: the source table changed shape in %s (%s): committing what came "
             "before it first",
@@ -507,7 +368,7 @@ def _write_txn(ctx: TxnContext, seq: int, rd: _Read, r: _Release, d: _Diffs, uni
         for b, img in d.keyed.final.values():
             if img is not None:
                 new_rows.setdefault(b, []).append(img)
-        state_ref = _write_state(ctx, seq, d.keyed.loaded, d.keyed.carried, new_rows, rd.record)
+        state_ref = write_state(ctx, seq, d.keyed.loaded, d.keyed.carried, new_rows, rd.record)
     last = max((e["o"][:3] for e in kept), default=None)
     return Written(
         segments=segments,
@@ -522,29 +383,6 @@ def _write_txn(ctx: TxnContext, seq: int, rd: _Read, r: _Release, d: _Diffs, uni
         held=len(r.held),
         held_files=frozenset(base_name(f) for f in r.files),
     )
-
-
-def _against_state(
-    ctx: TxnContext,
-    loaded: LoadedState,
-    kept: list[dict[str, Any]],
-    key: tuple[str, ...],
-    record: pa.Schema,
-) -> _Keyed | str:
-    """A keyed feed's diffs of the ``kept`` events against the committed state
-    ``loaded``, or why the transaction goes to Spark."""
-    touched = {e["_bucket"] for e in kept}
-    state = _read_buckets(ctx, loaded, touched, record)
-    if state is None:
-        return "state with positions or tombstones"
-    old, carried = _split_state(state, {e["k"] for e in kept}, key, record)
-    if not fill_unavailable(kept, old):
-        return "an unavailable value with no earlier value to take"
-    diffs = keyed_diffs(kept, old)
-    if diffs is None:
-        return "a delete of a key the feed does not hold"
-    updates, final = diffs
-    return _Keyed(updates, final, replace(loaded, touched=frozenset(touched)), carried)
 
 
 @dataclass(frozen=True, slots=True)
@@ -570,7 +408,7 @@ def _released(rd: _Read, hold: GroupHold | None = None) -> _Release | str:
     ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi", "tx_count"])
     ends_read = ends.to_pylist()
     at_commit(ends_read, data)
-    fresh = once([e for e in data if _after(e, rd.committed)])
+    fresh = once([e for e in data if after_committed(e, rd.committed)])
     if not ends_read and len({e["txn"] for e in fresh if e["tx_meta"]}) > 1:
         return "transaction blocks without any END record read"  # (Spark may refuse them)
     found = held_back(data, fresh, ends_read, rd.committed[0])
@@ -607,72 +445,11 @@ def _released(rd: _Read, hold: GroupHold | None = None) -> _Release | str:
     return _Release(kept, len(data) - len(fresh), held, ready, files, min(places, default=None))
 
 
-def _after(e: dict[str, Any], committed: tuple[int, int, int]) -> bool:
-    """Whether event ``e`` is still to be turned into updates: it comes after the
-    ``committed`` position, or it is a read of the snapshot at that position whose end
-    is not committed (:func:`feed.sources.positions.position_filter`)."""
-    if e["pos_hi"] is None:  # of a transaction whose END is not read: not committed
-        return True
-    at = (e["pos_hi"], e["pos_lo"], e["pos_n"])
-    same_snapshot = e["op"] == "r" and at[:2] == committed[:2] and committed[2] < ALL_DONE
-    return at > committed or same_snapshot
-
-
 def _to_spark(ctx: TxnContext, seq: int, why: str) -> object:
     """:data:`~feed.txn.context.DECLINED` (the transaction goes to Spark), saying why in
     the debug log."""
     ctx.log.debug("feed %s: transaction %d is computed in Spark: %s", ctx.config.feed, seq, why)
     return DECLINED
-
-
-def _read_buckets(
-    ctx: TxnContext, loaded: LoadedState, buckets: set[int], record: pa.Schema
-) -> dict[int, pa.Table] | None:
-    """The rows of the committed state's ``buckets``; None when a bucket holds more than
-    records: tombstones or positions, which Debezium state never has. (State a schema
-    version's rewrite wrote, feed/txn/evolve.py, has the two columns, empty.)"""
-    from feed.txn.state import GONE_COLUMN, POS_COLUMN
-
-    fl = ctx.feedlog
-    out = {}
-    for b in sorted(buckets):
-        folder = loaded.files.get(b)
-        if folder is None:
-            continue
-        parts = []
-        for f in fl.parquet_files(fl.path(folder)):
-            part = pq.read_table(f, filesystem=fl.fs)
-            extra = set(part.schema.names) - set(record.names)
-            if extra == {POS_COLUMN, GONE_COLUMN}:
-                gone = pc.fill_null(part.column(GONE_COLUMN), False)
-                if part.column(POS_COLUMN).null_count < part.num_rows or pc.any(gone).as_py():
-                    return None
-                part = part.select(record.names)
-            if part.schema.names != record.names:
-                return None
-            parts.append(part.cast(record))
-        if parts:
-            out[b] = pa.concat_tables(parts)
-    return out
-
-
-def _split_state(
-    state: dict[int, pa.Table], keys: set[tuple[Any, ...]], key: Sequence[str], record: pa.Schema
-) -> tuple[dict[tuple[Any, ...], dict[str, Any]], dict[int, pa.Table]]:
-    """The state rows of ``keys`` (by key) and, per bucket, the rows of every other key,
-    which the new version of the bucket carries as they are (columnar: a bucket holds
-    thousands of rows, a transaction touches a few)."""
-    wanted = pa.Table.from_pylist(
-        [dict(zip(key, k, strict=True)) for k in keys],
-        schema=pa.schema([record.field(c) for c in key]),
-    )
-    old: dict[tuple[Any, ...], dict[str, Any]] = {}
-    carried: dict[int, pa.Table] = {}
-    for b, rows in state.items():
-        for row in rows.join(wanted, list(key), join_type="left semi").to_pylist():
-            old[tuple(row[c] for c in key)] = row
-        carried[b] = rows.join(wanted, list(key), join_type="left anti").select(record.names)
-    return old, carried
 
 
 def _write_segments(
@@ -687,38 +464,7 @@ def _write_segments(
     for unit, rows in sorted(units.items()):
         time = cp.next + unit
         path = f"{staging}/time={time}/part-{uuid.uuid4().hex}.parquet"
-        staged.append((time, path, _write(fl.fs, path, pa.Table.from_pylist(rows, schema))))
+        staged.append((time, path, write_parquet(fl.fs, path, pa.Table.from_pylist(rows, schema))))
     segments = install_segments(ctx, staged, cp.epoch)
     fl.delete_dir(staging)
     return segments
-
-
-def _write_state(
-    ctx: TxnContext,
-    seq: int,
-    loaded: LoadedState,
-    carried: dict[int, pa.Table],
-    new_rows: dict[int, list[dict[str, Any]]],
-    record: pa.Schema,
-) -> str:
-    """Write the touched buckets (their untouched keys' rows and the touched keys' new
-    rows) and the state manifest; return the manifest's reference."""
-    attempt = ctx.state.attempt(seq)
-    written = []
-    for b in sorted(loaded.touched):
-        parts = [pa.Table.from_pylist(new_rows.get(b, []), record)]
-        if b in carried:
-            parts.insert(0, carried[b])
-        rows = pa.concat_tables(parts)
-        if rows.num_rows:
-            path = f"{ctx.state.bucket_folder(attempt, b)}/part-{uuid.uuid4().hex}.parquet"
-            written.append((b, path, _write(ctx.feedlog.fs, path, rows)))
-    ref: str = ctx.state.publish(attempt, written, loaded)
-    return ref
-
-
-def _write(fs: Any, path: str, table: pa.Table) -> int:
-    """Write one Parquet file (its folder made first); return its rows."""
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    pq.write_table(table, path, filesystem=fs, **PARQUET_PAGES)
-    return int(table.num_rows)

@@ -1,0 +1,177 @@
+"""What the driver engine (:mod:`feed.txn.driver`) takes: the checks that a small
+Debezium transaction's parsed input is the plain case, the feed's own snapshot among its
+rows, and where a change of the table's shape cuts it. Each is decided on the Arrow table
+one Spark job parsed, by the same rules as the Spark path's (named where they are)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from feed.sources.positions import ALL_DONE, DATA_OPS
+from feed.txn.context import TxnContext, base_name
+
+__all__ = [
+    "Cut",
+    "Snapshot",
+    "after_committed",
+    "data_events",
+    "evolve_at_head",
+    "not_plain",
+    "own_snapshot",
+    "shape_cut",
+]
+
+
+def scalar(t: pa.DataType) -> bool:
+    return bool(
+        pa.types.is_integer(t)
+        or pa.types.is_floating(t)
+        or pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or pa.types.is_decimal(t)
+        or pa.types.is_date(t)
+        or pa.types.is_timestamp(t)
+        or pa.types.is_time(t)
+        or pa.types.is_boolean(t)
+    )
+
+
+def data_events(t: pa.Table) -> pa.Table:
+    """The data events (c/u/d/r) among the rows parsed."""
+    return t.filter(pc.is_in(t.column("op"), pa.array(DATA_OPS)))
+
+
+def not_plain(t: pa.Table, data: pa.Table, key: Sequence[str]) -> str | None:
+    """Why the parsed input is not the plain case (see the module docstring), or None."""
+    if t.column("_error").null_count < t.num_rows:
+        return "bad rows"
+    ops = set(pc.unique(t.column("op")).to_pylist())
+    if ops - {*DATA_OPS, "x", "E"}:
+        return f"ops {sorted(o for o in ops - {*DATA_OPS, 'x', 'E'} if o)}"
+    snap = pc.fill_null(t.column("_snap"), "")
+    if pc.any(pc.and_(pc.equal(t.column("op"), "r"), pc.equal(snap, "incremental"))).as_py():
+        return "incremental snapshot reads"
+    if data.column("pos_lo").null_count:
+        return "an event without a source position"
+    record = t.schema.field("after").type
+    if not all(scalar(f.type) for f in record):
+        return "a record with nested columns"
+    if any(pa.types.is_floating(record.field(k).type) for k in key):
+        return "a floating-point key column"
+    if not key and t.column("_toast").null_count < t.num_rows:
+        return "an unavailable value in an unkeyed feed"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The feed's own snapshot among the rows read (:func:`own_snapshot`): its LSN (None:
+    no snapshot row was read) and, once it is known whole, its LSN in ``ended``
+    (:func:`~feed.sources.positions.snapshot_done`)."""
+
+    lsn: int | None
+    ended: frozenset[int] = frozenset()
+
+
+def own_snapshot(t: pa.Table, data: pa.Table, source: dict[str, Any]) -> Snapshot | str:
+    """The snapshot whose reads the driver applies, the feed's own (on a new feed, the one
+    read), or why the transaction goes to Spark: rows of another snapshot, a new one that
+    replaces the table or an old one behind the feed. It is whole, as
+    :func:`feed.sources.snapshots.classify` has it, once its end marker (of any table) is
+    read or an event was delivered after its last read."""
+    snap = pc.fill_null(t.column("_snap"), "")
+    rows = t.filter(pc.or_(pc.equal(t.column("op"), "r"), pc.equal(snap, "last")))
+    if not rows.num_rows:
+        return Snapshot(None)
+    lsns = set(rows.column("pos_lo").to_pylist())
+    own = source.get("snapshot_lsn", next(iter(lsns)))  # (one LSN, or it is refused)
+    if lsns != {own} or own is None:
+        return "rows of another snapshot than the feed's own"
+    op, snap = rows.column("op"), pc.fill_null(rows.column("_snap"), "")
+    in_data = pc.and_(pc.equal(op, "r"), pc.equal(snap, "last_in_data_collection"))
+    if pc.any(pc.or_(pc.equal(snap, "last"), in_data)).as_py():
+        return Snapshot(own, frozenset({own}))
+    last_read, latest = last_place(rows), last_place(data)
+    whole = latest is not None and last_read is not None and latest > last_read
+    return Snapshot(own, frozenset({own}) if whole else frozenset())
+
+
+def last_place(t: pa.Table) -> tuple[int, int] | None:
+    """The latest place in delivery order, (``ord_file``, ``ord_row``), among ``t``'s rows."""
+    places = zip(t.column("ord_file").to_pylist(), t.column("ord_row").to_pylist(), strict=True)
+    return max(places, default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """Where the table changed shape in the input, as
+    :func:`feed.txn.assembly._cut_at_shape` has it: everything from the first place of the
+    source transaction of the first event of the new shape (``at``) is held back, and
+    every file from that place's file on is read again (``files``)."""
+
+    at: tuple[int, int]
+    files: frozenset[str]
+    start_file: str  # the file that transaction begins in
+    shape_file: str  # the file of the first event of the new shape
+    change: Any  # feed.sources.shapes.ShapeChange
+
+
+def shape_cut(t: pa.Table, unfit: tuple[int, Any]) -> Cut:
+    """The cut at the first event of the unfit shape ``unfit`` (its hash, its change)."""
+    shaped = t.filter(pc.equal(t.column("_shape"), unfit[0]))
+    places = zip(
+        shaped.column("ord_file").to_pylist(),
+        shaped.column("ord_row").to_pylist(),
+        shaped.column("_file").to_pylist(),
+        shaped.column("txn").to_pylist(),
+        strict=True,
+    )
+    *_, shape_file, txn = min(places, key=lambda p: (p[0], p[1], p[2]))
+    same = t.filter(pc.equal(t.column("txn"), txn)) if txn is not None else shaped
+    ord_file, ord_row, start_file = min(
+        zip(
+            same.column("ord_file").to_pylist(),
+            same.column("ord_row").to_pylist(),
+            same.column("_file").to_pylist(),
+            strict=True,
+        )
+    )
+    later = t.filter(pc.greater_equal(t.column("ord_file"), ord_file)).column("_file")
+    return Cut(
+        (ord_file, ord_row),
+        frozenset(pc.unique(later).to_pylist()),
+        start_file,
+        shape_file,
+        unfit[1],
+    )
+
+
+def evolve_at_head(ctx: TxnContext, cut: Cut) -> Exception:
+    """What a change of shape at the head of the input raises: the feed's next schema
+    version (:class:`~feed.sources.shapes.Evolve`), or the error that stops the feed."""
+    from feed.sources.inputs import list_files
+    from feed.sources.shapes import next_version, with_renames
+
+    cfg, info = ctx.config, ctx.info
+    change = with_renames(
+        cut.change, list_files(cfg.source_path), info.table, base_name(cut.shape_file)
+    )
+    return next_version(cfg.feed, info.table, info, change, base_name(cut.start_file))
+
+
+def after_committed(e: dict[str, Any], committed: tuple[int, int, int]) -> bool:
+    """Whether event ``e`` is still to be turned into updates: it comes after the
+    ``committed`` position, or it is a read of the snapshot at that position whose end
+    is not committed (:func:`feed.sources.positions.position_filter`)."""
+    if e["pos_hi"] is None:  # of a transaction whose END is not read: not committed
+        return True
+    at = (e["pos_hi"], e["pos_lo"], e["pos_n"])
+    same_snapshot = e["op"] == "r" and at[:2] == committed[:2] and committed[2] < ALL_DONE
+    return at > committed or same_snapshot
