@@ -163,6 +163,19 @@ def _refusal(ctx: TxnContext, assembled: Any, *, keyed: bool, more: bool) -> str
     return None
 
 
+def version_at_head(ctx: TxnContext, change: Any, where: str, shape_file: str) -> Exception:
+    """What a change of shape at the head of the input raises: the feed's next schema
+    version (:class:`~feed.sources.shapes.Evolve`), or the error that stops the feed.
+    ``where``: the file its source transaction begins in; ``shape_file``: the file of
+    its first event of the new shape (both base names)."""
+    from feed.sources.inputs import list_files
+    from feed.sources.shapes import next_version, with_renames
+
+    cfg, info = ctx.config, ctx.info
+    change = with_renames(change, list_files(cfg.source_path), info.table, shape_file)
+    return next_version(cfg.feed, info.table, info, change, where)
+
+
 def _cut_at_shape(
     ctx: TxnContext,
     changes: Any,
@@ -176,18 +189,13 @@ def _cut_at_shape(
     read again, and for a group's feed the change (a lone feed's is raised)."""
     from pyspark.sql import functions as F
 
-    from feed.sources.inputs import list_files
-    from feed.sources.shapes import next_version, with_renames
-
     cfg = ctx.config
     first, shape_file = _first_of_shape(changes, unfit[0])
     assembled = assembled_with((first["ord_file"], first["ord_row"]))
     shape_stop: Exception | None = None
     if not assembled.ready:
         # at the head of the input: the feed's next schema version, if any
-        where = base_name(first["_file"])
-        change = with_renames(unfit[1], list_files(cfg.source_path), ctx.info.table, shape_file)
-        found = next_version(cfg.feed, ctx.info.table, ctx.info, change, where)
+        found = version_at_head(ctx, unfit[1], base_name(first["_file"]), shape_file)
         if group is None:
             for df in (changes, *assembled.cached):
                 df.unpersist()

@@ -54,7 +54,7 @@ import pyarrow.compute as pc
 from feed.log.manifest import Segment
 from feed.sources.positions import DATA_OPS, Position, committed_position, snapshot_done
 from feed.sources.rows import CHANGE_COLUMNS
-from feed.txn.assembly import unfit_shape
+from feed.txn.assembly import unfit_shape, version_at_head
 from feed.txn.context import (
     DECLINED,
     NEED_MORE,
@@ -76,7 +76,6 @@ from feed.txn.driver_plain import (
     Snapshot,
     after_committed,
     data_events,
-    evolve_at_head,
     not_plain,
     own_snapshot,
     shape_cut,
@@ -141,7 +140,9 @@ class _Read:
 
     start: LoadedState | _Stateless  # what it starts from
     t: pa.Table  # every row parsed
-    data: pa.Table  # its data events
+    data: list[dict[str, Any]]  # its data events, at their commit LSNs (at_commit)
+    ends: list[dict[str, Any]]  # its END records (txn, pos_hi, tx_count)
+    fresh: list[dict[str, Any]]  # the data events past the committed position, each once
     snapshot: Snapshot
     committed: Position
     record: pa.Schema
@@ -184,7 +185,15 @@ def _read(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> _Re
     unfit = unfit_shape(ctx, files, shapes)
     record = pa.schema(list(t.schema.field("after").type))
     cut = shape_cut(t, unfit) if unfit is not None else None
-    return _Read(start, t, data, snapshot, committed, record, key, cut)
+    # (as dictionaries once: a group's hold may release a read several times)
+    events = data.to_pylist()
+    ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi", "tx_count"])
+    ends_read = ends.to_pylist()
+    at_commit(ends_read, events)
+    fresh = once([e for e in events if after_committed(e, committed)])
+    if not ends_read and len({e["txn"] for e in fresh if e["tx_meta"]}) > 1:
+        return "transaction blocks without any END record read"  # (Spark may refuse them)
+    return _Read(start, t, events, ends_read, fresh, snapshot, committed, record, key, cut)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +256,10 @@ def run(
         return _to_spark(ctx, seq, r)
     if rd.cut is not None:
         if not r.ready:
-            raise evolve_at_head(ctx, rd.cut)
+            cut = rd.cut
+            raise version_at_head(
+                ctx, cut.change, base_name(cut.start_file), base_name(cut.shape_file)
+            )
         ctx.log.info(
             "feed %s: the source table changed shape in %s (%s): committing what came "
             "before it first",
@@ -403,30 +415,19 @@ def _released(rd: _Read, hold: GroupHold | None = None) -> _Release | str:
     why the transaction goes to Spark. A group's ``hold`` holds back its transactions too,
     and everything delivered from its place or from the first event of one of them on
     (:meth:`feed.sources.holdback.SecondPass.hold`)."""
-    t = rd.t
-    data = rd.data.to_pylist()
-    ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi", "tx_count"])
-    ends_read = ends.to_pylist()
-    at_commit(ends_read, data)
-    fresh = once([e for e in data if after_committed(e, rd.committed)])
-    if not ends_read and len({e["txn"] for e in fresh if e["tx_meta"]}) > 1:
-        return "transaction blocks without any END record read"  # (Spark may refuse them)
-    found = held_back(data, fresh, ends_read, rd.committed[0])
+    t, fresh = rd.t, rd.fresh
+    found = held_back(
+        rd.data,
+        fresh,
+        rd.ends,
+        rd.committed[0],
+        hold_txns=hold.txns if hold is not None else frozenset(),
+        hold_at=hold.at if hold is not None else None,
+    )
     if found is None:
         return "a source transaction with more events than its END record counts"
-    held = found[0]
-    first: dict[Any, tuple[int, int]] = {}
-    for e in fresh:
-        at = (e["ord_file"], e["ord_row"])
-        first[e["txn"]] = min(first.get(e["txn"], at), at)
-    if hold is not None:
-        starts = [first[x] for x in hold.txns if x in first]
-        if hold.at is not None:
-            starts.append(hold.at)
-        held |= hold.txns
-        if starts:
-            held |= {x for x, at in first.items() if at >= min(starts)}
-    places = [first[x] for x in held if x in first]
+    held, ready = found
+    places = [(e["ord_file"], e["ord_row"]) for e in fresh if e["txn"] in held]
     if hold is not None and hold.at is not None:
         places.append(hold.at)
     files: set[str] = set()
@@ -441,8 +442,7 @@ def _released(rd: _Read, hold: GroupHold | None = None) -> _Release | str:
         e["o"] = (e["pos_hi"], e["pos_lo"], e["pos_n"], e["ord_file"], e["ord_row"])
         img = e["before"] if e["op"] == "d" else e["after"]
         e["k"] = tuple(img[c] for c in rd.key)
-    ready = len({e["txn"] for e in kept})
-    return _Release(kept, len(data) - len(fresh), held, ready, files, min(places, default=None))
+    return _Release(kept, len(rd.data) - len(fresh), held, ready, files, min(places, default=None))
 
 
 def _to_spark(ctx: TxnContext, seq: int, why: str) -> object:

@@ -67,6 +67,9 @@ def held_back(
     kept: list[dict[str, Any]],
     ends: list[dict[str, Any]],
     committed_hi: int,
+    *,
+    hold_txns: frozenset[Any] = frozenset(),
+    hold_at: tuple[int, int] | None = None,
 ) -> tuple[set[Any], int] | None:
     """The source transactions held back and how many are released, as
     :meth:`feed.sources.holdback.SecondPass.hold` decides: a transaction with metadata
@@ -74,8 +77,10 @@ def held_back(
     position) is incomplete while its END is not read or fewer of its events are in than
     END counts, and the first incomplete one in delivery order holds back every one
     delivered after it. ``data``: every data event read; ``kept``: those past the
-    committed position, each once. None when a transaction has more events than its END
-    counts (Spark warns and releases it)."""
+    committed position, each once. What a group or a change of shape holds is held too:
+    the transactions ``hold_txns``, and everything delivered from the first event of one
+    of them or from the place ``hold_at`` on. None when a transaction has more events
+    than its END counts (Spark warns and releases it)."""
     meta = {e["txn"] for e in data if e["tx_meta"]}
     commit = _commit_lsns(ends)
     counts: dict[Any, int | None] = {}
@@ -98,8 +103,10 @@ def held_back(
             return None
         if (want is None and n > 0) or (want is not None and n < want):
             opened.add(x)
-    held = set(opened)
-    starts = [first[x] for x in opened if x in first]
+    held = opened | hold_txns
+    starts = [first[x] for x in held if x in first]
+    if hold_at is not None:
+        starts.append(hold_at)
     if starts:
         held |= {x for x, at in first.items() if at >= min(starts)}
     return held, sum(1 for x in events if x not in held)

@@ -13,14 +13,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from feed.sources.positions import ALL_DONE, DATA_OPS
-from feed.txn.context import TxnContext, base_name
 
 __all__ = [
     "Cut",
     "Snapshot",
     "after_committed",
     "data_events",
-    "evolve_at_head",
     "not_plain",
     "own_snapshot",
     "shape_cut",
@@ -151,19 +149,6 @@ def shape_cut(t: pa.Table, unfit: tuple[int, Any]) -> Cut:
         shape_file,
         unfit[1],
     )
-
-
-def evolve_at_head(ctx: TxnContext, cut: Cut) -> Exception:
-    """What a change of shape at the head of the input raises: the feed's next schema
-    version (:class:`~feed.sources.shapes.Evolve`), or the error that stops the feed."""
-    from feed.sources.inputs import list_files
-    from feed.sources.shapes import next_version, with_renames
-
-    cfg, info = ctx.config, ctx.info
-    change = with_renames(
-        cut.change, list_files(cfg.source_path), info.table, base_name(cut.shape_file)
-    )
-    return next_version(cfg.feed, info.table, info, change, base_name(cut.start_file))
 
 
 def after_committed(e: dict[str, Any], committed: tuple[int, int, int]) -> bool:
