@@ -75,7 +75,8 @@ class _Done:
 
     member: Emitter
     written: Written
-    secs: dict[str, float]
+    secs: dict[str, float]  # the feed's own stages, added to the group's
+    shared: bool = False  # secs are the group's, already counted (the driver's)
 
 
 class GroupEmitter:
@@ -222,7 +223,13 @@ class GroupEmitter:
             job = Job(self.seq + 1, files, tx_files, more=more)
             out = DRIVER.run_group(ctxs, job, secs, _die_at, self.name)
             if isinstance(out, list):
-                parts = [_Done(m, w, {}) for m, w in zip(self.members, out, strict=True)]
+                # the driver computed the feeds together: each feed's line shows that time
+                # (the group's own seconds have it once)
+                shared = {"driver": secs.get("driver", 0.0)}
+                parts = [
+                    _Done(m, w, dict(shared), shared=True)
+                    for m, w in zip(self.members, out, strict=True)
+                ]
                 held = max(w.held for w in out)
                 return self._commit_txn(files, tx_files, parts, secs, held_txns=held)
             if out is not DECLINED:
@@ -289,7 +296,7 @@ class GroupEmitter:
         cps = self._commit(plans, [d.written.segments for d in done])
         secs["commit"] = time.perf_counter() - t3
         for d in done:
-            for k, v in d.secs.items():
+            for k, v in () if d.shared else d.secs.items():
                 secs[k] = secs.get(k, 0.0) + v
         reports = [
             d.member.committed(c, files, d.secs, d.written) for d, c in zip(done, cps, strict=True)

@@ -120,19 +120,22 @@ TRUTH = {
 }
 
 
-def assert_group_log(log, upto):
+def assert_group_log(log, upto, truth=TRUTH):
     for feed in FEEDS:
         reader = FeedReader(str(log), feed)
         assert reader.frontier == upto + 1, feed
         assert check_messages(reader.messages(), non_negative=True, key=["id"]) == []
         for t in range(1, upto + 1):
-            assert collection_of(reader, at=t) == TRUTH[feed][t], (feed, t)
+            assert collection_of(reader, at=t) == truth[feed][t], (feed, t)
 
 
 @pytest.mark.parametrize("driver", [True, False], ids=["driver", "spark"])
-def test_a_group_gives_each_source_transaction_one_time_in_every_feed(spark, tmp_path, driver):
+def test_a_group_gives_each_source_transaction_one_time_in_every_feed(
+    spark, tmp_path, driver, caplog
+):
     """The same history through the driver engine's group path (feed/txn/driver.py:
     run_group) and through Spark's alone: the same feeds, the same truth."""
+    caplog.set_level("INFO", logger="tidefeed")
     src = tmp_path / "in"
     bank_input(src, whole=False)
     g = open_group(spark, tmp_path, engines=ENGINES if driver else (SPARK,), max_files_per_txn=1)
@@ -176,10 +179,18 @@ def test_a_group_gives_each_source_transaction_one_time_in_every_feed(spark, tmp
     # every transaction was the engines' to compute: the driver's when it is offered
     assert len(reports) == 4
     assert all(("driver" in r.seconds) == driver for r in reports), [r.seconds for r in reports]
-    TRUTH["accounts"][6] = rows((1, "a1+"), (4, "a4+"))
-    TRUTH["accounts"][7] = rows((4, "a4+"))
-    TRUTH["transfers"][6] = TRUTH["transfers"][7] = rows((2, "t2"), (3, "t3"), (4, "t4"))
-    assert_group_log(tmp_path / "log", 7)
+    # each feed's own line says where its part was computed, and how long it took
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("feed ")]
+    member = [m for m in lines if " txn " in m and "input_rows=" in m]
+    assert len(member) == 2 * len(reports), lines
+    stage = " driver=" if driver else " write="
+    assert all(stage in m for m in member), member
+    later = rows((2, "t2"), (3, "t3"), (4, "t4"))
+    truth = {
+        "accounts": {**TRUTH["accounts"], 6: rows((1, "a1+"), (4, "a4+")), 7: rows((4, "a4+"))},
+        "transfers": {**TRUTH["transfers"], 6: later, 7: later},
+    }
+    assert_group_log(tmp_path / "log", 7, truth)
     assert g.pending_files() == []
     # the group's commit point names both feeds' checkpoints
     group_dir = tmp_path / "log" / "_groups" / "accounts+transfers"
