@@ -31,6 +31,7 @@ __all__ = [
     "settle",
     "snapshot_figures",
     "snapshot_row",
+    "split_snapshots",
     "superseded",
 ]
 
@@ -106,6 +107,19 @@ def classify(
         or (latest is not None and _place(latest) > _place(r["s_last"] or r["s_first"]))
     }
     return Snapshots(snaps, fresh, whole)
+
+
+def split_snapshots(snaps: Iterable[Figures]) -> dict[str, list[int]]:
+    """Source transactions whose snapshot reads carry more than one LSN, with those LSNs.
+    Debezium gives every read of a snapshot the LSN the snapshot was taken at, and a new
+    snapshot is a new transaction; reads of one transaction at several LSNs (hand-made
+    input, or a connector that numbers its reads) are taken for several snapshots, the
+    later ones new, which is rarely what was meant."""
+    lsns: dict[str, list[int]] = {}
+    for r in snaps:
+        if r["s_txn"] is not None:
+            lsns.setdefault(r["s_txn"], []).append(int(r["lsn"]))
+    return {t: sorted(v) for t, v in lsns.items() if len(v) > 1}
 
 
 def superseded(snap: Figures, opened: Iterable[Figures], snaps: Iterable[Figures]) -> set[str]:

@@ -62,6 +62,7 @@ from feed.sources.snapshots import (
     empty_snapshot,
     snapshot_figures,
     snapshot_row,
+    split_snapshots,
 )
 
 __all__ = ["Assembled", "assemble"]
@@ -265,6 +266,18 @@ class _Assembly(SecondPass):
             latest=self.latest,
         )
         self.snaps, self.fresh, self.whole = found.all, found.fresh, found.whole
+        for txn, lsns in split_snapshots(found.all).items():
+            shown = ", ".join(map(str, lsns[:5])) + (", …" if len(lsns) > 5 else "")
+            self.log.warning(
+                "feed %s: the snapshot reads of source transaction %s carry %d LSNs (%s): "
+                "each LSN is taken for a snapshot of its own, and those after the feed's "
+                "own for new snapshots that replace the collection; Debezium gives all the "
+                "reads of one snapshot the same source.lsn (docs/sources.md)",
+                self.feed,
+                txn,
+                len(lsns),
+                shown,
+            )
 
     def plain(self) -> Assembled:
         """The plain case (no transaction metadata, nothing delivered twice, no new

@@ -4,7 +4,7 @@ through the emitter."""
 
 from __future__ import annotations
 
-from feed.sources.snapshots import Settled, classify, settle, superseded
+from feed.sources.snapshots import Settled, classify, settle, split_snapshots, superseded
 
 
 def snap(lsn, first, last=None, *, end=False, txn="t", files=("a",)):
@@ -77,3 +77,12 @@ def test_a_new_snapshot_without_rows_of_the_table_replaces_it_with_nothing():
     assert settle([empty], earlier_waits=False, latest=None) == Settled(
         (90, "snapshot:90"), True, None
     )
+
+
+def test_reads_of_one_transaction_at_several_lsns_are_named():
+    """Several snapshot LSNs sharing one source transaction are reported (each is taken
+    for a snapshot of its own); one LSN per transaction, or none known, is not."""
+    rows = [snap(50, (1, 0), txn="7"), snap(58, (1, 1), txn="7"), snap(90, (2, 0), txn="9")]
+    assert split_snapshots(rows) == {"7": [50, 58]}
+    assert split_snapshots([snap(50, (1, 0), txn="7"), snap(90, (2, 0), txn="9")]) == {}
+    assert split_snapshots([snap(50, (1, 0), txn=None), snap(90, (2, 0), txn=None)]) == {}
