@@ -5,6 +5,7 @@ tests/e2e/test_postgres.py checks the same against the real connector."""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 import orjson
@@ -131,6 +132,25 @@ def test_snapshot_rows_share_an_lsn_and_lines_without_changes_are_skipped(spark,
     assert reader.frontier == 3
     info = orjson.loads((tmp_path / "log/t/feed.json").read_bytes())
     assert info["table"] == "public.accounts"
+
+
+def test_snapshot_reads_of_one_transaction_at_several_lsns_are_named(spark, tmp_path, caplog):
+    """Reads numbered one LSN apart in one transaction (as in hand-made input, the shared
+    samples' among them) are taken for several snapshots; the user is told which
+    transaction and which LSNs (docs/sources.md names it a known gap)."""
+    caplog.set_level(logging.WARNING, logger="tidefeed.emit")
+    reads = [
+        event("r", {"id": i, "owner": f"o{i}", "doc": None}, 100 + 8 * i, xid=1) for i in range(3)
+    ]
+    later = [event("c", {"id": 9, "owner": "o9", "doc": None}, 200, xid=2, commit=190)]
+    write(tmp_path / "in", "part-0.json", reads + later)
+    e = open_emitter(spark, tmp_path)
+    e.run()
+    e.close()
+    named = [r.getMessage() for r in caplog.records if "carry 3 LSNs" in r.getMessage()]
+    assert named and "source transaction 1 carry 3 LSNs (100, 108, 116)" in named[0], [
+        r.getMessage() for r in caplog.records
+    ]
 
 
 def test_toast_placeholder_is_filled_from_the_keyed_state(spark, tmp_path):
@@ -509,7 +529,6 @@ def test_a_batch_run_that_ends_inside_a_transaction_says_so_and_exits_3(tmp_path
 
 
 def test_follow_warns_when_input_stays_held_back(spark, tmp_path, caplog):
-    import logging
     import time
 
     src = tmp_path / "in"
