@@ -296,7 +296,9 @@ class GroupEmitter:
         cps = self._commit(plans, [d.written.segments for d in done])
         secs["commit"] = time.perf_counter() - t3
         for d in done:
-            for k, v in () if d.shared else d.secs.items():
+            if d.shared:
+                continue  # (the group's seconds have them already)
+            for k, v in d.secs.items():
                 secs[k] = secs.get(k, 0.0) + v
         reports = [
             d.member.committed(c, files, d.secs, d.written) for d, c in zip(done, cps, strict=True)
