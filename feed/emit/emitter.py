@@ -359,6 +359,8 @@ class Emitter(SchemaVersions):
         )
         if cfg.kind.events and "snapshot_lsn" not in source:
             source["snapshot_lsn"] = w.snapshot_lsn
+            if w.snapshot_txn is not None:
+                source["snapshot_txn"] = w.snapshot_txn
         return Planned(progress=progress, next=next_time, source=source, state=w.state_ref)
 
     def committed(

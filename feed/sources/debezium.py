@@ -94,6 +94,9 @@ def read_debezium(
     # a second snapshot falls in order among the streamed transactions; a first streamed
     # event's LSN is below its commit, which the next transaction's events carry.
     pos_hi = F.coalesce(seq.getItem(0).try_cast("long"), lsn, F.lit(0).cast("long"))
+    # a whole-table snapshot's read is at its snapshot's LSN, whatever its sequence says
+    whole_read = (op == "r") & (F.coalesce(F.col("src.snapshot"), F.lit("")) != "incremental")
+    pos_hi = F.when(whole_read & lsn.isNotNull(), lsn).otherwise(pos_hi)
     return canonical(
         df,
         op=F.when(skip.isNotNull(), F.lit("x")).when(is_end, F.lit("E")).otherwise(op),

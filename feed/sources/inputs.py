@@ -244,7 +244,7 @@ def next_source(
     if cdf and position is not None:
         out["cdf_version"] = position[0]
     if replaces is not None:
-        out["snapshot_lsn"] = replaces[0]
+        out["snapshot_lsn"], out["snapshot_txn"] = replaces
     if update is not None:
         out.update(update)
     if tx_files is not None:

@@ -14,6 +14,7 @@ call without Spark (tests/feed/test_snapshots.py):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +29,12 @@ __all__ = [
     "Snapshots",
     "classify",
     "empty_snapshot",
+    "moved_reads",
+    "one_lsn_each",
+    "say_moved",
     "settle",
     "snapshot_figures",
     "snapshot_row",
-    "split_snapshots",
     "superseded",
 ]
 
@@ -50,7 +53,8 @@ def snapshot_row() -> Column:
 def snapshot_figures(changes: DataFrame) -> DataFrame:
     """One row per snapshot LSN among ``changes``: its first and last place in delivery
     order, whether its end was read (``s_end``), its transaction (``s_txn``: null when
-    only another table's end marker is at that LSN) and its files."""
+    only another table's end marker is at that LSN), the transactions of all its rows
+    (``s_txns``) and its files."""
     snap = F.coalesce(F.col("_snap"), F.lit(""))
     ends_here = (snap == "last") | ((F.col("op") == "r") & (snap == "last_in_data_collection"))
     at = F.struct("ord_file", "ord_row")
@@ -62,6 +66,7 @@ def snapshot_figures(changes: DataFrame) -> DataFrame:
             F.max(F.when(F.col("op") == "r", at)).alias("s_last"),
             F.max(ends_here).alias("s_end"),
             F.max(F.when(F.col("op") == "r", F.col("txn"))).alias("s_txn"),
+            F.collect_set("txn").alias("s_txns"),
             F.collect_set("_file").alias("s_files"),
         )
     )
@@ -109,17 +114,54 @@ def classify(
     return Snapshots(snaps, fresh, whole)
 
 
-def split_snapshots(snaps: Iterable[Figures]) -> dict[str, list[int]]:
-    """Source transactions whose snapshot reads carry more than one LSN, with those LSNs.
-    Debezium gives every read of a snapshot the LSN the snapshot was taken at, and a new
-    snapshot is a new transaction; reads of one transaction at several LSNs (hand-made
-    input, or a connector that numbers its reads) are taken for several snapshots, the
-    later ones new, which is rarely what was meant."""
-    lsns: dict[str, list[int]] = {}
-    for r in snaps:
-        if r["s_txn"] is not None:
-            lsns.setdefault(r["s_txn"], []).append(int(r["lsn"]))
-    return {t: sorted(v) for t, v in lsns.items() if len(v) > 1}
+def one_lsn_each(
+    rows: Iterable[Figures], *, own_txn: str | None, own_lsn: int | None
+) -> dict[str, tuple[int, list[int]]]:
+    """The snapshot transactions whose rows are to move to one LSN: each with that LSN
+    and the LSNs its rows carry. Debezium gives every row of a snapshot the LSN it was
+    taken at, and a new snapshot is a new transaction, so a snapshot is its transaction:
+    rows of one transaction at several LSNs (hand-made input, or a connector that numbers
+    its reads) are one snapshot, at the lowest of them; rows of the feed's own snapshot
+    (``own_txn``) are at its LSN ``own_lsn``, also when they are read after it began."""
+    lsns: dict[str, set[int]] = {}
+    for r in rows:
+        for txn in r["s_txns"] or ():
+            lsns.setdefault(txn, set()).add(int(r["lsn"]))
+    moves = {}
+    for txn, found in lsns.items():
+        to = own_lsn if own_txn is not None and txn == own_txn and own_lsn is not None else None
+        to = min(found) if to is None else to
+        if found != {to}:
+            moves[txn] = (to, sorted(found))
+    return moves
+
+
+def say_moved(log: logging.Logger, feed: str, moves: dict[str, tuple[int, list[int]]]) -> None:
+    """Log each move of :func:`one_lsn_each` (an info line: the input is not as Debezium
+    writes it, and what was made of it)."""
+    for txn, (lsn, lsns) in moves.items():
+        shown = ", ".join(map(str, lsns[:5])) + (", …" if len(lsns) > 5 else "")
+        log.info(
+            "feed %s: the snapshot rows of source transaction %s carry %d LSNs (%s): "
+            "taken for one snapshot at LSN %d (docs/sources.md)",
+            feed,
+            txn,
+            len(lsns),
+            shown,
+            lsn,
+        )
+
+
+def moved_reads(moves: dict[str, tuple[int, list[int]]]) -> tuple[Column, Column]:
+    """``pos_hi`` and ``pos_lo`` with the snapshot rows of the transactions in ``moves``
+    (:func:`one_lsn_each`) at their snapshot's LSN."""
+    hi, lo = F.col("pos_hi"), F.col("pos_lo")
+    if not moves:
+        return hi, lo
+    pairs = [(F.lit(txn), F.lit(lsn).cast("long")) for txn, (lsn, _) in moves.items()]
+    to = F.create_map(*[c for pair in pairs for c in pair])
+    at = F.when(snapshot_row(), to[F.col("txn")])
+    return F.coalesce(at, hi), F.coalesce(at, lo)
 
 
 def superseded(snap: Figures, opened: Iterable[Figures], snaps: Iterable[Figures]) -> set[str]:

@@ -60,9 +60,11 @@ from feed.sources.positions import (
 from feed.sources.snapshots import (
     classify,
     empty_snapshot,
+    moved_reads,
+    one_lsn_each,
+    say_moved,
     snapshot_figures,
     snapshot_row,
-    split_snapshots,
 )
 
 __all__ = ["Assembled", "assemble"]
@@ -120,6 +122,7 @@ def assemble(
     pos: Sequence[int],
     *,
     snapshot_lsn: int | None = None,
+    snapshot_txn: str | None = None,
     new_feed: bool = False,
     logger: logging.Logger | None = None,
     feed: str = "",
@@ -130,9 +133,12 @@ def assemble(
 ) -> Assembled:
     """Decide which of ``changes`` (good Debezium rows: data events and END records) can
     become updates, given the committed position ``pos``. See the module docstring.
-    ``snapshot_lsn`` is the feed's own snapshot; on a ``new_feed`` (none decided yet) the
-    first snapshot delivered is its own. Rows whose ``_snap`` is ``last`` may come from
-    other tables (op ``x``): they only say where a snapshot ends.
+    ``snapshot_lsn`` is the feed's own snapshot (``snapshot_txn`` its transaction, when
+    recorded); on a ``new_feed`` (none decided yet) the first snapshot delivered is its
+    own. A snapshot is its transaction: rows of one at several LSNs are moved to one
+    (:func:`~feed.sources.snapshots.one_lsn_each`), and the figures taken again. Rows
+    whose ``_snap`` is ``last`` may come from other tables (op ``x``): they only say where
+    a snapshot ends.
 
     One Spark job computes the figures over all events; a small one lists the snapshots
     when snapshot rows were read; and only where metadata, a repeated event or a new
@@ -144,9 +150,13 @@ def assemble(
     delivered from that place on, as an incomplete one does (a table that changed shape
     there: feed/sources/shapes.py); ``hold_txns`` holds those source transactions (and what is
     delivered after them) too (held in another feed of a group: feed/emit/group.py)."""
-    run = _Assembly(changes, pos, snapshot_lsn, logger, feed)
+    run = _Assembly(changes, pos, (snapshot_lsn, snapshot_txn), logger, feed)
     run.first_job(bucket, also)
-    run.find_snapshots(new_feed)
+    moves = run.find_snapshots(new_feed)
+    if moves:
+        run.move_snapshot_rows(moves)
+        run.first_job(bucket, also)
+        run.find_snapshots(new_feed)
     if not (run.summary["meta"] or run.n_ends or run.repeats or run.fresh or hold_at or hold_txns):
         return run.plain()
     # Otherwise the figures per source transaction decide: a second job.
@@ -166,11 +176,12 @@ class _Assembly(SecondPass):
         self,
         changes: DataFrame,
         pos: Sequence[int],
-        snapshot_lsn: int | None,
+        own: tuple[int | None, str | None],
         logger: logging.Logger | None,
         feed: str,
     ) -> None:
-        self.changes, self.snapshot_lsn, self.feed = changes, snapshot_lsn, feed
+        self.changes, self.feed = changes, feed
+        self.snapshot_lsn, self.snapshot_txn = own
         self.log = logger or logging.getLogger("tidefeed.emit")
         self.committed = committed_position(pos)
         self.dropped: set[str] = set()  # superseded by a new snapshot
@@ -254,10 +265,14 @@ class _Assembly(SecondPass):
         self.last = self.summary["last"]
         self.latest = self.summary["latest"]
 
-    def find_snapshots(self, new_feed: bool) -> None:
+    def find_snapshots(self, new_feed: bool) -> dict[str, tuple[int, list[int]]]:
         """The snapshots read, if any (a second, small job): which is the feed's own, which
-        are new, which are known whole (feed/sources/snapshots.py decides)."""
+        are new, which are known whole (feed/sources/snapshots.py decides); or, first, the
+        snapshot transactions whose rows are to move to one LSN."""
         rows = snapshot_figures(self.changes).collect() if self.summary["snapshot_rows"] else []
+        moves = one_lsn_each(rows, own_txn=self.snapshot_txn, own_lsn=self.snapshot_lsn)
+        if moves:
+            return moves
         found = classify(
             rows,
             own=self.snapshot_lsn,
@@ -266,18 +281,19 @@ class _Assembly(SecondPass):
             latest=self.latest,
         )
         self.snaps, self.fresh, self.whole = found.all, found.fresh, found.whole
-        for txn, lsns in split_snapshots(found.all).items():
-            shown = ", ".join(map(str, lsns[:5])) + (", …" if len(lsns) > 5 else "")
-            self.log.warning(
-                "feed %s: the snapshot reads of source transaction %s carry %d LSNs (%s): "
-                "each LSN is taken for a snapshot of its own, and those after the feed's "
-                "own for new snapshots that replace the collection; Debezium gives all the "
-                "reads of one snapshot the same source.lsn (docs/sources.md)",
-                self.feed,
-                txn,
-                len(lsns),
-                shown,
-            )
+        return {}
+
+    def move_snapshot_rows(self, moves: dict[str, tuple[int, list[int]]]) -> None:
+        """Put the snapshot rows of each transaction in ``moves`` at its snapshot's LSN
+        (:func:`~feed.sources.snapshots.moved_reads`), saying so, before the figures are
+        taken again."""
+        say_moved(self.log, self.feed, moves)
+        self.ends.unpersist()
+        hi, lo = moved_reads(moves)
+        moved = {"pos_hi": hi, "pos_lo": lo}
+        self.changes = self.changes.select(
+            *[moved[c].alias(c) if c in moved else F.col(c) for c in self.changes.columns]
+        )
 
     def plain(self) -> Assembled:
         """The plain case (no transaction metadata, nothing delivered twice, no new

@@ -95,6 +95,7 @@ def assemble_debezium(
             good,
             cp.source.get("pos", [0, 0]),
             snapshot_lsn=cp.source.get("snapshot_lsn"),
+            snapshot_txn=cp.source.get("snapshot_txn"),
             new_feed="snapshot_lsn" not in cp.source,
             logger=ctx.log,
             feed=cfg.feed,

@@ -54,6 +54,7 @@ import pyarrow.compute as pc
 from feed.log.manifest import Segment
 from feed.sources.positions import DATA_OPS, Position, committed_position, snapshot_done
 from feed.sources.rows import CHANGE_COLUMNS
+from feed.sources.snapshots import say_moved
 from feed.txn.assembly import unfit_shape, version_at_head
 from feed.txn.context import (
     DECLINED,
@@ -77,6 +78,7 @@ from feed.txn.driver_plain import (
     after_committed,
     data_events,
     not_plain,
+    one_snapshot_each,
     own_snapshot,
     shape_cut,
 )
@@ -168,6 +170,8 @@ def _read(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> _Re
         image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
         t = changes.select(*_COLUMNS, bucket_of(image, key, start.buckets).alias("_bucket"))
         t = t.toArrow()
+    t, moves = one_snapshot_each(t, cp.source)
+    say_moved(ctx.log, ctx.config.feed, moves)
     data = data_events(t)
     why = not_plain(t, data, key) or _not_new(ctx, t, start)
     if why is not None:
@@ -382,6 +386,7 @@ def _write_txn(ctx: TxnContext, seq: int, rd: _Read, r: _Release, d: _Diffs, uni
                 new_rows.setdefault(b, []).append(img)
         state_ref = write_state(ctx, seq, d.keyed.loaded, d.keyed.carried, new_rows, rd.record)
     last = max((e["o"][:3] for e in kept), default=None)
+    own = min(((e["pos_lo"], e["txn"]) for e in kept if e["op"] == "r"), default=None)
     return Written(
         segments=segments,
         state_ref=state_ref,
@@ -391,7 +396,8 @@ def _write_txn(ctx: TxnContext, seq: int, rd: _Read, r: _Release, d: _Diffs, uni
         skipped=dict(d.skipped),
         redelivered=r.redelivered,
         # (a new feed's own snapshot is the one it read, if any)
-        snapshot_lsn=min((e["pos_lo"] for e in kept if e["op"] == "r"), default=None),
+        snapshot_lsn=own[0] if own else None,
+        snapshot_txn=own[1] if own else None,
         held=len(r.held),
         held_files=frozenset(base_name(f) for f in r.files),
     )

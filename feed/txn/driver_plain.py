@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from feed.sources.positions import ALL_DONE, DATA_OPS
+from feed.sources.snapshots import one_lsn_each
 
 __all__ = [
     "Cut",
@@ -20,6 +21,7 @@ __all__ = [
     "after_committed",
     "data_events",
     "not_plain",
+    "one_snapshot_each",
     "own_snapshot",
     "shape_cut",
 ]
@@ -66,6 +68,36 @@ def not_plain(t: pa.Table, data: pa.Table, key: Sequence[str]) -> str | None:
     if not key and t.column("_toast").null_count < t.num_rows:
         return "an unavailable value in an unkeyed feed"
     return None
+
+
+def _snapshot_rows(t: pa.Table) -> pa.Array:
+    """Which rows are a whole-table snapshot's reads or end markers
+    (:func:`feed.sources.snapshots.snapshot_row`)."""
+    snap = pc.fill_null(t.column("_snap"), "")
+    read = pc.and_(pc.equal(t.column("op"), "r"), pc.not_equal(snap, "incremental"))
+    return pc.fill_null(pc.or_(read, pc.equal(snap, "last")), False)
+
+
+def one_snapshot_each(
+    t: pa.Table, source: dict[str, Any]
+) -> tuple[pa.Table, dict[str, tuple[int, list[int]]]]:
+    """``t`` with the snapshot rows of each snapshot transaction at one LSN, and the
+    moves made, as :func:`feed.sources.snapshots.one_lsn_each` has them."""
+    at = t.filter(_snapshot_rows(t)).select(["txn", "pos_lo"])
+    pairs = at.group_by(["txn", "pos_lo"]).aggregate([]).to_pylist()
+    figures = [{"lsn": p["pos_lo"], "s_txns": [p["txn"]]} for p in pairs if None not in p.values()]
+    own = (source.get("snapshot_txn"), source.get("snapshot_lsn"))
+    moves = one_lsn_each(figures, own_txn=own[0], own_lsn=own[1])
+    if not moves:
+        return t, moves
+    txns = pa.array(list(moves), t.schema.field("txn").type)
+    lsns = pa.array([lsn for lsn, _ in moves.values()], t.schema.field("pos_lo").type)
+    to = pc.take(lsns, pc.index_in(t.column("txn"), value_set=txns))
+    moved = pc.and_(_snapshot_rows(t), pc.is_valid(to))
+    for name in ("pos_hi", "pos_lo"):
+        i = t.schema.get_field_index(name)
+        t = t.set_column(i, name, pc.if_else(moved, to, t.column(name)))
+    return t, moves
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ class Written:
     skipped: dict[str, int]
     redelivered: int
     snapshot_lsn: int | None  # a Debezium feed's first snapshot (when not recorded yet)
+    snapshot_txn: str | None = None  # and its source transaction
     bad_rows: int = 0
     held: int = 0
     held_files: frozenset[str] = frozenset()  # base names of files read again later

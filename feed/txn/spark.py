@@ -68,11 +68,13 @@ def compute_and_write(
             paths = [ctx.spark_path(fl.path(f)) for s in segments for f in s.files]
             eager.push(ctx.spark, paths, cp.epoch).log(ctx.log, cfg.feed)
             secs["eager"] = time.perf_counter() - t_eager
-        snapshot_lsn = None
+        snapshot_lsn = snapshot_txn = None
         if cfg.kind.events and "snapshot_lsn" not in cp.source and read.snapshot_reads:
-            # the first snapshot read committed: later reads at another LSN are a new one
-            reads = done.good.where(snapshot_read()).agg(F.min("pos_lo").alias("m"))
-            snapshot_lsn = reads.collect()[0]["m"]  # None: the feed had none
+            # the first snapshot read committed: later reads of another are a new one
+            first = F.min(F.struct("pos_lo", "txn")).alias("m")
+            m = done.good.where(snapshot_read()).agg(first).collect()[0]["m"]
+            if m is not None:  # (None: the feed had none)
+                snapshot_lsn, snapshot_txn = m["pos_lo"], m["txn"]
     finally:
         done.release()
     return Written(
@@ -84,6 +86,7 @@ def compute_and_write(
         skipped=read.skipped,
         redelivered=read.redelivered,
         snapshot_lsn=snapshot_lsn,
+        snapshot_txn=snapshot_txn,
         bad_rows=done.bad_rows,
         held=read.held,
         held_files=frozenset(base_name(f) for f in read.held_files),

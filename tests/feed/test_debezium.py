@@ -134,23 +134,46 @@ def test_snapshot_rows_share_an_lsn_and_lines_without_changes_are_skipped(spark,
     assert info["table"] == "public.accounts"
 
 
-def test_snapshot_reads_of_one_transaction_at_several_lsns_are_named(spark, tmp_path, caplog):
-    """Reads numbered one LSN apart in one transaction (as in hand-made input, the shared
-    samples' among them) are taken for several snapshots; the user is told which
-    transaction and which LSNs (docs/sources.md names it a known gap)."""
-    caplog.set_level(logging.WARNING, logger="tidefeed.emit")
-    reads = [
-        event("r", {"id": i, "owner": f"o{i}", "doc": None}, 100 + 8 * i, xid=1) for i in range(3)
+@pytest.mark.parametrize("engines", [ENGINES, (SPARK,)], ids=["driver", "spark"])
+def test_reads_of_one_snapshot_transaction_at_several_lsns_are_one_snapshot(
+    spark, tmp_path, caplog, engines
+):
+    """A snapshot is its transaction: reads of one at several LSNs (hand-made input, the
+    shared samples' among them) are one snapshot at the lowest, also when its reads
+    straddle emitter transactions; the feed records its transaction, and the user is
+    told what was made of the input."""
+    caplog.set_level(logging.INFO, logger="tidefeed.emit")
+    src = tmp_path / "in"
+    read = [
+        event("r", {"id": i, "owner": f"o{i}", "doc": None}, 100 + 8 * i, xid=1) for i in range(5)
     ]
-    later = [event("c", {"id": 9, "owner": "o9", "doc": None}, 200, xid=2, commit=190)]
-    write(tmp_path / "in", "part-0.json", reads + later)
-    e = open_emitter(spark, tmp_path)
-    e.run()
+    # (the reads carry a sequence as the samples do: [LSN - 1, LSN])
+    for r in read:
+        r["source"]["sequence"] = orjson.dumps(
+            [str(r["source"]["lsn"] - 1), str(r["source"]["lsn"])]
+        ).decode()
+    write(src, "part-0.json", read[:3])
+    e = open_emitter(spark, tmp_path, engines=engines)
+    assert len(e.run()) == 1  # (the rest of the snapshot comes later, as in --follow)
+    later = [
+        event("u", {"id": 1, "owner": "new", "doc": None}, 200, xid=2, commit=190),
+        event("c", {"id": 9, "owner": "o9", "doc": None}, 210, xid=3, commit=205),
+    ]
+    write(src, "part-1.json", read[3:] + later)
+    assert len(e.run()) == 1
     e.close()
-    named = [r.getMessage() for r in caplog.records if "carry 3 LSNs" in r.getMessage()]
-    assert named and "source transaction 1 carry 3 LSNs (100, 108, 116)" in named[0], [
-        r.getMessage() for r in caplog.records
-    ]
+    assert (e.cp.source["snapshot_lsn"], e.cp.source["snapshot_txn"]) == (100, "1")
+    reader = FeedReader(str(tmp_path / "log"), "t")
+    assert check_messages(reader.messages(), non_negative=True, key=["id"]) == []
+    assert collection_of(reader, at=1) == rows(*((i, f"o{i}", None) for i in range(3)))
+    snap = {(i, f"o{i}", None) for i in range(5)}
+    assert collection_of(reader, at=2) == rows(*snap)
+    assert collection_of(reader) == rows(
+        *(snap - {(1, "o1", None)}), (1, "new", None), (9, "o9", None)
+    )
+    said = [r.getMessage() for r in caplog.records if "taken for one snapshot" in r.getMessage()]
+    assert any("source transaction 1 carry 3 LSNs (100, 108, 116)" in m for m in said), said
+    assert any("carry 2 LSNs (124, 132): taken for one snapshot at LSN 100" in m for m in said)
 
 
 def test_toast_placeholder_is_filled_from_the_keyed_state(spark, tmp_path):

@@ -4,16 +4,17 @@ through the emitter."""
 
 from __future__ import annotations
 
-from feed.sources.snapshots import Settled, classify, settle, split_snapshots, superseded
+from feed.sources.snapshots import Settled, classify, one_lsn_each, settle, superseded
 
 
-def snap(lsn, first, last=None, *, end=False, txn="t", files=("a",)):
+def snap(lsn, first, last=None, *, end=False, txn="t", files=("a",), txns=None):
     return {
         "lsn": lsn,
         "s_first": first,
         "s_last": last,
         "s_end": end,
         "s_txn": txn,
+        "s_txns": list(txns) if txns is not None else [txn] if txn is not None else [],
         "s_files": list(files),
     }
 
@@ -79,10 +80,24 @@ def test_a_new_snapshot_without_rows_of_the_table_replaces_it_with_nothing():
     )
 
 
-def test_reads_of_one_transaction_at_several_lsns_are_named():
-    """Several snapshot LSNs sharing one source transaction are reported (each is taken
-    for a snapshot of its own); one LSN per transaction, or none known, is not."""
+def test_rows_of_one_snapshot_transaction_move_to_one_lsn():
+    """A snapshot is its transaction: rows of one transaction at several LSNs move to the
+    lowest, or to the feed's own snapshot's LSN when they are of its transaction; one LSN
+    per transaction moves nothing."""
     rows = [snap(50, (1, 0), txn="7"), snap(58, (1, 1), txn="7"), snap(90, (2, 0), txn="9")]
-    assert split_snapshots(rows) == {"7": [50, 58]}
-    assert split_snapshots([snap(50, (1, 0), txn="7"), snap(90, (2, 0), txn="9")]) == {}
-    assert split_snapshots([snap(50, (1, 0), txn=None), snap(90, (2, 0), txn=None)]) == {}
+    assert one_lsn_each(rows, own_txn=None, own_lsn=None) == {"7": (50, [50, 58])}
+    # another table's end marker of the same transaction at its own LSN moves too
+    marker = snap(66, (1, 2), end=True, txn=None, txns=["7"])
+    assert one_lsn_each([*rows, marker], own_txn=None, own_lsn=None) == {"7": (50, [50, 58, 66])}
+    # the rest of the feed's own snapshot, read later, at other LSNs: to its LSN
+    later = [snap(58, (3, 0), txn="7"), snap(66, (3, 1), txn="7")]
+    assert one_lsn_each(later, own_txn="7", own_lsn=50) == {"7": (50, [58, 66])}
+    assert one_lsn_each([snap(50, (3, 0), txn="7")], own_txn="7", own_lsn=50) == {}
+    assert (
+        one_lsn_each(
+            [snap(50, (1, 0), txn="7"), snap(90, (2, 0), txn="9")], own_txn=None, own_lsn=None
+        )
+        == {}
+    )
+    # a new snapshot (another transaction) stays where it is
+    assert one_lsn_each([snap(90, (2, 0), txn="9")], own_txn="7", own_lsn=50) == {}
