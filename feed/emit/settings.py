@@ -149,7 +149,7 @@ def create_feed(
                 f"there"
             )
         schema = infer_record_schema(
-            spark(),
+            spark,
             cfg.kind.reader,
             first,
             exclude=tuple(c for c in (cfg.order, cfg.deleted) if c),

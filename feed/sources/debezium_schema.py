@@ -6,7 +6,7 @@ of one shape, for :mod:`feed.sources.shapes`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -68,7 +68,12 @@ def debezium_table(files: Sequence[str]) -> str | None:
     return None
 
 
-def debezium_schema(spark: SparkSession, files: Sequence[str], table: str | None) -> dict[str, Any]:
+def debezium_schema(
+    spark: Callable[[], SparkSession], files: Sequence[str], table: str | None
+) -> dict[str, Any]:
+    """The record schema of ``table``'s first events in ``files``: the Connect schema of a
+    wrapped event, without Spark; else the images typed by Spark (``spark`` is called
+    then only)."""
     from pyspark.sql.pandas.types import to_arrow_type
 
     from protocol import arrow_to_avro
@@ -96,7 +101,8 @@ def debezium_schema(spark: SparkSession, files: Sequence[str], table: str | None
             f"input files ({files[0]} …); give --schema FILE (an Avro record schema)"
         )
     # no Connect schema: let Spark type the images, then restore the table's column order
-    inferred = spark.read.json(spark.sparkContext.parallelize(images))
+    session = spark()
+    inferred = session.read.json(session.sparkContext.parallelize(images))
     fields = ordered_fields(list(inferred.schema.fields), list(first_image))
     return dict(arrow_to_avro(to_arrow_type(T.StructType(fields), timezone="UTC"), name="record"))
 

@@ -76,7 +76,7 @@ _META_COLUMNS = ("_change_type", "_commit_version", "_commit_timestamp")
 
 
 def infer_record_schema(
-    spark: SparkSession,
+    spark: Callable[[], SparkSession],
     kind: str,
     files: Sequence[str],
     exclude: Sequence[str] = (),
@@ -86,7 +86,8 @@ def infer_record_schema(
 
     Debezium: the Kafka Connect schema of the first wrapped event of ``table`` (logical
     types decoded, columns in table order), else Spark's JSON inference over the images of
-    that table's events, in the column order of the first image. Weighted: JSON inference
+    that table's events, in the column order of the first image. ``spark`` gives the
+    session, called only where Spark is needed (not for a Connect schema). Weighted: JSON inference
     over ``record``. Table-shaped kinds (cdf, upsert, snapshot): the columns of the input
     (Parquet's own schema, or JSON inference), less Delta's metadata columns and ``exclude``.
     """
@@ -98,17 +99,18 @@ def infer_record_schema(
         raise SourceError(f"no input files to infer the {kind} record schema from")
     if kind == "debezium":
         return debezium_schema(spark, files, table)
+    session = spark()
     if kind == "weighted":
-        t = spark.read.json([spark_input(f) for f in files]).schema["record"].dataType
+        t = session.read.json([spark_input(f) for f in files]).schema["record"].dataType
         if not isinstance(t, T.StructType):
             raise SourceError(f"no 'record' objects in weighted input {files[0]}")
         schema: dict[str, Any] = arrow_to_avro(to_arrow_type(t, timezone="UTC"), name="record")
         return schema
     parquet = [f for f in files if f.endswith(".parquet")]
     df = (
-        spark.read.parquet(*map(spark_input, parquet))
+        session.read.parquet(*map(spark_input, parquet))
         if parquet
-        else spark.read.json([spark_input(f) for f in files])
+        else session.read.json([spark_input(f) for f in files])
     )
     drop = set(_META_COLUMNS) | set(exclude) | {"_corrupt_record"}
     fields = [f for f in df.schema.fields if f.name not in drop]

@@ -236,6 +236,22 @@ def test_a_schema_spark_cannot_hold_is_refused_before_spark_starts(tmp_path, col
     assert not (tmp_path / "log").exists()
 
 
+def test_a_key_missing_from_a_connect_schema_is_refused_before_spark_starts(tmp_path):
+    """Wrapped Debezium events carry the table's Connect schema: a new feed's record
+    schema is read from it without Spark, so a wrong --key fails at once."""
+    (tmp_path / "in").mkdir()
+    columns = [{"type": "int64", "optional": False, "field": "id"}]
+    schema = {"type": "struct", "fields": [{"type": "struct", "fields": columns, "field": "after"}]}
+    payload = {"before": None, "after": {"id": 1}, "op": "c", "source": {"lsn": 1}}
+    line = orjson.dumps({"schema": schema, "payload": payload})
+    (tmp_path / "in" / "part-0000.json").write_bytes(line + b"\n")
+    out = _emit_from(tmp_path, "--key", "nope")
+    assert out.returncode == 1, out.stderr
+    assert b"key column(s) ['nope'] are not in the record schema (columns: ['id'])" in out.stderr
+    assert b"spark 4" not in out.stderr  # (Spark's start-up line: it never started)
+    assert not (tmp_path / "log" / "f" / "feed.json").exists()
+
+
 def test_check_of_empty_input_is_not_valid():
     out = run("check", "-", stdin=b"")
     assert out.returncode == 1 and b"no messages" in out.stderr
