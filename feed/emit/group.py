@@ -48,7 +48,7 @@ from feed.emit.settings import EmitterConfig
 from feed.log.checkpoint import Checkpoint
 from feed.log.manifest import Segment
 from feed.sources.shapes import Evolve
-from feed.txn.context import DECLINED, NEED_MORE
+from feed.txn.context import DECLINED, waiting
 from feed.txn.dataflow import numbered_once, read_group
 from feed.txn.engine import DRIVER, ENGINES, Engine, Job
 from feed.txn.segments import Written
@@ -246,14 +246,7 @@ class GroupEmitter:
                     raise e
             if stopped:
                 return self._evolve(stopped, secs)
-            if more:
-                return NEED_MORE
-            self.log.info(
-                "group %s: waiting for the rest of %d source transaction(s)",
-                self.name,
-                len(hold.txns),
-            )
-            return None
+            return waiting(self.log, f"group {self.name}", len(hold.txns), more=more)
         maybe_die("after_read")
         done: list[_Done] = []
         with numbered_once(reads):

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from feed.txn.context import NEED_MORE, GroupHold, TxnContext, base_name, tally
+from feed.txn.context import GroupHold, TxnContext, base_name, tally, waiting
 from protocol import SourceError
 
 __all__ = ["DebeziumRead", "assemble_debezium", "unfit_shape"]
@@ -128,12 +128,7 @@ def assemble_debezium(
     if assembled.held and not assembled.ready and group is None:
         for df in (changes, *txn_cached):
             df.unpersist()
-        if more:
-            return NEED_MORE
-        ctx.log.info(
-            "feed %s: waiting for the rest of %d source transaction(s)", cfg.feed, assembled.held
-        )
-        return None
+        return waiting(ctx.log, f"feed {cfg.feed}", assembled.held, more=more)
     return DebeziumRead(assembled, touched, tally_rows, shape_held, shape_stop)
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "read_source",
     "spillable",
     "tally",
+    "waiting",
 ]
 
 #: what :func:`feed.txn.dataflow.read_input` returns when nothing in its input is complete
@@ -35,6 +36,16 @@ NEED_MORE = object()
 #: a transaction engine's answer for a job it does not take, having written nothing
 #: (:mod:`feed.txn.engine`)
 DECLINED = object()
+
+
+def waiting(log: logging.Logger, who: str, held: int, *, more: bool) -> object | None:
+    """What a transaction that releases nothing gives back, every source transaction it
+    read held back: :data:`NEED_MORE` when ``more`` input files are pending, else None,
+    saying in the log what ``who`` (a feed, a group) waits for."""
+    if more:
+        return NEED_MORE
+    log.info("%s: waiting for the rest of %d source transaction(s)", who, held)
+    return None
 
 
 def spillable() -> Any:

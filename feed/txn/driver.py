@@ -42,7 +42,6 @@ through each and compares the updates, the progress and the state.
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -51,24 +50,22 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from feed.log.manifest import Segment
-from feed.sources.positions import DATA_OPS, Position, committed_position, snapshot_done
+from feed.sources.positions import Position, committed_position, snapshot_done
 from feed.sources.rows import CHANGE_COLUMNS
 from feed.sources.snapshots import say_moved
 from feed.txn.assembly import unfit_shape, version_at_head
 from feed.txn.context import (
     DECLINED,
-    NEED_MORE,
     GroupHold,
     TxnContext,
     base_name,
     read_source,
+    waiting,
 )
 from feed.txn.driver_diffs import (
     assign_units,
     at_commit,
     consolidate,
-    held_back,
     once,
     unkeyed_diffs,
 )
@@ -82,8 +79,9 @@ from feed.txn.driver_plain import (
     own_snapshot,
     shape_cut,
 )
-from feed.txn.driver_state import Keyed, against_state, write_parquet, write_state
-from feed.txn.segments import Written, install_segments, staging_folder
+from feed.txn.driver_release import Events, Release, release, released_together
+from feed.txn.driver_state import Keyed, against_state, write_segments, write_state
+from feed.txn.segments import Written
 from feed.txn.state import LoadedState, new_state
 from protocol import SourceError
 
@@ -151,6 +149,10 @@ class _Read:
     key: tuple[str, ...]
     cut: Cut | None  # where the table changed shape, if it did
 
+    def events(self) -> Events:
+        """What :func:`~feed.txn.driver_release.release` takes of the read."""
+        return Events(self.t, self.data, self.fresh, self.ends, self.committed[0], self.key)
+
 
 def _read(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> _Read | str | None:
     """The input of a transaction over ``files``, parsed; why it goes to Spark; or None
@@ -210,7 +212,7 @@ class _Diffs:
     keyed: Keyed | None
 
 
-def _diffs(ctx: TxnContext, rd: _Read, r: _Release) -> _Diffs | str:
+def _diffs(ctx: TxnContext, rd: _Read, r: Release) -> _Diffs | str:
     """The diffs of the events ``r`` keeps, their units assigned; or why the transaction
     goes to Spark."""
     t = rd.t
@@ -255,7 +257,7 @@ def run(
         return DECLINED
     if isinstance(rd, str):
         return _to_spark(ctx, seq, rd)
-    r = _released(rd, GroupHold(at=rd.cut.at) if rd.cut is not None else None)
+    r = release(rd.events(), GroupHold(at=rd.cut.at) if rd.cut is not None else None)
     if isinstance(r, str):
         return _to_spark(ctx, seq, r)
     if rd.cut is not None:
@@ -275,14 +277,7 @@ def run(
     if r.held:
         _log_held(ctx, len(r.held))
         if not r.ready:
-            if more:
-                return NEED_MORE
-            ctx.log.info(
-                "feed %s: waiting for the rest of %d source transaction(s)",
-                ctx.config.feed,
-                len(r.held),
-            )
-            return None
+            return waiting(ctx.log, f"feed {ctx.config.feed}", len(r.held), more=more)
     units = assign_units(r.kept, ctx.config.granularity)
     d = _diffs(ctx, rd, r)
     if isinstance(d, str):
@@ -322,7 +317,7 @@ def run_group(
         if rd.cut is not None:  # (the group's Spark path commits the version with the others)
             return _to_spark(ctx, seq, "a group's table changed shape")
         reads.append(rd)
-    released = _released_together(reads)
+    released = released_together([rd.events() for rd in reads])
     if isinstance(released, str):
         return _to_spark(ctxs[0], seq, released)
     held = len(released[0].held)
@@ -333,12 +328,7 @@ def run_group(
         for ctx in ctxs:
             _log_held(ctx, held)
         if not any(r.ready for r in released):
-            if more:
-                return NEED_MORE
-            ctxs[0].log.info(
-                "group %s: waiting for the rest of %d source transaction(s)", group, held
-            )
-            return None
+            return waiting(ctxs[0].log, f"group {group}", held, more=more)
     units = assign_units([e for r in released for e in r.kept], ctxs[0].config.granularity)
     diffs = []
     for ctx, rd, r in zip(ctxs, reads, released, strict=True):
@@ -354,30 +344,10 @@ def run_group(
     return out
 
 
-def _released_together(reads: Sequence[_Read]) -> list[_Release] | str:
-    """Each feed's release under the group's hold: the source transactions any feed holds
-    back, and every one delivered after the first of them, held in all (a fixed point:
-    the hold only grows)."""
-    hold = GroupHold()
-    for _ in range(len(reads) + 2):
-        out = []
-        for rd in reads:
-            r = _released(rd, hold)
-            if isinstance(r, str):
-                return r
-            out.append(r)
-        places = [r.held_at for r in out if r.held_at is not None]
-        found = GroupHold(frozenset().union(*(r.held for r in out)), min(places, default=None))
-        if found == hold:
-            return out
-        hold = found
-    return "the feeds' held-back transactions disagree"
-
-
-def _write_txn(ctx: TxnContext, seq: int, rd: _Read, r: _Release, d: _Diffs, units: int) -> Written:
+def _write_txn(ctx: TxnContext, seq: int, rd: _Read, r: Release, d: _Diffs, units: int) -> Written:
     """Write the transaction's segments and keyed state; what it wrote, for the commit."""
     cp, kept = ctx.cp, r.kept
-    segments = _write_segments(ctx, seq, consolidate(d.updates, rd.record), rd.record)
+    segments = write_segments(ctx, seq, consolidate(d.updates, rd.record), rd.record)
     state_ref = cp.state
     if d.keyed is not None and kept:
         new_rows: dict[int, list[dict[str, Any]]] = {}
@@ -403,74 +373,8 @@ def _write_txn(ctx: TxnContext, seq: int, rd: _Read, r: _Release, d: _Diffs, uni
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Release:
-    """What :func:`_released` lets go of the events read."""
-
-    kept: list[dict[str, Any]]  # to turn into updates now, with their order and key
-    redelivered: int  # events dropped as done already or repeated
-    held: set[Any]  # the source transactions held back
-    ready: int  # how many are released
-    files: set[str]  # the input files holding the held ones' events and END records
-    held_at: tuple[int, int] | None  # the first place of a held one's event, or the hold's
-
-
-def _released(rd: _Read, hold: GroupHold | None = None) -> _Release | str:
-    """The data events to turn into updates (past the committed position, each once, in
-    the source transactions not held back, with their order ``o`` and key ``k``), or
-    why the transaction goes to Spark. A group's ``hold`` holds back its transactions too,
-    and everything delivered from its place or from the first event of one of them on
-    (:meth:`feed.sources.holdback.SecondPass.hold`)."""
-    t, fresh = rd.t, rd.fresh
-    found = held_back(
-        rd.data,
-        fresh,
-        rd.ends,
-        rd.committed[0],
-        hold_txns=hold.txns if hold is not None else frozenset(),
-        hold_at=hold.at if hold is not None else None,
-    )
-    if found is None:
-        return "a source transaction with more events than its END record counts"
-    held, ready = found
-    places = [(e["ord_file"], e["ord_row"]) for e in fresh if e["txn"] in held]
-    if hold is not None and hold.at is not None:
-        places.append(hold.at)
-    files: set[str] = set()
-    if held:
-        theirs = pc.and_(
-            pc.is_in(t.column("op"), pa.array([*DATA_OPS, "E"])),
-            pc.is_in(t.column("txn"), pa.array(sorted(held, key=str), t.schema.field("txn").type)),
-        )
-        files = set(pc.unique(t.filter(theirs).column("_file")).to_pylist())
-    kept = [e for e in fresh if e["txn"] not in held]
-    for e in kept:
-        e["o"] = (e["pos_hi"], e["pos_lo"], e["pos_n"], e["ord_file"], e["ord_row"])
-        img = e["before"] if e["op"] == "d" else e["after"]
-        e["k"] = tuple(img[c] for c in rd.key)
-    return _Release(kept, len(rd.data) - len(fresh), held, ready, files, min(places, default=None))
-
-
 def _to_spark(ctx: TxnContext, seq: int, why: str) -> object:
     """:data:`~feed.txn.context.DECLINED` (the transaction goes to Spark), saying why in
     the debug log."""
     ctx.log.debug("feed %s: transaction %d is computed in Spark: %s", ctx.config.feed, seq, why)
     return DECLINED
-
-
-def _write_segments(
-    ctx: TxnContext, seq: int, units: dict[int, list[dict[str, Any]]], record: pa.Schema
-) -> list[Segment]:
-    """Write each unit's updates as its time's segment: staged, then installed under the
-    epoch's names (:func:`feed.txn.segments.install_segments`)."""
-    fl, cp = ctx.feedlog, ctx.cp
-    staging = staging_folder(fl, seq)
-    schema = pa.schema([*record, pa.field("diff", pa.int64())])
-    staged = []
-    for unit, rows in sorted(units.items()):
-        time = cp.next + unit
-        path = f"{staging}/time={time}/part-{uuid.uuid4().hex}.parquet"
-        staged.append((time, path, write_parquet(fl.fs, path, pa.Table.from_pylist(rows, schema))))
-    segments = install_segments(ctx, staged, cp.epoch)
-    fl.delete_dir(staging)
-    return segments

@@ -14,12 +14,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from feed.log.manifest import Segment
 from feed.log.store import PARQUET_PAGES
 from feed.txn.context import TxnContext
 from feed.txn.driver_diffs import fill_unavailable, keyed_diffs
+from feed.txn.segments import install_segments, staging_folder
 from feed.txn.state import LoadedState
 
-__all__ = ["Keyed", "against_state", "write_parquet", "write_state"]
+__all__ = ["Keyed", "against_state", "write_parquet", "write_segments", "write_state"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,3 +136,21 @@ def write_parquet(fs: Any, path: str, table: pa.Table) -> int:
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
     pq.write_table(table, path, filesystem=fs, **PARQUET_PAGES)
     return int(table.num_rows)
+
+
+def write_segments(
+    ctx: TxnContext, seq: int, units: dict[int, list[dict[str, Any]]], record: pa.Schema
+) -> list[Segment]:
+    """Write each unit's updates as its time's segment: staged, then installed under the
+    epoch's names (:func:`feed.txn.segments.install_segments`)."""
+    fl, cp = ctx.feedlog, ctx.cp
+    staging = staging_folder(fl, seq)
+    schema = pa.schema([*record, pa.field("diff", pa.int64())])
+    staged = []
+    for unit, rows in sorted(units.items()):
+        time = cp.next + unit
+        path = f"{staging}/time={time}/part-{uuid.uuid4().hex}.parquet"
+        staged.append((time, path, write_parquet(fl.fs, path, pa.Table.from_pylist(rows, schema))))
+    segments = install_segments(ctx, staged, cp.epoch)
+    fl.delete_dir(staging)
+    return segments
