@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-fast test-sources test-engines demo lint typecheck pytest bench java-check clean reliability notebook
+.PHONY: test test-fast test-sources test-engines demo lint typecheck pytest bench java-check jvm-archive clean reliability notebook
 
 $(BIN)/python:
 	@echo "creating the virtual environment $(VENV)"
@@ -23,6 +23,18 @@ $(STAMP): pyproject.toml | $(BIN)/python
 java-check:
 	@$(BIN)/python -m feed._java
 
+# The classes Spark's start loads, in an archive the JVM maps instead of parsing them
+# again (feed/emit/jvm_archive.py; feed/cli/jvm_archive.py makes it): each tidefeed
+# process of the tests starts Spark about 3 s sooner. Made once per environment (about
+# a minute); if it cannot be made, that is said and Spark starts as usual.
+JVM_ARCHIVE := $(abspath $(VENV))/tidefeed-jvm.jsa
+WITH_ARCHIVE := TIDEFEED_JVM_ARCHIVE=$(JVM_ARCHIVE)
+$(JVM_ARCHIVE): $(STAMP)
+	@echo "making the JVM class archive $(JVM_ARCHIVE) (once: Spark starts sooner with it)"
+	-$(BIN)/python -m feed.cli.jvm_archive $@
+
+jvm-archive: java-check $(JVM_ARCHIVE)
+
 lint: $(STAMP)
 	$(BIN)/ruff check protocol feed tests benchmarks docs pyspark_tidefeed.py
 	$(BIN)/ruff format --check protocol feed tests benchmarks docs pyspark_tidefeed.py
@@ -31,16 +43,16 @@ typecheck: $(STAMP)
 	$(BIN)/mypy protocol feed
 
 # every test but the real-source ones (make test-sources)
-pytest: $(STAMP) java-check
-	$(BIN)/python -m pytest -m "not realsource and not engines"
+pytest: $(STAMP) java-check jvm-archive
+	$(WITH_ARCHIVE) $(BIN)/python -m pytest -m "not realsource and not engines"
 
 test: lint typecheck pytest
 
 # the real-source tests: a throwaway PostgreSQL cluster captured by Debezium's embedded
 # engine (they need PostgreSQL's server programs: apt-get install postgresql; without them
 # they skip). .ci/run runs them after make test and makes a skip a failure.
-test-sources: $(STAMP) java-check
-	$(BIN)/python -m pytest -m realsource
+test-sources: $(STAMP) java-check jvm-archive
+	$(WITH_ARCHIVE) $(BIN)/python -m pytest -m realsource
 
 # real downstream engines as users: a Pathway program reading a growing feed
 # (tests/e2e/test_pathway.py, marker engines). Pathway needs pyarrow<26, so it gets an
@@ -56,8 +68,8 @@ $(PATHWAY_VENV)/.installed: pyproject.toml
 		--config-settings editable_mode=compat
 	touch $@
 
-test-engines: $(STAMP) java-check $(PATHWAY_VENV)/.installed
-	TIDEFEED_PATHWAY_PYTHON=$(PATHWAY_VENV)/bin/python $(BIN)/python -m pytest -m engines
+test-engines: $(STAMP) java-check jvm-archive $(PATHWAY_VENV)/.installed
+	$(WITH_ARCHIVE) TIDEFEED_PATHWAY_PYTHON=$(PATHWAY_VENV)/bin/python $(BIN)/python -m pytest -m engines
 
 # the inner loop: lint, types and every test that needs neither Spark nor a tidefeed
 # process (the codecs, the consumer state machine, the receiver, the HTTP servers in
@@ -77,8 +89,8 @@ demo: $(STAMP) java-check
 	$(BIN)/tidefeed demo --workdir demo-output
 
 # RELIABILITY=quick (default, CI) or long (the figures in docs/reliability.md)
-reliability: $(STAMP) java-check
-	$(BIN)/python -m tests.reliability.harness
+reliability: $(STAMP) java-check jvm-archive
+	$(WITH_ARCHIVE) $(BIN)/python -m tests.reliability.harness
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_codecs.py

@@ -11,6 +11,8 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from feed.emit.jvm_archive import with_archive
+
 __all__ = ["DEFAULT_MASTER", "driver_address", "get_spark", "parse_conf", "small_shuffles"]
 
 log = logging.getLogger("tidefeed.spark")
@@ -94,6 +96,11 @@ def get_spark(
     jvm: Any = spark._jvm
     heap = jvm.java.lang.Runtime.getRuntime().maxMemory()
     shown["heap"] = f"{heap / 2**30:.1f}g"  # what the JVM really has
+    # (what the JVM was started with: under spark-submit it was, before tidefeed ran)
+    args = str(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
+    archive = re.search(r"-XX:SharedArchiveFile=([^,\]\s'\"]+)", args)
+    if archive:
+        shown["class archive"] = archive.group(1)
     log.info(
         "spark %s: master %s, %s%s",
         spark.version,
@@ -124,6 +131,11 @@ def _launch_environment(conf: dict[str, Any]) -> tuple[str, str]:
             "LOG4J_CONFIGURATION_FILE",
             os.path.join(os.path.dirname(os.path.dirname(__file__)), "log4j2.properties"),
         )
+    # the classes Spark's start loads, mapped from an archive when one is named
+    # (feed/emit/jvm_archive.py): the launcher passes SPARK_SUBMIT_OPTS to the JVM
+    opts = with_archive(os.environ.get("SPARK_SUBMIT_OPTS", ""))
+    if opts:
+        os.environ["SPARK_SUBMIT_OPTS"] = opts
     # Python workers (eager pushes) must run this interpreter, which has tidefeed installed,
     # not whatever "python3" is first on the PATH
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)

@@ -63,3 +63,53 @@ def test_the_driver_advertises_an_address_a_clusters_executors_can_reach(monkeyp
     assert driver_address("spark://master.invalid:7077")  # a name that does not resolve
     monkeypatch.setenv("SPARK_LOCAL_IP", "10.1.2.3")
     assert driver_address("spark://127.0.0.1:7077") == "10.1.2.3"
+
+
+def test_the_jvm_class_archive_is_mapped_only_when_named_and_there(tmp_path, monkeypatch):
+    from feed.emit.jvm_archive import ENV, jvm_options, with_archive
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert jvm_options() == "" and with_archive("-Da=1") == "-Da=1"
+    monkeypatch.setenv(ENV, str(tmp_path / "missing.jsa"))
+    assert jvm_options() == ""  # named but not made (yet): Spark starts as usual
+    made = tmp_path / "a.jsa"
+    made.write_bytes(b"x")
+    monkeypatch.setenv(ENV, str(made))
+    opts = with_archive("-Da=1")
+    assert opts.startswith("-Da=1 ") and f"-XX:SharedArchiveFile={made} " in opts
+    assert with_archive(opts) == opts  # added once
+    spaced = tmp_path / "a b.jsa"
+    spaced.write_bytes(b"x")
+    assert jvm_options(str(spaced)) == ""  # Spark's launcher would split the option
+
+
+@pytest.mark.process  # a JVM that cannot start
+def test_an_archive_that_cannot_be_made_is_said_and_leaves_nothing(tmp_path):
+    """The training run's JVM does not start (no Java at JAVA_HOME): the error says no
+    archive was made, and neither the archive nor its temporary file is left."""
+    env = {**os.environ, "JAVA_HOME": str(tmp_path / "no-java")}
+    target = tmp_path / "archive" / "t.jsa"
+    p = subprocess.run(
+        [sys.executable, "-m", "feed.cli.jvm_archive", str(target)],
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
+    assert p.returncode == 1, p.stderr.decode()
+    assert b"no JVM class archive made (Spark starts without one): the training run failed" in (
+        p.stderr
+    )
+    assert list((tmp_path / "archive").iterdir()) == []
+
+
+@pytest.mark.spark
+def test_the_session_maps_the_archive_make_named(spark):
+    """make test names an archive it made (TIDEFEED_JVM_ARCHIVE): the shared session's JVM
+    was started with it."""
+    from feed.emit.jvm_archive import ENV
+
+    named = os.environ.get(ENV)
+    if not named or not os.path.isfile(named):
+        pytest.skip(f"{ENV} names no archive (outside make test, or it could not be made)")
+    bean = spark._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
+    assert f"-XX:SharedArchiveFile={os.path.abspath(named)}" in str(bean.getInputArguments())
