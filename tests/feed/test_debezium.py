@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from pathlib import Path
 
 import orjson
 import pytest
@@ -16,7 +17,7 @@ from feed.log.reader import FeedReader
 from feed.txn.engine import ENGINES, SPARK
 from protocol import SourceError, check_messages
 
-from .model import as_multiset, collection_of
+from .model import as_multiset, collection_of, debezium_truth
 
 SCHEMA = {
     "type": "record",
@@ -174,6 +175,47 @@ def test_reads_of_one_snapshot_transaction_at_several_lsns_are_one_snapshot(
     said = [r.getMessage() for r in caplog.records if "taken for one snapshot" in r.getMessage()]
     assert any("source transaction 1 carry 3 LSNs (100, 108, 116)" in m for m in said), said
     assert any("carry 2 LSNs (124, 132): taken for one snapshot at LSN 100" in m for m in said)
+
+
+SAMPLES = Path(__file__).resolve().parents[3] / "shared" / "samples" / "debezium"
+
+
+@pytest.mark.parametrize("engines", [ENGINES, (SPARK,)], ids=["driver", "spark"])
+def test_the_shipped_samples_give_the_table_after_every_source_transaction(
+    spark, tmp_path, engines
+):
+    """What a new user tries first: the samples beside the project (wrapped and bare
+    lines, snapshot reads one LSN apart in one transaction) give a feed whose collection
+    at each time is the table after that source transaction."""
+    if not SAMPLES.is_dir():
+        pytest.skip(f"no samples at {SAMPLES}")
+    (tmp_path / "in").mkdir()
+    lines = []
+    for f in sorted(SAMPLES.glob("part-*.json")):
+        (tmp_path / "in" / f.name).write_bytes(f.read_bytes())
+        lines += [x for x in f.read_bytes().splitlines() if x.strip()]
+    _, states = debezium_truth(lines)
+    e = Emitter(
+        EmitterConfig(
+            source_kind="debezium",
+            source_path=str(tmp_path / "in"),
+            feed="s",
+            log=str(tmp_path / "log"),
+            key=("id",),
+            clock="logical",
+            granularity="transaction",
+        ),
+        spark=spark,
+        engines=engines,
+    )
+    e.open()
+    e.run()
+    e.close()
+    reader = FeedReader(str(tmp_path / "log"), "s")
+    assert check_messages(reader.messages(), non_negative=True, key=["id"]) == []
+    assert reader.frontier == len(states) + 1
+    for t, table in enumerate(states, start=1):
+        assert collection_of(reader, at=t) == as_multiset(table.values()), f"time {t}"
 
 
 def test_toast_placeholder_is_filled_from_the_keyed_state(spark, tmp_path):
