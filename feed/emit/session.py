@@ -88,9 +88,13 @@ def get_spark(
 
     main_thread = threading.current_thread() is threading.main_thread()
     handler = signal.getsignal(signal.SIGINT) if main_thread else None
-    spark = builder.getOrCreate()
     if main_thread and callable(handler) and handler is not signal.default_int_handler:
-        signal.signal(signal.SIGINT, handler)
+        # PySpark installs its handler when the context is made on the main thread, so it
+        # is made on another (a Ctrl-C meanwhile reaches the command's handler: PySpark's
+        # would cancel jobs from inside a py4j call, with tracebacks, and raise
+        # KeyboardInterrupt), then taken up here, where it becomes this thread's session
+        _made_aside(builder)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     shown = {k: spark.conf.get(k, None) for k in SHOWN}
     jvm: Any = spark._jvm
@@ -109,6 +113,25 @@ def get_spark(
         f" (--conf: {', '.join(sorted(conf))})" if conf else "",
     )
     return spark
+
+
+def _made_aside(builder: Any) -> None:
+    """Make ``builder``'s session on a thread of its own, raising what it raised."""
+    import threading
+
+    failed: list[BaseException] = []
+
+    def make() -> None:
+        try:
+            builder.getOrCreate()
+        except BaseException as e:  # (raised again on the caller's thread)
+            failed.append(e)
+
+    maker = threading.Thread(target=make, name="tidefeed-spark-start", daemon=True)
+    maker.start()
+    maker.join()
+    if failed:
+        raise failed[0]
 
 
 def _launch_environment(conf: dict[str, Any]) -> tuple[str, str]:

@@ -113,3 +113,34 @@ def test_the_session_maps_the_archive_make_named(spark):
         pytest.skip(f"{ENV} names no archive (outside make test, or it could not be made)")
     bean = spark._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
     assert f"-XX:SharedArchiveFile={os.path.abspath(named)}" in str(bean.getInputArguments())
+
+
+CTRL_C_AT_START = """
+import os, signal
+from pyspark.sql import SparkSession
+got = []
+signal.signal(signal.SIGINT, lambda *a: got.append("ours"))
+start = SparkSession.Builder.getOrCreate
+def ctrl_c_inside(self):
+    made = SparkSession._instantiatedSession is None
+    session = start(self)  # (PySpark's own SIGINT handler may be in place now)
+    if made:
+        os.kill(os.getpid(), signal.SIGINT)
+    return session
+SparkSession.Builder.getOrCreate = ctrl_c_inside
+from feed.emit.session import get_spark
+get_spark().range(3).count()
+print(got, signal.getsignal(signal.SIGINT).__name__)
+"""
+
+
+@pytest.mark.process  # a process with its own JVM, sent SIGINT
+def test_a_ctrl_c_while_spark_starts_reaches_the_commands_own_handler():
+    """A command that handles SIGINT itself (emit finishes its transaction) gets a Ctrl-C
+    that arrives while Spark starts, once the session is up; PySpark's handler, in place
+    for that moment, would cancel jobs from inside a py4j call (tracebacks) and raise
+    KeyboardInterrupt."""
+    p = subprocess.run([sys.executable, "-c", CTRL_C_AT_START], capture_output=True, timeout=180)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    assert p.stdout.decode().split() == ["['ours']", "<lambda>"]
+    assert b"Traceback" not in p.stderr and b"KeyboardInterrupt" not in p.stderr
