@@ -83,7 +83,8 @@ def one_snapshot_each(
 ) -> tuple[pa.Table, dict[str, tuple[int, list[int]]]]:
     """``t`` with the snapshot rows of each snapshot transaction at one LSN, and the
     moves made, as :func:`feed.sources.snapshots.one_lsn_each` has them."""
-    at = t.filter(_snapshot_rows(t)).select(["txn", "pos_lo"])
+    snapshot = _snapshot_rows(t)
+    at = t.filter(snapshot).select(["txn", "pos_lo"])
     pairs = at.group_by(["txn", "pos_lo"]).aggregate([]).to_pylist()
     figures = [{"lsn": p["pos_lo"], "s_txns": [p["txn"]]} for p in pairs if None not in p.values()]
     own = (source.get("snapshot_txn"), source.get("snapshot_lsn"))
@@ -93,7 +94,7 @@ def one_snapshot_each(
     txns = pa.array(list(moves), t.schema.field("txn").type)
     lsns = pa.array([lsn for lsn, _ in moves.values()], t.schema.field("pos_lo").type)
     to = pc.take(lsns, pc.index_in(t.column("txn"), value_set=txns))
-    moved = pc.and_(_snapshot_rows(t), pc.is_valid(to))
+    moved = pc.and_(snapshot, pc.is_valid(to))
     for name in ("pos_hi", "pos_lo"):
         i = t.schema.get_field_index(name)
         t = t.set_column(i, name, pc.if_else(moved, to, t.column(name)))
@@ -116,8 +117,7 @@ def own_snapshot(t: pa.Table, data: pa.Table, source: dict[str, Any]) -> Snapsho
     replaces the table or an old one behind the feed. It is whole, as
     :func:`feed.sources.snapshots.classify` has it, once its end marker (of any table) is
     read or an event was delivered after its last read."""
-    snap = pc.fill_null(t.column("_snap"), "")
-    rows = t.filter(pc.or_(pc.equal(t.column("op"), "r"), pc.equal(snap, "last")))
+    rows = t.filter(_snapshot_rows(t))  # (no incremental read: not_plain refused those)
     if not rows.num_rows:
         return Snapshot(None)
     lsns = set(rows.column("pos_lo").to_pylist())

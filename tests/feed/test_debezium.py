@@ -66,7 +66,9 @@ def write(folder, name, lines):
     (folder / name).write_bytes(body + b"\n")
 
 
-def open_emitter(spark, tmp_path, *, key=("id",), engines=ENGINES, **kw):
+def open_emitter(
+    spark, tmp_path, *, key=("id",), engines=ENGINES, schema=SCHEMA, table="public.accounts", **kw
+):
     e = Emitter(
         EmitterConfig(
             source_kind="debezium",
@@ -74,8 +76,8 @@ def open_emitter(spark, tmp_path, *, key=("id",), engines=ENGINES, **kw):
             feed="t",
             log=str(tmp_path / "log"),
             key=key,
-            schema=SCHEMA,
-            table="public.accounts",
+            schema=schema,
+            table=table,
             clock="logical",
             granularity="transaction",
             **kw,
@@ -195,23 +197,11 @@ def test_the_shipped_samples_give_the_table_after_every_source_transaction(
         (tmp_path / "in" / f.name).write_bytes(f.read_bytes())
         lines += [x for x in f.read_bytes().splitlines() if x.strip()]
     _, states = debezium_truth(lines)
-    e = Emitter(
-        EmitterConfig(
-            source_kind="debezium",
-            source_path=str(tmp_path / "in"),
-            feed="s",
-            log=str(tmp_path / "log"),
-            key=("id",),
-            clock="logical",
-            granularity="transaction",
-        ),
-        spark=spark,
-        engines=engines,
-    )
-    e.open()
+    # (the schema from the samples' Connect schema, the table from their first event)
+    e = open_emitter(spark, tmp_path, engines=engines, schema=None, table=None)
     e.run()
     e.close()
-    reader = FeedReader(str(tmp_path / "log"), "s")
+    reader = FeedReader(str(tmp_path / "log"), "t")
     assert check_messages(reader.messages(), non_negative=True, key=["id"]) == []
     assert reader.frontier == len(states) + 1
     for t, table in enumerate(states, start=1):
