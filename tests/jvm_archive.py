@@ -65,7 +65,8 @@ def ensure(jvm_options: str) -> Path | None:
         }
         cmd = [sys.executable, "-m", "feed.cli.main", "emit", "--source", f"debezium:{src}"]
         cmd += ["--feed", "bank", "--log", str(Path(tmp) / "log"), "--key", "id"]
-        cmd += ["--clock", "logical", "--granularity", "transaction"]
+        # (through Spark: a small input is otherwise computed without starting it)
+        cmd += ["--clock", "logical", "--granularity", "transaction", "--driver-txn-bytes", "0"]
         done = subprocess.run(cmd, env=env, capture_output=True, timeout=600)
         if done.returncode != 0 or not staged.exists():
             staged.unlink(missing_ok=True)

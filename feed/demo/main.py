@@ -58,7 +58,8 @@ def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = N
     log = work / "log"
     say(
         f"2. tidefeed emit --source debezium:{src} --feed accounts --log {log} --key id "
-        "--granularity transaction --clock logical   (local Spark; starting…)"
+        "--granularity transaction --clock logical --driver-txn-bytes 0   (local Spark; "
+        "starting…)"
     )
 
     show = _commit_printer(log, say)
@@ -75,6 +76,9 @@ def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = N
         clock="logical",
         granularity="transaction",
         max_files_per_txn=1,
+        # the demo shows the Spark job: input this small would otherwise be computed on
+        # the driver without starting Spark (docs/emitter.md, "Small Debezium transactions")
+        driver_txn_bytes=0,
     )
     receiver = _Receiver(str(work / "receiver.db"))
     push_url = f"{receiver.url}/v1/push/accounts"

@@ -40,7 +40,7 @@ from feed._faults import maybe_die
 from feed.emit.eager import EagerPusher
 from feed.emit.plans import Planned, State, now_ms, time_after, widening
 from feed.emit.progress import TxnProgress, TxnReport
-from feed.emit.session import small_shuffles
+from feed.emit.session import spark_when_asked
 from feed.emit.settings import EmitterConfig, feed_settings, load_schema_file
 from feed.emit.versions import SchemaVersions
 from feed.log.checkpoint import Checkpoint
@@ -92,6 +92,8 @@ class Emitter(SchemaVersions):
         self._record_type: Any = None
         self.inputs = InputWindow(config.source_path, config.tx_metadata)
         self._shapes: set[int] = set()  # source table shapes found to fit (feed/sources/shapes.py)
+        #: the running transaction's session (feed/emit/session.py: spark_when_asked)
+        self._session: Callable[[], Any] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
     @property
@@ -251,12 +253,24 @@ class Emitter(SchemaVersions):
         secs: dict[str, float] = {}
         if self.progress is not None:
             self.progress.start(self.cp.seq + 1, len(files))
-        if self._spark is None:  # the first transaction of a process starts Spark
-            t0 = time.perf_counter()
-            _ = self.spark
-            secs["spark_start"] = time.perf_counter() - t0
-        with small_shuffles(self.spark, self.config.conf, files):
-            return self._run_txn(files, secs, more=more, source_update=source_update)
+        with spark_when_asked(self._timed_start(secs), self.config.conf, files) as session:
+            self._session = session
+            try:
+                return self._run_txn(files, secs, more=more, source_update=source_update)
+            finally:
+                self._session = None
+
+    def _timed_start(self, secs: dict[str, float]) -> Callable[[], Any]:
+        """The SparkSession, its start (the first a process makes) timed into ``secs``."""
+
+        def start() -> Any:
+            if self._spark is None:
+                t0 = time.perf_counter()
+                _ = self.spark
+                secs["spark_start"] = time.perf_counter() - t0
+            return self.spark
+
+        return start
 
     def _run_txn(
         self,
@@ -284,7 +298,7 @@ class Emitter(SchemaVersions):
         checkpoint on."""
         assert self.cp is not None
         return TxnContext(
-            spark=self.spark,
+            session=self._session or (lambda: self.spark),
             config=self.config,
             cp=self.cp,
             info=self.info,

@@ -43,7 +43,7 @@ from feed.emit.emitter import Emitter
 from feed.emit.group_commits import GroupCommits, commit_entry, group_name, roll_forward
 from feed.emit.plans import Planned, State, now_ms, time_after, widening
 from feed.emit.progress import TxnProgress, TxnReport
-from feed.emit.session import small_shuffles
+from feed.emit.session import spark_when_asked
 from feed.emit.settings import EmitterConfig
 from feed.log.checkpoint import Checkpoint
 from feed.log.manifest import Segment
@@ -203,14 +203,22 @@ class GroupEmitter:
         secs: dict[str, float] = {}
         if self.progress is not None:
             self.progress.start(self.seq + 1, len(files))
-        if first._spark is None:
-            t0 = time.perf_counter()
-            _ = first.spark
-            secs["spark_start"] = time.perf_counter() - t0
-        for m in self.members[1:]:
-            m._spark = first.spark
-        with small_shuffles(first.spark, self.config.conf, files):
-            return self._run_txn(files, secs, more=more)
+        start = first._timed_start(secs)
+
+        def shared() -> Any:  # (the feeds share the first one's session)
+            spark = start()
+            for m in self.members[1:]:
+                m._spark = spark
+            return spark
+
+        with spark_when_asked(shared, self.config.conf, files) as session:
+            for m in self.members:
+                m._session = session
+            try:
+                return self._run_txn(files, secs, more=more)
+            finally:
+                for m in self.members:
+                    m._session = None
 
     def _run_txn(self, files: list[str], secs: dict[str, float], *, more: bool) -> Any:
         """Every feed's reading of ``files`` under the group's hold, its updates at the

@@ -8,7 +8,7 @@ import os
 import re
 import socket
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from feed.emit.jvm_archive import with_archive
@@ -231,6 +231,29 @@ def _input_bytes(files: Sequence[str]) -> int:
         return input_bytes(files)
     except (OSError, SourceError):
         return SMALL_INPUT_BYTES + 1
+
+
+@contextlib.contextmanager
+def spark_when_asked(
+    start: Callable[[], Any],
+    conf: Iterable[tuple[str, str]] | Mapping[str, str],
+    files: Sequence[str],
+) -> Iterator[Callable[[], Any]]:
+    """A transaction's SparkSession as a callable: ``start()`` gives it (starting Spark if
+    it has not started) when the transaction first asks, and from then to the end of the
+    ``with`` its shuffles are sized for ``files`` (:func:`small_shuffles`). A transaction
+    the driver engine computes from its own parse never asks, and Spark never starts."""
+    with contextlib.ExitStack() as stack:
+        held: list[Any] = []
+
+        def session() -> Any:
+            if not held:
+                spark = start()
+                stack.enter_context(small_shuffles(spark, conf, files))
+                held.append(spark)
+            return held[0]
+
+        yield session
 
 
 @contextlib.contextmanager

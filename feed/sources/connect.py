@@ -21,6 +21,8 @@ __all__ = [
     "CONNECT_NAME",
     "CONNECT_SCALE",
     "DECIMAL",
+    "NANO_UNITS",
+    "TIME_UNITS",
     "TOAST_PLACEHOLDER",
     "VARIABLE_DECIMAL",
     "VARIABLE_DECIMAL_TYPE",
@@ -218,7 +220,7 @@ def _scaled_text(unscaled: Column, scale: Column) -> Column:
     return F.transform(pair, lambda p: text(p["u"], p["s"]))[0]
 
 
-_TIME_UNITS = {  # Debezium/Connect numeric time encodings -> factor to microseconds
+TIME_UNITS = {  # Debezium/Connect numeric time encodings -> factor to microseconds
     "io.debezium.time.MicroTimestamp": 1,
     "io.debezium.time.Timestamp": 1000,
     "org.apache.kafka.connect.data.Timestamp": 1000,
@@ -226,12 +228,13 @@ _TIME_UNITS = {  # Debezium/Connect numeric time encodings -> factor to microsec
     "io.debezium.time.Time": 1000,
     "org.apache.kafka.connect.data.Time": 1000,
 }
-_NANOS = ("io.debezium.time.NanoTimestamp", "io.debezium.time.NanoTime")
+#: the nanosecond encodings, floored to microseconds (in doubles, as Spark divides)
+NANO_UNITS = ("io.debezium.time.NanoTimestamp", "io.debezium.time.NanoTime")
 
 
 def _micros(r: Column, enc: str) -> Column:
     n = r.try_cast("long")
-    return F.floor(n / 1000).cast("long") if enc in _NANOS else n * _TIME_UNITS[enc]
+    return F.floor(n / 1000).cast("long") if enc in NANO_UNITS else n * TIME_UNITS[enc]
 
 
 def _wide_text(unscaled: pd.Series, scale: pd.Series) -> pd.Series:
@@ -276,7 +279,7 @@ def _decode(r: Column, t: T.DataType, enc: str | None, scale: int = 0) -> Column
             # more fractional digits than the column holds would be rounded: a mismatch
             return F.when(v["scale"] <= t.scale, text.try_cast(t))
         return r.try_cast(t)
-    if isinstance(t, T.TimestampType | T.TimestampNTZType) and enc in (*_TIME_UNITS, *_NANOS):
+    if isinstance(t, T.TimestampType | T.TimestampNTZType) and enc in (*TIME_UNITS, *NANO_UNITS):
         ts = F.timestamp_micros(_micros(r, enc))
         return ts.cast(t) if isinstance(t, T.TimestampNTZType) else ts
     if isinstance(t, T.DateType) and enc in (
@@ -284,7 +287,7 @@ def _decode(r: Column, t: T.DataType, enc: str | None, scale: int = 0) -> Column
         "org.apache.kafka.connect.data.Date",
     ):
         return F.date_from_unix_date(r.try_cast("int"))
-    if isinstance(t, T.LongType) and enc in (*_TIME_UNITS, *_NANOS):
+    if isinstance(t, T.LongType) and enc in (*TIME_UNITS, *NANO_UNITS):
         return _micros(r, enc)
     if isinstance(t, T.StructType | T.ArrayType | T.MapType):
         return F.from_json(r, t)

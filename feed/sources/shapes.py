@@ -19,7 +19,7 @@ checked.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -382,8 +382,9 @@ def shape_error(
     )
 
 
-def sample_in(spark: Any, files: Collection[str]) -> Any:
-    """:func:`check_shapes`'s ``sample`` over input ``files``."""
+def sample_in(spark: Callable[[], Any], files: Collection[str]) -> Any:
+    """:func:`check_shapes`'s ``sample`` over input ``files`` (``spark`` gives the session
+    when one is needed)."""
     from feed.sources.debezium_schema import shape_sample
 
-    return lambda h: shape_sample(spark, list(files), h)
+    return lambda h: shape_sample(spark(), list(files), h)

@@ -16,17 +16,21 @@ __all__ = ["DebeziumRead", "assemble_debezium", "unfit_shape"]
 
 
 def unfit_shape(
-    ctx: TxnContext, files: Sequence[str], shapes: Iterable[int]
+    ctx: TxnContext,
+    files: Sequence[str],
+    shapes: Iterable[int],
+    sample: Callable[[int], list[dict[str, Any]]] | None = None,
 ) -> tuple[int, Any] | None:
     """The first source table shape in ``files`` that does not fit the feed's record
-    schema, and how (:mod:`feed.sources.shapes`); None when all fit."""
+    schema, and how (:mod:`feed.sources.shapes`); None when all fit. ``sample`` finds a
+    shape's columns (by default a Spark job over ``files``)."""
     from feed.sources.shapes import first_unfit, sample_in
 
     return first_unfit(
         feed_schema=ctx.info.schema,
         shapes=shapes,
         known=ctx.shapes,
-        sample=sample_in(ctx.spark, files),
+        sample=sample or sample_in(lambda: ctx.spark, files),
         gone=ctx.info.dropped,
     )
 

@@ -93,7 +93,7 @@ def tally(grouped: Any, stale: Any, fresh: Any = None) -> Any:
 class TxnContext:
     """What a transaction's dataflow needs from its driver."""
 
-    spark: Any
+    session: Callable[[], Any]  # the SparkSession, started when first asked for
     config: Any  # the settled EmitterConfig
     cp: Checkpoint  # the committed checkpoint the transaction starts from
     info: Any  # the feed's settings (feed.json)
@@ -104,6 +104,11 @@ class TxnContext:
     spark_path: Callable[[str], str]  # a feed-log path as Spark writes to it
     #: the source table shapes this process found to fit the feed (feed/sources/shapes.py)
     shapes: set[int] = field(default_factory=set)
+
+    @property
+    def spark(self) -> Any:
+        """The SparkSession (the driver engine takes a small transaction without one)."""
+        return self.session()
 
 
 @dataclass(slots=True, kw_only=True)

@@ -3,18 +3,21 @@
 A follow-mode transaction of ten changes against a large keyed table costs the Spark path
 (:mod:`feed.txn.dataflow`) about two seconds whatever the table's size: a dozen small jobs
 (transaction figures, state buckets, updates, the state write) and about a second of
-planning on the driver, all for a few rows. Here Spark runs one job: it parses the input
-exactly as the Spark path does (:func:`feed.txn.context.read_source`, so typing, errors and
-skipped lines are the same) and gives each event its state bucket (the same xxhash64);
-the result comes to the driver as Arrow. The rest is done there, following
-:mod:`feed.sources.transactions`, :mod:`feed.txn.times` and :mod:`feed.txn.diffs` for the
-plain case: drop input at or below the committed position, number the source transactions, diff each
-key's changes against its row in the touched state buckets (read and rewritten with
-pyarrow), consolidate per time, and write each time's segment. An unkeyed feed has no
-state: each event retracts its before image and adds its after image, as
-:func:`feed.txn.diffs.unkeyed_diffs` has it. A new feed's first transaction is taken
-too (a bad row in it, which may stop the feed being created, goes to Spark as any bad
-row does); a keyed feed's new state gets the bucket count Spark would give it.
+planning on the driver, all for a few rows. Here the input is parsed on the driver
+(:mod:`feed.sources.debezium_lines`: the rows Spark's parse gives, each event's state
+bucket by the same xxhash64), so a process whose transactions all come here never starts
+Spark; input that parse declines (anything but what connectors write, or a bad row) is
+parsed by one Spark job, exactly as the Spark path parses it
+(:func:`feed.txn.context.read_source`), and comes to the driver as Arrow. The rest is
+done there, following :mod:`feed.sources.transactions`, :mod:`feed.txn.times` and
+:mod:`feed.txn.diffs` for the plain case: drop input at or below the committed position,
+number the source transactions, diff each key's changes against its row in the touched
+state buckets (read and rewritten with pyarrow), consolidate per time, and write each
+time's segment. An unkeyed feed has no state: each event retracts its before image and
+adds its after image, as :func:`feed.txn.diffs.unkeyed_diffs` has it. A new feed's first
+transaction is taken too (a bad row in it, which may stop the feed being created, goes to
+Spark as any bad row does); a keyed feed's new state gets the bucket count Spark would
+give it.
 
 The plain case is what a Debezium connector delivers from its first snapshot on: data
 events (c/u/d), reads of the feed's own snapshot (on a new feed, the one it reads
@@ -31,10 +34,9 @@ incomplete source transaction is held back with every one delivered after it
 :func:`feed.txn.assembly._cut_at_shape` cuts it
 (:func:`feed.txn.driver_plain.shape_cut`). A group's
 transaction (:func:`run_group`) is taken when every feed's part is plain and none
-changed shape. On anything else :func:`run` declines before
-writing a file, and the Spark path computes the transaction (its parse is one small job
-more). Input larger than ``--driver-txn-bytes`` goes to Spark directly. The row-by-row
-semantics are in :mod:`feed.txn.driver_diffs`.
+changed shape. On anything else :func:`run` declines before writing a file, and the
+Spark path computes the transaction. Input larger than ``--driver-txn-bytes`` goes to
+Spark directly. The row-by-row semantics are in :mod:`feed.txn.driver_diffs`.
 
 Both paths give the same feed: tests/feed/test_driver_txn.py runs random histories
 through each and compares the updates, the progress and the state.
@@ -50,6 +52,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from feed.sources.debezium_lines import shape_sample
 from feed.sources.positions import Position, committed_position, snapshot_done
 from feed.sources.rows import CHANGE_COLUMNS
 from feed.sources.snapshots import say_moved
@@ -133,6 +136,34 @@ def _not_new(ctx: TxnContext, t: pa.Table, start: LoadedState | _Stateless) -> s
     return "a new state of more buckets" if new_state(t.num_rows) != start else None
 
 
+def _parsed(ctx: TxnContext, files: Sequence[str], start: LoadedState | _Stateless) -> pa.Table:
+    """The input rows (:data:`_COLUMNS`, and each event's state bucket in a keyed feed):
+    parsed here (:mod:`feed.sources.debezium_lines`), or by one Spark job when that parse
+    declines the input."""
+    from pyspark.sql.pandas.types import to_arrow_type
+
+    from feed.sources.connect import connect_names
+    from feed.sources.debezium_lines import Declined, parse_lines
+
+    key = tuple(ctx.info.key)
+    buckets = start.buckets if isinstance(start, LoadedState) else None
+    try:
+        record = to_arrow_type(ctx.record_type, timezone="UTC")
+        encodings = connect_names(ctx.info.schema)
+        return parse_lines(files, record, encodings, key, ctx.info.table, buckets)
+    except Declined as e:
+        ctx.log.debug("feed %s: input parsed by Spark: %s", ctx.config.feed, e)
+    from pyspark.sql import functions as F
+
+    from feed.txn.state import bucket_of
+
+    changes = read_source(ctx, files)
+    if buckets is None:
+        return changes.select(*_COLUMNS).toArrow()
+    image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
+    return changes.select(*_COLUMNS, bucket_of(image, key, buckets).alias("_bucket")).toArrow()
+
+
 @dataclass(frozen=True, slots=True)
 class _Read:
     """A transaction's input parsed by one Spark job and found the plain case, before
@@ -157,21 +188,11 @@ class _Read:
 def _read(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> _Read | str | None:
     """The input of a transaction over ``files``, parsed; why it goes to Spark; or None
     when it is not the driver's at all, unparsed (:func:`_start`)."""
-    from pyspark.sql import functions as F
-
-    from feed.txn.state import bucket_of
-
     start = _start(ctx, files, tx_files)
     if start is None:
         return None
     cp, key = ctx.cp, tuple(ctx.info.key)
-    changes = read_source(ctx, files)
-    if isinstance(start, _Stateless):
-        t = changes.select(*_COLUMNS).toArrow()
-    else:
-        image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
-        t = changes.select(*_COLUMNS, bucket_of(image, key, start.buckets).alias("_bucket"))
-        t = t.toArrow()
+    t = _parsed(ctx, files, start)
     t, moves = one_snapshot_each(t, cp.source)
     say_moved(ctx.log, ctx.config.feed, moves)
     data = data_events(t)
@@ -188,7 +209,7 @@ def _read(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> _Re
     shapes = {
         r["_shape"] for r in rows if r["_shape"] is not None and after_committed(r, committed)
     }
-    unfit = unfit_shape(ctx, files, shapes)
+    unfit = unfit_shape(ctx, files, shapes, sample=lambda h: shape_sample(files, h))
     record = pa.schema(list(t.schema.field("after").type))
     cut = shape_cut(t, unfit) if unfit is not None else None
     # (as dictionaries once: a group's hold may release a read several times)

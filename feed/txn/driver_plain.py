@@ -1,7 +1,8 @@
 """What the driver engine (:mod:`feed.txn.driver`) takes: the checks that a small
 Debezium transaction's parsed input is the plain case, the feed's own snapshot among its
 rows, and where a change of the table's shape cuts it. Each is decided on the Arrow table
-one Spark job parsed, by the same rules as the Spark path's (named where they are)."""
+the driver parsed (or one Spark job did), by the same rules as the Spark path's (named
+where they are)."""
 
 from __future__ import annotations
 

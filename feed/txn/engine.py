@@ -10,7 +10,8 @@ wrote nothing). :func:`run_job` offers the job to each engine in turn.
 Two engines give the same feed for every transaction both take:
 
 - :data:`DRIVER` (:mod:`feed.txn.driver`): a small, plain Debezium transaction,
-  computed on the driver with pyarrow after one Spark job parses it;
+  computed on the driver with pyarrow, parsed there too (Spark only parses what that
+  parse declines);
 - :data:`SPARK` (:mod:`feed.txn.spark`): any transaction, computed in Spark.
 
 tests/feed/test_driver_txn.py runs random histories through ``(DRIVER, SPARK)`` and through

@@ -135,6 +135,10 @@ def test_emit_on_a_standalone_cluster_equals_local(cluster, tmp_path):
             str(schema),
             "--master",
             m,
+            # (through Spark's executors: input this small is otherwise computed on the
+            # driver, and Spark never starts)
+            "--driver-txn-bytes",
+            "0",
             env={"PYSPARK_PYTHON": sys.executable},
         )
         assert run.returncode == 0, run.stderr.decode()[-3000:]

@@ -366,3 +366,31 @@ def test_log_lines_as_json_at_the_chosen_level():
     ]
     out = subprocess.run([sys.executable, "-c", code, "debug"], capture_output=True, timeout=60)
     assert len(out.stderr.splitlines()) == 2
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("spark_path", [False, True], ids=["driver", "spark"])
+def test_a_small_debezium_emit_computes_its_feed_without_starting_spark(tmp_path, spark_path):
+    """The shipped samples are what a connector writes: the driver engine parses and
+    computes them, and the process never starts a JVM; forced through Spark, it does. The
+    collection is the samples' final table either way."""
+    from feed.log.reader import FeedReader
+
+    from .model import as_multiset, collection_of, debezium_truth
+    from .test_debezium import SAMPLES
+
+    if not SAMPLES.is_dir():
+        pytest.skip(f"no samples at {SAMPLES}")
+    (tmp_path / "in").mkdir()
+    lines = []
+    for f in sorted(SAMPLES.glob("part-*.json")):
+        (tmp_path / "in" / f.name).write_bytes(f.read_bytes())
+        lines += [x for x in f.read_bytes().splitlines() if x.strip()]
+    extra = ["--driver-txn-bytes", "0"] if spark_path else []
+    out = _emit_from(tmp_path, "--key", "id", "--clock", "logical", *extra)
+    assert out.returncode == 0, out.stderr
+    assert (b"spark 4" in out.stderr) == spark_path  # (Spark's start-up line)
+    assert (b"driver=" in out.stderr) != spark_path
+    final, _ = debezium_truth(lines)
+    reader = FeedReader(str(tmp_path / "log"), "f")
+    assert collection_of(reader, at=reader.frontier - 1) == as_multiset(final.values())

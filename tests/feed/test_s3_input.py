@@ -1,8 +1,10 @@
 """Input in an S3 bucket: listed and sampled through pyarrow, named for Spark as s3a://.
 
 The bucket is served by moto's S3 server on 127.0.0.1 (a real S3 API over HTTP, as MinIO
-or AWS would answer pyarrow). Spark itself cannot read s3a:// here (the pyspark wheel has
-no hadoop-aws jars): that ends in a one-line error and nothing committed.
+or AWS would answer pyarrow). A small transaction's input is read through pyarrow by the
+driver engine, and the feed is made; Spark itself cannot read s3a:// here (the pyspark
+wheel has no hadoop-aws jars): a transaction in Spark ends in a one-line error and
+nothing committed.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pyarrow.fs as pafs
@@ -109,16 +112,14 @@ def test_a_missing_prefix_is_an_error_naming_it(bucket):
         list_files(missing)
 
 
-@pytest.mark.process  # a tidefeed process with its own JVM
-def test_emit_from_s3_without_hadoop_aws_says_so_and_commits_nothing(bucket, tmp_path):
-    uri, env = bucket
+def _emit(uri: str, env: dict[str, str], tmp_path: Path, *extra: str) -> Any:
     schema = tmp_path / "schema.avsc"
     schema.write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
-    log = tmp_path / "log"
-    run = subprocess.run(
+    return subprocess.run(
         [
             *(sys.executable, "-m", "feed.cli.main", "emit", "--source", f"debezium:{uri}"),
-            *("--feed", "t", "--log", str(log), "--key", "id", "--schema", str(schema)),
+            *("--feed", "t", "--log", str(tmp_path / "log"), "--key", "id"),
+            *("--schema", str(schema), *extra),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -126,6 +127,30 @@ def test_emit_from_s3_without_hadoop_aws_says_so_and_commits_nothing(bucket, tmp
         timeout=300,
         env={**_base_env(), **env},
     )
+
+
+@pytest.mark.process
+def test_a_small_emit_from_s3_reads_through_pyarrow_without_hadoop_aws(bucket, tmp_path):
+    """The driver engine reads a small transaction's input itself: no Spark, no s3a."""
+    from feed.log.reader import FeedReader
+
+    from .model import as_multiset, collection_of
+
+    uri, env = bucket
+    run = _emit(uri, env, tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "spark 4" not in run.stderr  # (Spark's start-up line: it never started)
+    rows = [
+        {"id": i, "owner": f"o{i}", "balance": i, "active": None, "note": None} for i in range(1, 6)
+    ]
+    assert collection_of(FeedReader(str(tmp_path / "log"), "t")) == as_multiset(rows)
+
+
+@pytest.mark.process  # a tidefeed process with its own JVM
+def test_emit_from_s3_without_hadoop_aws_says_so_and_commits_nothing(bucket, tmp_path):
+    uri, env = bucket
+    log = tmp_path / "log"
+    run = _emit(uri, env, tmp_path, "--driver-txn-bytes", "0")  # (through Spark)
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]
     assert "S3AFileSystem" in last and "hadoop-aws" in last, run.stderr[-2000:]
