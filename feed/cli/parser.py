@@ -221,9 +221,9 @@ def _emit_spark(p: OptionParser) -> None:
         "--driver-txn-bytes",
         type=non_negative_int,
         default=DEFAULT_DRIVER_TXN_BYTES,
-        help="a debezium transaction over at most this many input bytes is computed "
-        "on the driver, without Spark's per-job cost, when its input is plain (0: always "
-        "in Spark; docs/emitter.md)",
+        help="a debezium transaction over at most this many input bytes is parsed and "
+        "computed on the driver, without Spark (which then starts only when a transaction "
+        "needs it), when its input is plain (0: always in Spark; docs/emitter.md)",
     )
 
 

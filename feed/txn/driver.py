@@ -194,7 +194,6 @@ def _read(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> _Re
     cp, key = ctx.cp, tuple(ctx.info.key)
     t = _parsed(ctx, files, start)
     t, moves = one_snapshot_each(t, cp.source)
-    say_moved(ctx.log, ctx.config.feed, moves)
     data = data_events(t)
     why = not_plain(t, data, key) or _not_new(ctx, t, start)
     if why is not None:
@@ -202,6 +201,8 @@ def _read(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> _Re
     snapshot = own_snapshot(t, data, cp.source)
     if isinstance(snapshot, str):
         return snapshot
+    # (said once the input is the driver's: Spark's path says it for what it takes)
+    say_moved(ctx.log, ctx.config.feed, moves)
     committed = committed_position(cp.source.get("pos", [0, 0]))
     # (an event read again, committed under an older shape, is no change of shape; one
     # without a commit position yet is not committed, as position_filter has it)

@@ -130,7 +130,19 @@ _CONNECT = [
     {"field": "ms", "type": "int64", "optional": True, "name": "io.debezium.time.Timestamp"},
     {"field": "ns", "type": "int64", "optional": True, "name": "io.debezium.time.NanoTimestamp"},
     {"field": "tod", "type": "int64", "optional": True, "name": "io.debezium.time.MicroTime"},
+    {"field": "tz", "type": "string", "optional": True, "name": "io.debezium.time.ZonedTimestamp"},
 ]
+
+
+def _zoned(rng: random.Random) -> str:
+    """A timestamptz as Debezium writes it (UTC, or another offset; 0 to 6 digits)."""
+    at = dt.datetime(2000, 1, 1) + dt.timedelta(microseconds=rng.randint(-(10**16), 10**16))
+    text = at.strftime("%Y-%m-%dT%H:%M:%S")
+    digits = rng.randint(0, 6)
+    if digits:
+        text += "." + f"{at.microsecond:06d}"[:digits]
+    offset = rng.choice(["Z", "+01:00", "-05:30", "+00:00"])
+    return text + offset
 
 
 def _typed_row(rng: random.Random, i: int) -> dict:
@@ -149,6 +161,7 @@ def _typed_row(rng: random.Random, i: int) -> dict:
         "ms": maybe(rng.randint(-(6 * 10**13), 6 * 10**13)),
         "ns": maybe(rng.randint(-(2**62), 2**62)),
         "tod": maybe(rng.randint(0, 86_400_000_000)),
+        "tz": maybe(_zoned(rng)),
     }
 
 
