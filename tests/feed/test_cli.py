@@ -377,15 +377,9 @@ def test_a_small_debezium_emit_computes_its_feed_without_starting_spark(tmp_path
     from feed.log.reader import FeedReader
 
     from .model import as_multiset, collection_of, debezium_truth
-    from .test_debezium import SAMPLES
+    from .test_debezium import copy_samples
 
-    if not SAMPLES.is_dir():
-        pytest.skip(f"no samples at {SAMPLES}")
-    (tmp_path / "in").mkdir()
-    lines = []
-    for f in sorted(SAMPLES.glob("part-*.json")):
-        (tmp_path / "in" / f.name).write_bytes(f.read_bytes())
-        lines += [x for x in f.read_bytes().splitlines() if x.strip()]
+    lines = copy_samples(tmp_path / "in")
     extra = ["--driver-txn-bytes", "0"] if spark_path else []
     out = _emit_from(tmp_path, "--key", "id", "--clock", "logical", *extra)
     assert out.returncode == 0, out.stderr

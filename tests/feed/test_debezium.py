@@ -182,6 +182,19 @@ def test_reads_of_one_snapshot_transaction_at_several_lsns_are_one_snapshot(
 SAMPLES = Path(__file__).resolve().parents[3] / "shared" / "samples" / "debezium"
 
 
+def copy_samples(folder: Path) -> list[bytes]:
+    """The shipped samples copied into ``folder``; their lines (the test is skipped
+    where the samples are not beside the project)."""
+    if not SAMPLES.is_dir():
+        pytest.skip(f"no samples at {SAMPLES}")
+    folder.mkdir()
+    lines = []
+    for f in sorted(SAMPLES.glob("part-*.json")):
+        (folder / f.name).write_bytes(f.read_bytes())
+        lines += [x for x in f.read_bytes().splitlines() if x.strip()]
+    return lines
+
+
 @pytest.mark.parametrize("engines", [ENGINES, (SPARK,)], ids=["driver", "spark"])
 def test_the_shipped_samples_give_the_table_after_every_source_transaction(
     spark, tmp_path, engines
@@ -189,14 +202,7 @@ def test_the_shipped_samples_give_the_table_after_every_source_transaction(
     """What a new user tries first: the samples beside the project (wrapped and bare
     lines, snapshot reads one LSN apart in one transaction) give a feed whose collection
     at each time is the table after that source transaction."""
-    if not SAMPLES.is_dir():
-        pytest.skip(f"no samples at {SAMPLES}")
-    (tmp_path / "in").mkdir()
-    lines = []
-    for f in sorted(SAMPLES.glob("part-*.json")):
-        (tmp_path / "in" / f.name).write_bytes(f.read_bytes())
-        lines += [x for x in f.read_bytes().splitlines() if x.strip()]
-    _, states = debezium_truth(lines)
+    _, states = debezium_truth(copy_samples(tmp_path / "in"))
     # (the schema from the samples' Connect schema, the table from their first event)
     e = open_emitter(spark, tmp_path, engines=engines, schema=None, table=None)
     e.run()
