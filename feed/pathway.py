@@ -47,6 +47,7 @@ import decimal
 import os
 import types
 import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +146,6 @@ def read(
     """The feed ``feed`` of the server at ``server_url`` as a Pathway table (see the
     module): one Pathway commit per complete time."""
     import pathway as pw
-    from pathway.io.python import ConnectorSubject
 
     client = FeedClient(server_url, feed, token=token, name=name)
     try:
@@ -166,6 +166,37 @@ def read(
         defs = {c: pw.column_definition(dtype=d.dtype, primary_key=True) for c, d in defs.items()}
         defs[COPY] = pw.column_definition(dtype=int, primary_key=True)
     schema = pw.schema_builder(defs, name=f"tidefeed_{feed}")
+
+    def times(after: int | None) -> Iterable[CompleteTime]:
+        # (Pathway's persisted offset is the resume point, not the server's ACKs)
+        return client.times(
+            after=after,
+            snapshot=snapshot and after is None,
+            follow=follow,
+            until=until,
+            from_ack=False,
+        )
+
+    finite = not follow or until is not None
+    subject = _subject(feed, record, key, columns, times, after=after, finite=finite)
+    return pw.io.python.read(subject, schema=schema, autocommit_duration_ms=None, name=name)
+
+
+def _subject(
+    feed: str,
+    record: pa.DataType,
+    key: list[str],
+    columns: dict[str, tuple[str, Any]],
+    times: Callable[[int | None], Iterable[CompleteTime]],
+    *,
+    after: int | None,
+    finite: bool,
+) -> Any:
+    """The Pathway connector subject that sends each complete time of ``times`` as one
+    Pathway commit (upserts by ``key``; without one, numbered copies of each record)."""
+    import pathway as pw
+    from pathway.io.python import ConnectorSubject
+
     fields = [(f, c) for f, (c, _) in columns.items()]
 
     class _Subject(ConnectorSubject):  # type: ignore[misc]  # (pathway is untyped here)
@@ -189,60 +220,69 @@ def read(
             self.after = int(state.decode())
 
         def _is_finite(self) -> bool:
-            return not follow or until is not None
+            return finite
 
         def run(self) -> None:
             self._disable_commits()
-            times = client.times(
-                after=self.after,
-                snapshot=snapshot and self.after is None,
-                follow=follow,
-                until=until,
-                from_ack=False,  # Pathway's persisted offset is the resume point
-            )
-            for item in times:
-                self._check_schema(item)
-                self._send(item)
+            for item in times(self.after):
+                got = item.updates.schema.field("data").type
+                if got != record:
+                    raise RuntimeError(
+                        f"feed {feed!r}: time {item.time} has records of another schema than "
+                        f"when this program started ({got} against {record}); start the "
+                        "program again to read the new columns"
+                    )
+                plus: list[tuple[dict[str, Any], int]] = []
+                minus: list[tuple[dict[str, Any], int]] = []
+                for u in item.rows():
+                    row = {c: _value(u["data"][f], pw) for f, c in fields}
+                    (plus if u["diff"] > 0 else minus).append((row, u["diff"]))
+                if key:
+                    _upsert(self, plus, minus, [columns[k][0] for k in key])
+                else:
+                    _copies(self, self.copies, plus, minus)
                 self._report_offset(str(item.frontier).encode())
                 self.commit()
 
-        def _check_schema(self, item: CompleteTime) -> None:
-            got = item.updates.schema.field("data").type
-            if got != record:
-                raise RuntimeError(
-                    f"feed {feed!r}: time {item.time} has records of another schema than "
-                    f"when this program started ({got} against {record}); start the program "
-                    "again to read the new columns"
-                )
+    return _Subject()
 
-        def _send(self, item: CompleteTime) -> None:
-            plus: list[tuple[dict[str, Any], int]] = []
-            minus: list[tuple[dict[str, Any], int]] = []
-            for u in item.rows():
-                row = {c: _value(u["data"][f], pw) for f, c in fields}
-                (plus if u["diff"] > 0 else minus).append((row, u["diff"]))
-            if key:
-                added = {tuple(r[columns[k][0]] for k in key) for r, _ in plus}
-                for r, _ in minus:  # a key re-added at this time is replaced, not deleted
-                    if tuple(r[columns[k][0]] for k in key) not in added:
-                        self.delete(**r)
-                for r, _ in plus:
-                    self.next(**r)
-                return
-            for r, d in minus:
-                ident = tuple(r.values())
-                n = self.copies.get(ident, 0)
-                for copy in range(n + d, n):
-                    self.delete(**r, **{COPY: copy})
-                self.copies[ident] = n + d
-            for r, d in plus:
-                ident = tuple(r.values())
-                n = self.copies.get(ident, 0)
-                for copy in range(n, n + d):
-                    self.next(**r, **{COPY: copy})
-                self.copies[ident] = n + d
 
-    return pw.io.python.read(_Subject(), schema=schema, autocommit_duration_ms=None, name=name)
+def _upsert(
+    subject: Any,
+    plus: list[tuple[dict[str, Any], int]],
+    minus: list[tuple[dict[str, Any], int]],
+    key: list[str],
+) -> None:
+    """One time of a keyed feed: its deletions, then its insertions (a key deleted and
+    added at the same time is replaced, not deleted)."""
+    added = {tuple(r[k] for k in key) for r, _ in plus}
+    for r, _ in minus:
+        if tuple(r[k] for k in key) not in added:
+            subject.delete(**r)
+    for r, _ in plus:
+        subject.next(**r)
+
+
+def _copies(
+    subject: Any,
+    copies: dict[tuple[Any, ...], int],
+    plus: list[tuple[dict[str, Any], int]],
+    minus: list[tuple[dict[str, Any], int]],
+) -> None:
+    """One time of a feed without a key: a record with ``n`` copies is ``n`` rows
+    numbered ``0..n-1`` (the copy number is part of Pathway's key)."""
+    for r, d in minus:
+        ident = tuple(r.values())
+        n = copies.get(ident, 0)
+        for copy in range(n + d, n):
+            subject.delete(**r, **{COPY: copy})
+        copies[ident] = n + d
+    for r, d in plus:
+        ident = tuple(r.values())
+        n = copies.get(ident, 0)
+        for copy in range(n, n + d):
+            subject.next(**r, **{COPY: copy})
+        copies[ident] = n + d
 
 
 #: Avro types of the Pathway column types :func:`write` takes

@@ -57,9 +57,16 @@ def pytest_collection_finish(session):
     first time, one short emit)."""
     if _OWN_SUBMIT_ARGS or not any(i.get_closest_marker("process") for i in session.items):
         return
+    from feed.emit.jvm_archive import ENV, jvm_options
     from tests import jvm_archive
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if jvm_options():
+        # (make's archive, named by TIDEFEED_JVM_ARCHIVE: every tidefeed process maps it
+        # already, and a JVM cannot dump an archive over one it maps)
+        if reporter is not None:
+            reporter.write_line(f"tests: the test JVMs map ${ENV} ({os.environ[ENV]})")
+        return
     built = jvm_archive.archive_path()
     if built is not None and not built.exists() and reporter is not None:
         reporter.write_line(f"tests: building the test JVMs' class archive {built} (once)")

@@ -60,7 +60,7 @@ def ensure(jvm_options: str) -> Path | None:
         staged = path.parent / f"{path.stem}.{os.getpid()}.partial"
         options = f"{jvm_options} -XX:ArchiveClassesAtExit={staged} {QUIET}"
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k != "TIDEFEED_JVM_ARCHIVE"},
             "PYSPARK_SUBMIT_ARGS": f"--driver-java-options '{options}' pyspark-shell",
         }
         cmd = [sys.executable, "-m", "feed.cli.main", "emit", "--source", f"debezium:{src}"]

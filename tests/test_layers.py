@@ -86,6 +86,22 @@ def test_feed_holds_few_files_directly() -> None:
     assert {p.name for p in FEED.iterdir() if p.is_dir() and p.name != "__pycache__"} >= set(RANK)
 
 
+def test_modules_and_functions_stay_readable_in_size() -> None:
+    """Issue 31's measure of a module one can read: about 400 lines (420 allowed), no
+    function over 80."""
+    too_big = []
+    for path in sorted(FEED.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 420:
+            too_big.append(f"{path.relative_to(FEED)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > 80:
+                    too_big.append(f"{path.relative_to(FEED)}:{node.lineno} {node.name}: {size}")
+    assert too_big == []
+
+
 def test_only_the_sources_package_tells_source_kinds_apart_by_name() -> None:
     """Outside ``feed/sources`` a kind is asked what it does (feed/sources/registry.py),
     never compared with a kind's name."""

@@ -152,20 +152,10 @@ class Emitter(SchemaVersions):
         claimed, gone = self.commits.claim(latest, self._state)
         self.cp = claimed
         if gone:
-            self.log.info(
-                "feed %s: rolled back %d uncommitted time(s): %s",
-                cfg.feed,
-                len(gone),
-                time_ranges(gone),
-            )
-        self.log.info(
-            "feed %s: epoch %d claimed at seq %d; frontier %d, next time %d",
-            cfg.feed,
-            claimed.epoch,
-            claimed.seq,
-            claimed.frontier,
-            claimed.next,
-        )
+            rolled = f"{len(gone)} uncommitted time(s): {time_ranges(gone)}"
+            self.log.info("feed %s: rolled back %s", cfg.feed, rolled)
+        at = f"seq {claimed.seq}; frontier {claimed.frontier}, next time {claimed.next}"
+        self.log.info("feed %s: epoch %d claimed at %s", cfg.feed, claimed.epoch, at)
         self.state = State.OPENED
         return claimed
 
@@ -382,25 +372,12 @@ class Emitter(SchemaVersions):
     ) -> TxnReport:
         """After the commit of a transaction that wrote ``w``: prune, log and report it,
         and hand it to ``on_commit``."""
-        cfg = self.config
         self.cp = new_cp
         self.commits.prune(new_cp, self._state)
-        progress = new_cp.progress
-        report = TxnReport(
-            seq=new_cp.seq,
-            progress=progress,
-            files=len(files),
-            input_rows=w.input_rows,
-            updates=sum(n for _, n in progress.counts),
-            bad_rows=w.bad_rows,
-            seconds=secs,
-            skipped=w.skipped,
-            held=w.held,
-            redelivered=w.redelivered,
-        )
+        report = TxnReport.of(new_cp, len(files), w, secs)
         if self.progress is not None:
             self.progress.done()  # the live line goes before the summary is logged
-        self.log.info("feed %s: %s", cfg.feed, report.line())
+        self.log.info("feed %s: %s", self.config.feed, report.line())
         if self.on_commit:
             self.on_commit(new_cp)
         return report

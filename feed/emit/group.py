@@ -322,8 +322,6 @@ class GroupEmitter:
         the input (``evolving``: member index -> :class:`~feed.sources.shapes.Evolve`), committed
         at the next time with every feed of the group: one time that stands for the
         ``ALTER TABLE``, empty in the feeds whose tables it did not change."""
-        from protocol import fingerprint
-
         first = self.members[0]
         cp = _cp(first)
         start = cp.next
@@ -334,32 +332,12 @@ class GroupEmitter:
         writes: list[Written | None] = []
         versions = {}
         for i, m in enumerate(self.members):
-            mcp = _cp(m)
-            ev = evolving.get(i)
-            if ev is None:
-                plans.append(
-                    Planned(
-                        progress=Progress(mcp.frontier, upper, ()),
-                        next=nxt,
-                        source=mcp.source,
-                        state=mcp.state,
-                    )
-                )
+            if i not in evolving:
+                plans.append(Planned.idle(_cp(m), upper, nxt))
                 writes.append(None)
                 continue
-            version, w = m.new_version(ev, start)
-            versions[i] = version
-            plans.append(
-                Planned(
-                    progress=Progress(
-                        mcp.frontier, upper, tuple((s.time, s.count) for s in w.segments)
-                    ),
-                    next=nxt,
-                    source=mcp.source,
-                    state=w.state_ref,
-                    schema=fingerprint(version.schema),
-                )
-            )
+            versions[i], w, plan = m.version_plan(evolving[i], start, upper, nxt)
+            plans.append(plan)
             writes.append(w)
         secs["rewrite"] = time.perf_counter() - t0
         maybe_die("before_version_commit")
@@ -409,15 +387,7 @@ class GroupEmitter:
         upper = max(self._clock(), _cp(first).next)
         if upper <= _cp(first).frontier:
             return None
-        plans = [
-            Planned(
-                progress=Progress(_cp(m).frontier, upper, ()),
-                next=upper,
-                source=_cp(m).source,
-                state=_cp(m).state,
-            )
-            for m in self.members
-        ]
+        plans = [Planned.idle(_cp(m), upper, upper) for m in self.members]
         cps = self._commit(plans, [[] for _ in self.members])
         for m, c in zip(self.members, cps, strict=True):
             m.cp = c

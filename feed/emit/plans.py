@@ -28,6 +28,11 @@ class Planned:
     state: str | None
     schema: str | None = None  # a new schema version's fingerprint (None: unchanged)
 
+    @classmethod
+    def idle(cls, cp: Checkpoint, upper: int, nxt: int) -> Planned:
+        """A commit with no update that moves ``cp``'s frontier to ``upper``."""
+        return cls(Progress(cp.frontier, upper, ()), nxt, cp.source, cp.state)
+
     def build(self, base: Checkpoint) -> Checkpoint:
         more = {"schema": self.schema} if self.schema is not None else {}
         return base.successor(

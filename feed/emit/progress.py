@@ -15,9 +15,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from protocol import Progress
+
+if TYPE_CHECKING:
+    from feed.log.checkpoint import Checkpoint
+    from feed.txn.segments import Written
 
 __all__ = ["STAGES", "TxnProgress", "TxnReport"]
 
@@ -123,6 +127,22 @@ class TxnReport:
     skipped: dict[str, int] = field(default_factory=dict)  # lines with no change, by reason
     held: int = 0  # source transactions held back (incomplete)
     redelivered: int = 0  # events dropped as already turned into updates, or repeated
+
+    @classmethod
+    def of(cls, cp: Checkpoint, files: int, w: Written, secs: dict[str, float]) -> TxnReport:
+        """The report of the transaction committed as ``cp`` that wrote ``w``."""
+        return cls(
+            seq=cp.seq,
+            progress=cp.progress,
+            files=files,
+            input_rows=w.input_rows,
+            updates=sum(n for _, n in cp.progress.counts),
+            bad_rows=w.bad_rows,
+            seconds=secs,
+            skipped=w.skipped,
+            held=w.held,
+            redelivered=w.redelivered,
+        )
 
     def line(self) -> str:
         secs = " ".join(f"{k}={v:.2f}s" for k, v in self.seconds.items())

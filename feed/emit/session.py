@@ -96,6 +96,12 @@ def get_spark(
         _made_aside(builder)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    _say_started(spark, conf)
+    return spark
+
+
+def _say_started(spark: Any, conf: dict[str, Any]) -> None:
+    """The start-up line: the master and the settings the session really runs with."""
     shown = {k: spark.conf.get(k, None) for k in SHOWN}
     jvm: Any = spark._jvm
     heap = jvm.java.lang.Runtime.getRuntime().maxMemory()
@@ -112,7 +118,6 @@ def get_spark(
         ", ".join(f"{k}={v}" for k, v in shown.items()),
         f" (--conf: {', '.join(sorted(conf))})" if conf else "",
     )
-    return spark
 
 
 def _made_aside(builder: Any) -> None:

@@ -6,7 +6,7 @@ then commits, at the next time and as a transaction of its own, the feed's next 
 version with the rows its keyed state holds rewritten into it (:mod:`feed.txn.evolve`);
 the input that changed shape stays pending and is read through the new version by the
 next transaction. A group of feeds (feed/emit/group.py) commits its members' versions
-through :meth:`SchemaVersions.new_version` and :meth:`SchemaVersions.adopt_version`.
+through :meth:`SchemaVersions.version_plan` and :meth:`SchemaVersions.adopt_version`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from feed._faults import maybe_die
-from feed.emit.plans import time_after
+from feed.emit.plans import Planned, time_after
 from feed.emit.progress import TxnReport
 from feed.emit.settings import EmitterConfig
 from feed.log.checkpoint import Checkpoint
@@ -59,7 +59,6 @@ class SchemaVersions:
     def evolve(self, ev: Evolve, secs: dict[str, float]) -> TxnReport:
         """Commit the feed's next schema version at the next time, with the rows its
         state holds rewritten into it; the input stays pending."""
-        from protocol import fingerprint
 
         assert self.cp is not None
         if self.eager is not None:
@@ -69,24 +68,37 @@ class SchemaVersions:
                 "the version and goes on), then go back to --eager."
             )
         cp, start = self.cp, self.cp.next
-        t0 = time.perf_counter()
-        version, w = self.new_version(ev, start)
-        secs["rewrite"] = time.perf_counter() - t0
-        counts = tuple((s.time, s.count) for s in w.segments)
-        progress = Progress(cp.frontier, max(start + 1, cp.frontier), counts)
-        upper = progress.upper
+        upper = max(start + 1, cp.frontier)
         nxt = time_after(self.info.clock, self._clock, upper)
+        t0 = time.perf_counter()
+        version, w, plan = self.version_plan(ev, start, upper, nxt)
+        secs["rewrite"] = time.perf_counter() - t0
         maybe_die("before_version_commit")
         t1 = time.perf_counter()
-        new_cp = self._commit(
-            lambda base: base.successor(
-                progress=progress, next=nxt, state=w.state_ref, schema=fingerprint(version.schema)
-            ),
-            w.segments,
-        )
+        new_cp = self._commit(plan.build, w.segments)
         secs["commit"] = time.perf_counter() - t1
         self.adopt_version(version, ev)
         return self.committed(new_cp, [], secs, w)
+
+    def version_plan(
+        self, ev: Evolve, start: int, upper: int, nxt: int
+    ) -> tuple[SchemaVersion, Written, Planned]:
+        """The version ``ev`` describes, written from ``start`` (:meth:`new_version`), and
+        the commit that makes it the feed's: its updates at ``start``, progress to
+        ``upper``, ``next`` at ``nxt``."""
+        from protocol import fingerprint
+
+        assert self.cp is not None
+        version, w = self.new_version(ev, start)
+        counts = tuple((s.time, s.count) for s in w.segments)
+        plan = Planned(
+            progress=Progress(self.cp.frontier, upper, counts),
+            next=nxt,
+            source=self.cp.source,
+            state=w.state_ref,
+            schema=fingerprint(version.schema),
+        )
+        return version, w, plan
 
     def new_version(self, ev: Evolve, start: int) -> tuple[SchemaVersion, Written]:
         """The schema version ``ev`` describes, from time ``start``, written with the

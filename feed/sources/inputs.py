@@ -45,6 +45,7 @@ __all__ = [
     "list_files",
     "next_source",
     "spark_file_path",
+    "spark_metadata_path",
     "spark_input",
 ]
 
@@ -159,6 +160,13 @@ def spark_file_path(path: str) -> str:
         return urllib.parse.quote(p, safe="/")
     scheme, rest = p.split("://", 1)
     return f"{scheme}://{urllib.parse.quote(rest, safe='/')}"
+
+
+def spark_metadata_path(path: str) -> str:
+    """An input file as the text source's ``_metadata.file_path`` column holds it (a
+    local file with its ``file:`` scheme)."""
+    uri = spark_file_path(path)
+    return uri if _is_remote(path) else "file:" + uri
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import decimal
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["SEED", "hashable", "spark_xxhash64", "xxh64"]
+__all__ = ["SEED", "hashable", "signed", "spark_xxhash64", "xxh64"]
 
 SEED = 42
 _M = (1 << 64) - 1
@@ -80,7 +80,8 @@ def xxh64(data: bytes, seed: int) -> int:
     return h
 
 
-def _signed(h: int) -> int:
+def signed(h: int) -> int:
+    """An unsigned 64-bit hash as the signed long Spark shows."""
     return h - (1 << 64) if h >= 1 << 63 else h
 
 
@@ -130,4 +131,4 @@ def spark_xxhash64(values: Iterable[tuple[Any, str]]) -> int:
     for value, kind in values:
         if value is not None:
             h = xxh64(_bytes(value, kind), h)
-    return _signed(h & _M)
+    return signed(h & _M)
