@@ -12,8 +12,10 @@ installed by whoever runs it (:func:`install`), by default nothing. The ``tidefe
 command installs :func:`kill_at` from ``TIDEFEED_TEST_KILL_AT=STEP[:N]`` (SIGKILL the
 N-th time the process reaches STEP; the count is the part after the last colon:
 ``before_link:_commits:2`` is the second commit file), which is how the crash tests and
-the reliability harness reach real processes. Without a hook a point costs one global
-lookup."""
+the reliability harness reach real processes. ``TIDEFEED_TEST_PAUSE_AT=STEP[:N][,…]``
+installs :func:`pause_at` the same way (SIGSTOP there: a test sends its signals to a
+process it knows to be inside a transaction, then SIGCONT). Without a hook a point costs
+one global lookup."""
 
 from __future__ import annotations
 
@@ -21,9 +23,19 @@ import os
 import signal
 from collections.abc import Callable
 
-__all__ = ["KILL_ENV", "FaultHook", "install", "install_from_env", "kill_at", "maybe_die"]
+__all__ = [
+    "KILL_ENV",
+    "PAUSE_ENV",
+    "FaultHook",
+    "install",
+    "install_from_env",
+    "kill_at",
+    "maybe_die",
+    "pause_at",
+]
 
 KILL_ENV = "TIDEFEED_TEST_KILL_AT"
+PAUSE_ENV = "TIDEFEED_TEST_PAUSE_AT"
 #: called with the name of every fault point the process reaches
 FaultHook = Callable[[str], None]
 _hook: FaultHook | None = None
@@ -35,8 +47,8 @@ def install(hook: FaultHook | None) -> None:
     _hook = hook
 
 
-def kill_at(spec: str) -> FaultHook:
-    """A hook that SIGKILLs this process the N-th time it reaches STEP (``STEP[:N]``)."""
+def _nth(spec: str, act: Callable[[], None]) -> FaultHook:
+    """A hook that calls ``act`` the N-th time the process reaches STEP (``STEP[:N]``)."""
     name, _, nth = spec.rpartition(":")
     if not nth.isdigit():
         name, nth = spec, "1"
@@ -47,16 +59,41 @@ def kill_at(spec: str) -> FaultHook:
         if step == name:
             seen += 1
             if seen == want:
-                os.kill(os.getpid(), signal.SIGKILL)
+                act()
+
+    return hook
+
+
+def kill_at(spec: str) -> FaultHook:
+    """A hook that SIGKILLs this process the N-th time it reaches STEP (``STEP[:N]``)."""
+    return _nth(spec, lambda: os.kill(os.getpid(), signal.SIGKILL))
+
+
+def pause_at(specs: str) -> FaultHook:
+    """A hook that stops this process (SIGSTOP) at each ``STEP[:N]`` of the comma-separated
+    ``specs``; it goes on when sent SIGCONT, and signals sent to it meanwhile are handled
+    as it goes on, before the step's code runs."""
+    hooks = [_nth(s, lambda: os.kill(os.getpid(), signal.SIGSTOP)) for s in specs.split(",")]
+
+    def hook(step: str) -> None:
+        for h in hooks:
+            h(step)
 
     return hook
 
 
 def install_from_env() -> None:
-    """Install :func:`kill_at` when ``TIDEFEED_TEST_KILL_AT`` is set (the command line)."""
-    spec = os.environ.get(KILL_ENV)
-    if spec:
-        install(kill_at(spec))
+    """Install :func:`kill_at` or :func:`pause_at` when ``TIDEFEED_TEST_KILL_AT`` or
+    ``TIDEFEED_TEST_PAUSE_AT`` is set (the command line)."""
+    kill, pause = os.environ.get(KILL_ENV), os.environ.get(PAUSE_ENV)
+    hooks = [h for h in (kill and kill_at(kill), pause and pause_at(pause)) if h]
+    if hooks:
+
+        def hook(step: str) -> None:
+            for h in hooks:
+                h(step)
+
+        install(hook)
 
 
 def maybe_die(step: str) -> None:

@@ -3,6 +3,7 @@ shared SparkSession, and the markers ``make test-fast`` leaves out: ``spark`` (a
 uses the SparkSession) and ``process`` (a test that runs ``tidefeed`` processes)."""
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -53,24 +54,27 @@ def spark():
 
 
 def pytest_collection_finish(session):
-    """With processes to run, their JVMs map a class-data-sharing archive (built here the
-    first time, one short emit)."""
+    """With processes to run, their JVMs map a class-data-sharing archive: make's
+    (``TIDEFEED_JVM_ARCHIVE``), else one built here the first time (one short emit)."""
     if _OWN_SUBMIT_ARGS or not any(i.get_closest_marker("process") for i in session.items):
         return
-    from feed.emit.jvm_archive import ENV, jvm_options
+    from feed.emit.jvm_archive import ENV
     from tests import jvm_archive
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if jvm_options():
-        # (make's archive, named by TIDEFEED_JVM_ARCHIVE: every tidefeed process maps it
-        # already, and a JVM cannot dump an archive over one it maps)
+    made = os.environ.get(ENV)
+    if made and os.path.isfile(made):
+        # make's archive (make test names it): the test JVMs map it as well, and cannot
+        # dump one of their own over it (a JVM dumps a dynamic archive only over the
+        # JDK's base one)
+        archive: Path | None = Path(made)
         if reporter is not None:
-            reporter.write_line(f"tests: the test JVMs map ${ENV} ({os.environ[ENV]})")
-        return
-    built = jvm_archive.archive_path()
-    if built is not None and not built.exists() and reporter is not None:
-        reporter.write_line(f"tests: building the test JVMs' class archive {built} (once)")
-    archive = jvm_archive.ensure(SHORT_JVM_OPTIONS)
+            reporter.write_line(f"tests: the test JVMs map ${ENV} ({made})")
+    else:
+        built = jvm_archive.archive_path()
+        if built is not None and not built.exists() and reporter is not None:
+            reporter.write_line(f"tests: building the test JVMs' class archive {built} (once)")
+        archive = jvm_archive.ensure(SHORT_JVM_OPTIONS)
     if archive is None:
         if reporter is not None:
             reporter.write_line("tests: no class archive for the test JVMs; they load classes")

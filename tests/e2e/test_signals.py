@@ -15,6 +15,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from feed._faults import PAUSE_ENV
 from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 from feed.log.checkpoint import CheckpointStore
 from feed.log.reader import FeedReader
@@ -22,23 +23,18 @@ from feed.log.store import FeedLog
 from protocol import check_messages
 
 from ..feed.model import as_multiset, collection_of
-from .helpers import bank_emit_args, free_port, start, tidefeed, write_parts_at_transactions
+from .helpers import (
+    bank_emit_args,
+    free_port,
+    start,
+    tidefeed,
+    wait_stopped,
+    write_parts_at_transactions,
+)
 
 pytestmark = pytest.mark.slow
 
 BANK = generate_bank(transactions=30, seed=23)
-
-
-def wait_for_commit(log: Path, seq: int, proc: subprocess.Popen, timeout: float = 180) -> None:
-    store = CheckpointStore(FeedLog(str(log), "bank"))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        cp = store.latest()
-        if cp is not None and cp.seq >= seq:
-            return
-        assert proc.poll() is None, f"emit exited with {proc.returncode}"
-        time.sleep(0.05)
-    raise TimeoutError(f"no commit {seq}")
 
 
 def stderr_of(path: Path) -> str:
@@ -71,10 +67,12 @@ def assert_valid_then_whole_after_a_restart(src: Path, log: Path) -> None:
 def test_a_signal_during_emit_finishes_the_transaction_and_the_feed_restarts_whole(tmp_path, sig):
     src, files = bank_input(tmp_path, 4)
     log, err = tmp_path / "log", tmp_path / "emit.err"
-    proc = start(*bank_emit_args(src, log), log=err)
+    # stopped inside the second transaction, signalled there, then let go on
+    proc = start(*bank_emit_args(src, log), log=err, env={PAUSE_ENV: "after_read:2"})
     try:
-        wait_for_commit(log, 2, proc)  # the epoch claim, then the first transaction
-        proc.send_signal(sig)  # while a later transaction runs
+        wait_stopped(proc)
+        proc.send_signal(sig)
+        proc.send_signal(signal.SIGCONT)
         code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -84,22 +82,23 @@ def test_a_signal_during_emit_finishes_the_transaction_and_the_feed_restarts_who
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     assert "stopping after the transaction under way" in text
     cp = CheckpointStore(FeedLog(str(log), "bank")).latest()
-    assert cp is not None and cp.source["file"] < files[-1].name  # stopped before the end
+    # the epoch claim and two transactions committed: the one under way was finished
+    assert cp is not None and cp.seq == 3, text[-2000:]
+    assert cp.source["file"] == files[1].name
     assert_valid_then_whole_after_a_restart(src, log)
 
 
 def test_a_second_ctrl_c_abandons_the_transaction_at_once(tmp_path):
     src, _ = bank_input(tmp_path, 4)
     log, err = tmp_path / "log", tmp_path / "emit.err"
-    # in Spark, where the transaction's steps after "computing diffs" take seconds: on the
-    # driver they take milliseconds, and the second Ctrl-C could come after the end
-    args = bank_emit_args(src, log, "--log-level", "debug", "--driver-txn-bytes", "0")
-    proc = start(*args, log=err)
+    # the second transaction stops after its read, and again before its write
+    pauses = {PAUSE_ENV: "after_read:2,before_write:2"}
+    proc = start(*bank_emit_args(src, log), log=err, env=pauses)
     try:
-        wait_for_text(err, "txn 3: computing diffs", proc)  # inside the 2nd transaction
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
+        for _ in range(2):
+            wait_stopped(proc)
+            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGCONT)
         code = proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
@@ -107,6 +106,8 @@ def test_a_second_ctrl_c_abandons_the_transaction_at_once(tmp_path):
     text = stderr_of(err)
     assert code == 130 and "Traceback" not in text, text[-2000:]
     assert "stopping now; the transaction under way is rolled back at the next start" in text
+    cp = CheckpointStore(FeedLog(str(log), "bank")).latest()
+    assert cp is not None and cp.seq == 2, text[-2000:]  # the first transaction alone
     assert_valid_then_whole_after_a_restart(src, log)
 
 

@@ -1,5 +1,5 @@
 """Fault points (feed/_faults.py): the library calls a hook someone installed; only the
-``tidefeed`` command turns ``TIDEFEED_TEST_KILL_AT`` into one."""
+``tidefeed`` command turns ``TIDEFEED_TEST_KILL_AT`` or ``TIDEFEED_TEST_PAUSE_AT`` into one."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 from feed import _faults
+
+from ..e2e.helpers import wait_stopped
 
 
 def test_a_fault_point_calls_the_installed_hook_and_nothing_else(monkeypatch):
@@ -35,3 +37,27 @@ def test_kill_at_kills_the_nth_time_the_step_is_reached():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == -signal.SIGKILL, p.stderr
     assert p.stdout.split() == ["first", "others"]
+
+
+def test_pause_at_stops_at_each_step_and_a_signal_sent_meanwhile_is_handled_first():
+    code = (
+        "import signal, sys\n"
+        "from feed._faults import pause_at\n"
+        "signal.signal(signal.SIGUSR1, lambda *_: print('usr1', flush=True))\n"
+        "hook = pause_at('after_read:2,after_write')\n"
+        "hook('after_read'); print('read 1', flush=True)\n"
+        "hook('after_read'); print('read 2', flush=True)\n"
+        "hook('after_write'); print('written', flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(2):  # at the second after_read, then at after_write
+            wait_stopped(proc)
+            proc.send_signal(signal.SIGUSR1)
+            proc.send_signal(signal.SIGCONT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    assert out.split("\n") == ["read 1", "usr1", "read 2", "usr1", "written", ""]
