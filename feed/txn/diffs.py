@@ -203,9 +203,14 @@ def _new_state(
     if state is None:
         return new_rows
     carried = [c for c in (POS_COLUMN, GONE_COLUMN) if per_key and c in state.columns]
-    kept = state.join(
-        touched.select("k"), _key_of(F.col("data"), key) == F.col("k"), "left_anti"
-    ).select("data", *carried)
+    # (the key as a column of its own before the join: over state read by Python tasks,
+    # feed/txn/grouped.py:read_files, a condition on ``data``'s fields met a bug of Spark
+    # 4's nested column aliasing, INTERNAL_ERROR_ATTRIBUTE_NOT_FOUND in the anti join)
+    kept = (
+        state.select("*", _key_of(F.col("data"), key).alias("k"))
+        .join(touched.select("k"), "k", "left_anti")
+        .select("data", *carried)
+    )
     return kept.unionByName(new_rows, allowMissingColumns=True)
 
 

@@ -1,4 +1,5 @@
-"""Parquet files written by Spark's tasks with pyarrow, one per group and task.
+"""Parquet files written by Spark's tasks with pyarrow, one per group and task, and read
+back the same way.
 
 ``write_groups`` writes a DataFrame's rows to ``<root>/<prefix><g>/part-<random>.parquet``
 for each value ``g`` of an integer column (the column itself is left out of the files, as
@@ -13,6 +14,10 @@ has no native Hadoop library): about 7 ms a group, minutes for a backlog written
 per source transaction. The tasks write on the log's filesystem through pyarrow (a local
 path, or the log's URI: on a cluster, executors reach an ``s3://`` log with pyarrow's
 credentials, ``AWS_*`` in their environment).
+
+``read_files`` is the way back for a log that is not local: Spark's own Parquet reader would
+go through ``s3a://``, which needs the hadoop-aws jars the pyspark wheel does not carry, so
+the tasks read the named files through pyarrow and hand Spark their Arrow batches.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 
 from pyspark.sql import DataFrame
 
-__all__ = ["by_group", "strays", "write_groups"]
+__all__ = ["by_group", "read_files", "strays", "write_groups", "write_json_lines"]
 
 #: what each writing task returns for a file it wrote
 _WRITTEN = "grp long, file string, rows long"
@@ -94,6 +99,88 @@ def _write_task(
                 [pa.array(groups, pa.int64()), pa.array(files), pa.array(rows, pa.int64())],
                 names=["grp", "file", "rows"],
             )
+
+    return run
+
+
+def write_json_lines(df: DataFrame, store: str | None, folder: str) -> None:
+    """Write ``df``'s rows as JSON lines (a null field left out, as Spark's JSON writer
+    does) into ``folder``, a file per task, through pyarrow like :func:`write_groups`; the
+    folder holds exactly the files the tasks returned (a failed attempt's are deleted)."""
+    import pyarrow.fs as pafs
+
+    fs = pafs.FileSystem.from_uri(store)[0] if store else pafs.LocalFileSystem()
+    fs.delete_dir_contents(folder, missing_dir_ok=True)  # (an earlier attempt's, if any)
+    written = df.mapInArrow(_json_task(store, folder), _WRITTEN).collect()
+    named = [(0, r["file"], r["rows"]) for r in written]
+    for stray in strays(fs, folder, named):
+        fs.delete_file(stray)
+
+
+def _json_task(store: str | None, folder: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        import uuid
+
+        import orjson
+        import pyarrow as pa
+        import pyarrow.fs as pafs
+
+        fs = pafs.FileSystem.from_uri(store)[0] if store else pafs.LocalFileSystem()
+        path, rows, out = f"{folder}/part-{uuid.uuid4().hex}.json", 0, None
+        try:
+            for batch in batches:
+                for row in batch.to_pylist():
+                    if out is None:  # (a task with no rows writes no file)
+                        fs.create_dir(folder, recursive=True)
+                        out = fs.open_output_stream(path)
+                    out.write(orjson.dumps({k: v for k, v in row.items() if v is not None}))
+                    out.write(b"\n")
+                    rows += 1
+        finally:
+            if out is not None:
+                out.close()
+        if not rows:
+            return
+        yield pa.RecordBatch.from_arrays(
+            [pa.array([0], pa.int64()), pa.array([path]), pa.array([rows], pa.int64())],
+            names=["grp", "file", "rows"],
+        )
+
+    return run
+
+
+def read_files(spark: Any, store: str, files: list[str], schema: Any) -> DataFrame:
+    """The rows of the Parquet ``files`` (paths in the filesystem of ``store``, a URI) as a
+    DataFrame of ``schema`` (a Spark struct type), read by Spark's tasks through pyarrow; a
+    column a file lacks is null, as Spark's reader with a schema gives."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    arrow = to_arrow_schema(schema).serialize().to_pybytes()
+    paths = spark.createDataFrame([(f,) for f in files], "path string")
+    out: DataFrame = paths.mapInArrow(_read_task(store, arrow), schema)
+    return out
+
+
+def _read_task(store: str, schema: bytes) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """The function each task runs over its batches of paths. Runs on executors: it needs
+    nothing but pyarrow."""
+
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+        import pyarrow.fs as pafs
+        import pyarrow.parquet as pq
+
+        want = pa.ipc.read_schema(pa.py_buffer(schema))
+        fs = pafs.FileSystem.from_uri(store)[0]
+        for batch in batches:
+            for path in batch.column(0).to_pylist():
+                t = pq.read_table(path, filesystem=fs)
+                names = set(t.schema.names)
+                columns = [
+                    t.column(f.name).cast(f.type) if f.name in names else pa.nulls(len(t), f.type)
+                    for f in want
+                ]
+                yield from pa.Table.from_arrays(columns, schema=want).to_batches()
 
     return run
 

@@ -18,7 +18,7 @@ from typing import Any
 from feed.log.manifest import Segment
 from feed.log.store import FeedLog
 from feed.txn.context import Computed, TxnContext
-from feed.txn.grouped import by_group, write_groups
+from feed.txn.grouped import by_group, write_groups, write_json_lines
 
 __all__ = [
     "Written",
@@ -61,14 +61,14 @@ def write_transaction(
     if done.new_state is not None and done.loaded is not None:
         state_ref = ctx.state.write(seq, done.new_state, done.loaded)
     elif done.new_state is not None:  # successive snapshots: the last one, whole
-        state_ref = f"state/{ctx.state.attempt(seq)}"
-        done.new_state.select("data.*").write.parquet(ctx.spark_path(fl.path(state_ref)))
+        state_ref = ctx.state.write_whole(seq, done.new_state)
     if done.bad_rows:
-        done.bad.select(
+        bad = done.bad.select(
             F.col("_file").alias("file"),
             F.col("_raw").alias("raw"),
             F.col("_error").alias("reason"),
-        ).write.mode("overwrite").json(ctx.spark_path(fl.path("quarantine", str(seq))))
+        )
+        write_json_lines(bad, fl.store, fl.path("quarantine", str(seq)))
     return segments, state_ref
 
 

@@ -49,7 +49,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from feed.log.store import FeedLog
-from feed.txn.grouped import by_group, strays, write_groups
+from feed.txn.grouped import by_group, read_files, strays, write_groups
 from protocol import CheckpointError
 
 __all__ = [
@@ -172,8 +172,8 @@ class BucketedState:
         """The rows of these state folders (relative to the feed) as column ``data``, and
         with ``with_pos`` the source position of each key's last change as ``_pos`` (null
         in state written without positions)."""
-        paths = [self._spark_path(self.log.path(f)) for f in folders]
-        if not paths:
+        folders = list(folders)
+        if not folders:
             return None
         schema = T.StructType(
             [
@@ -182,7 +182,13 @@ class BucketedState:
                 T.StructField(GONE_COLUMN, T.BooleanType()),
             ]
         )
-        df = self._spark().read.schema(schema).parquet(*paths)
+        store = self.log.store
+        if store is None:
+            paths = [self._spark_path(self.log.path(f)) for f in folders]
+            df = self._spark().read.schema(schema).parquet(*paths)
+        else:  # (through pyarrow in the tasks: Spark's reader would need s3a:// and hadoop-aws)
+            files = [p for f in folders for p in self.log.parquet_files(self.log.path(f))]
+            df = read_files(self._spark(), store, files, schema)
         data = F.struct(*[F.col(c) for c in self.record_type.fieldNames()]).alias("data")
         gone = F.coalesce(F.col(GONE_COLUMN), F.lit(False))
         if not with_pos:
@@ -283,6 +289,26 @@ class BucketedState:
         for stray in strays(self.log.fs, root, written):  # a bucket's folder is read whole
             self.log.delete_file(stray)
         return self.publish(attempt, written, loaded)
+
+    def write_whole(self, seq: int, new_rows: DataFrame) -> str:
+        """Write ``new_rows`` (column ``data``) as a state of one folder, without buckets
+        or manifest (the next transaction reads it whole and buckets it); return its
+        reference. The tasks write through pyarrow, as :meth:`write`'s do."""
+        attempt = self.attempt(seq)
+        root = self.log.path("state", attempt)
+        rows = new_rows.select(F.lit(0).alias("_g"), "data.*")
+        written = write_groups(rows, "_g", self.log.store, root, _BUCKET_DIR)
+        for stray in strays(self.log.fs, root, written):
+            self.log.delete_file(stray)
+        folder = f"{root}/{_BUCKET_DIR}0"
+        if not written:  # no rows: a file of none, so the folder reads as an empty state
+            import pyarrow.parquet as pq
+            from pyspark.sql.pandas.types import to_arrow_schema
+
+            self.log.fs.create_dir(folder, recursive=True)
+            empty = to_arrow_schema(self.record_type).empty_table()
+            pq.write_table(empty, f"{folder}/part-empty.parquet", filesystem=self.log.fs)
+        return f"state/{attempt}/{_BUCKET_DIR}0"
 
     def attempt(self, seq: int) -> str:
         """A new attempt name for commit ``seq``'s state (see the module docstring)."""

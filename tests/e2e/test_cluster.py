@@ -7,6 +7,7 @@ run makes from the same input.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -205,3 +206,51 @@ def test_spark_submit_runs_the_emitter(tmp_path):
         for u in m.get("updates", []):
             got[record_key(u["data"])] = got.get(record_key(u["data"]), 0) + u["diff"]
     assert {k for k, v in got.items() if v} == {record_key(r) for r in bank.final.values()}
+
+
+def test_a_keyed_feed_with_its_log_on_s3_runs_on_the_cluster_without_hadoop_aws(cluster, tmp_path):
+    """The log in an S3 bucket (moto's server on 127.0.0.1), every transaction in the
+    cluster's executors: they write the segments and the keyed state and read the state
+    back through pyarrow, with the credentials docs/operations.md says to pass them
+    (``spark.executorEnv.AWS_*``). The pyspark wheel alone: no hadoop-aws anywhere."""
+    import pyarrow.fs as pafs
+    from moto import server as moto_server
+
+    from feed.log.reader import FeedReader
+
+    from ..feed.model import as_multiset, collection_of
+
+    master, _ = cluster
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        aws = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "us-east-1"}
+        query = f"endpoint_override={host}:{port}&scheme=http"
+        fs, _ = pafs.FileSystem.from_uri(f"s3://k:s@logs?{query}&allow_bucket_creation=true")
+        fs.create_dir("logs")
+        log = f"s3://logs/feeds?{query}"
+        bank = generate_bank(transactions=30, seed=24)
+        src = tmp_path / "in"
+        write_parts(src, bank.events, 3)
+        schema = tmp_path / "accounts.avsc"
+        schema.write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
+        executors = [x for k, v in aws.items() for x in ("--conf", f"spark.executorEnv.{k}={v}")]
+        run = tidefeed(
+            *("emit", "--source", f"debezium:{src}", "--feed", "bank", "--log", log),
+            *("--key", "id", "--clock", "logical", "--schema", str(schema)),
+            *("--master", master, "--max-files-per-txn", "1", "--driver-txn-bytes", "0"),
+            *executors,
+            env={"PYSPARK_PYTHON": sys.executable, **aws},
+        )
+        assert run.returncode == 0, run.stderr.decode()[-3000:]
+        commits = re.findall(rb": txn \d+: times .*", run.stderr)
+        assert len(commits) == 3, run.stderr.decode()[-3000:]  # three transactions
+        assert all(b" driver=" not in c for c in commits)  # each one in the executors
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in aws.items():
+                mp.setenv(k, v)
+            reader = FeedReader(log, "bank")
+            assert collection_of(reader) == as_multiset(bank.final.values())
+    finally:
+        server.stop()
