@@ -123,6 +123,8 @@ class Emitter(SchemaVersions):
             return self._open()
         except BaseException:
             self.close()  # (the lease goes: nothing was claimed)
+            if not self.feedlog.list_dir(self.feedlog.root):  # a new feed refused: no trace
+                self.feedlog.delete_dir(self.feedlog.root)
             raise
 
     def _open(self) -> Checkpoint:
