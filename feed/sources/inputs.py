@@ -39,14 +39,15 @@ from protocol import SourceError
 __all__ = [
     "FilePosition",
     "InputWindow",
+    "check_compressed",
     "edge_txn",
     "input_bytes",
     "input_lines",
     "list_files",
     "next_source",
     "spark_file_path",
-    "spark_metadata_path",
     "spark_input",
+    "spark_metadata_path",
 ]
 
 #: the filesystem of each store (``scheme://bucket``) a URI named, with the URI's options
@@ -133,6 +134,31 @@ def _tail(path: str, size: int) -> bytes:
     with fs.open_input_file(inner) as f:
         f.seek(max(0, f.size() - size))
         return bytes(f.read())
+
+
+#: the name endings Spark's readers take a codec from, with the bytes such data starts with
+_MAGIC = {
+    ".gz": ("gzip", b"\x1f\x8b"),
+    ".bz2": ("bzip2", b"BZh"),
+    ".zst": ("zstd", b"\x28\xb5\x2f\xfd"),
+}
+
+
+def check_compressed(files: Sequence[str]) -> None:
+    """Refuse an input file named as compressed whose first bytes are not that codec's:
+    Spark's codec would fail the whole transaction with an error naming no file."""
+    for path in files:
+        for ending, (codec, magic) in _MAGIC.items():
+            if not path.endswith(ending):
+                continue
+            fs, inner = _filesystem(path)
+            with fs.open_input_stream(inner, compression=None) as f:
+                head = bytes(f.read(len(magic)))
+            if head and head != magic:
+                raise SourceError(
+                    f"input file {path} is named {ending} but does not hold {codec} data (it "
+                    f"starts with {head!r}): compress it, or name it without {ending}"
+                )
 
 
 def input_bytes(files: Sequence[str]) -> int:

@@ -14,7 +14,7 @@ from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_type
 
 from feed.sources.connect import as_strings, typed_record
-from feed.sources.inputs import spark_file_path, spark_input
+from feed.sources.inputs import check_compressed, spark_file_path, spark_input
 from protocol import avro_to_arrow
 
 __all__ = [
@@ -70,6 +70,7 @@ def ordered_fields(fields: list[T.StructField], order: list[str]) -> list[T.Stru
 def read_text(spark: SparkSession, files: Sequence[str]) -> DataFrame:
     """Lines of ``files`` with their file, the file's index in ``files`` and a row id that
     grows with the line within each file (files are never split: see feed/emit/session.py)."""
+    check_compressed(files)
     index = F.create_map(
         *[x for i, p in enumerate(files) for x in (F.lit(spark_file_path(p)), F.lit(i))]
     )
@@ -110,6 +111,7 @@ def read_rows(spark: SparkSession, files: Sequence[str], columns: T.StructType) 
     """Table-shaped input (JSON lines, or Parquet for ``*.parquet``) as a struct column ``r``,
     with ``_mism`` naming the columns whose values do not fit their type."""
     json_files = [f for f in files if not f.endswith(".parquet")]
+    check_compressed(json_files)
     parquet_files = [f for f in files if f.endswith(".parquet")]
     parts = []
     if parquet_files:

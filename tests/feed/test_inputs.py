@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from feed.sources.inputs import FilePosition, InputWindow
 
 
@@ -79,3 +81,24 @@ def test_a_window_never_ends_between_two_files_of_one_source_transaction(tmp_pat
     # an upsert file's rows name no transaction: the limit alone decides
     assert KINDS["upsert"].line_txn is None
     assert InputWindow.first(files, 1, kind=KINDS["upsert"], whole_txns=True) == files[:1]
+
+
+def test_a_file_named_as_compressed_must_hold_that_codecs_data(tmp_path):
+    """Spark picks a codec by the name's ending and fails the whole transaction on data
+    of another kind, naming no file; the check names it before Spark reads."""
+    import bz2
+    import gzip
+
+    from feed.sources.inputs import check_compressed
+    from protocol import SourceError
+
+    good = [tmp_path / "a.json.gz", tmp_path / "b.json.bz2", tmp_path / "c.json"]
+    good[0].write_bytes(gzip.compress(b'{"x": 1}\n'))
+    good[1].write_bytes(bz2.compress(b'{"x": 1}\n'))
+    good[2].write_bytes(b'{"x": 1}\n')
+    check_compressed([str(p) for p in good])  # (no error)
+    for name, codec in (("d.json.gz", "gzip"), ("e.json.bz2", "bzip2"), ("f.json.zst", "zstd")):
+        bad = tmp_path / name
+        bad.write_bytes(b'{"x": 1}\n')
+        with pytest.raises(SourceError, match=rf"{bad} is named \.\w+ but does not hold {codec}"):
+            check_compressed([*map(str, good), str(bad)])
