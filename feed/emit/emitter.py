@@ -99,9 +99,13 @@ class Emitter(SchemaVersions):
     @property
     def spark(self) -> Any:
         if self._spark is None:
+            from feed.emit.reach import check_executors_see
             from feed.emit.session import get_spark
 
-            self._spark = get_spark(self.config.master, conf=dict(self.config.conf))
+            spark = get_spark(self.config.master, conf=dict(self.config.conf))
+            inputs = self.inputs.all_files() if self.config.kind.files else []
+            check_executors_see(spark, self.feedlog.local_root, inputs)  # (on a cluster)
+            self._spark = spark
         return self._spark
 
     def _require(self, state: State) -> None:

@@ -6,12 +6,15 @@ run makes from the same input.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -37,9 +40,11 @@ def wait_for_port(port: int, timeout: float = 90) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("cluster")
+@contextlib.contextmanager
+def standalone(logs: Path, hide: Path | None = None) -> Iterator[tuple[str, dict[str, str]]]:
+    """A master and a worker of 2 cores on 127.0.0.1: the master URL and the environment.
+    With ``hide``, the worker (and so its executors) runs in a mount namespace of its own
+    where an empty tmpfs covers ``hide``: a machine that does not share that folder."""
     env = dict(
         os.environ,
         SPARK_HOME=str(SPARK_HOME),
@@ -51,47 +56,19 @@ def cluster(tmp_path_factory):
     )
     spark_class = str(SPARK_HOME / "bin" / "spark-class")
     port, ui, wui = free_port(), free_port(), free_port()
+    master = [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1"]
+    master += ["--port", str(port), "--webui-port", str(ui)]
+    worker = [spark_class, "org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}"]
+    worker += ["--host", "127.0.0.1", "--cores", "2", "--memory", "2g", "--webui-port", str(wui)]
+    if hide is not None:
+        mount = f'mount -t tmpfs none "{hide}" && exec "$0" "$@"'
+        worker = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, *worker]
     procs = []
     with open(logs / "master.log", "wb") as m_out, open(logs / "worker.log", "wb") as w_out:
-        procs.append(
-            subprocess.Popen(
-                [
-                    spark_class,
-                    "org.apache.spark.deploy.master.Master",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--webui-port",
-                    str(ui),
-                ],
-                env=env,
-                stdout=m_out,
-                stderr=subprocess.STDOUT,
-            )
-        )
+        procs.append(subprocess.Popen(master, env=env, stdout=m_out, stderr=subprocess.STDOUT))
         try:
             wait_for_port(port)
-            procs.append(
-                subprocess.Popen(
-                    [
-                        spark_class,
-                        "org.apache.spark.deploy.worker.Worker",
-                        f"spark://127.0.0.1:{port}",
-                        "--host",
-                        "127.0.0.1",
-                        "--cores",
-                        "2",
-                        "--memory",
-                        "2g",
-                        "--webui-port",
-                        str(wui),
-                    ],
-                    env=env,
-                    stdout=w_out,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+            procs.append(subprocess.Popen(worker, env=env, stdout=w_out, stderr=subprocess.STDOUT))
             deadline = time.monotonic() + 90
             while b"Successfully registered with master" not in (logs / "worker.log").read_bytes():
                 if time.monotonic() > deadline:
@@ -106,6 +83,12 @@ def cluster(tmp_path_factory):
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with standalone(tmp_path_factory.mktemp("cluster")) as c:
+        yield c
 
 
 def test_emit_on_a_standalone_cluster_equals_local(cluster, tmp_path):
@@ -254,3 +237,37 @@ def test_a_keyed_feed_with_its_log_on_s3_runs_on_the_cluster_without_hadoop_aws(
             assert collection_of(reader) == as_multiset(bank.final.values())
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="a worker that does not see the driver's folders needs root and unshare(1)",
+)
+def test_a_log_and_input_the_executors_cannot_see_are_refused_before_any_work(tmp_path):
+    """The worker runs where the driver's folder is not mounted, as on another machine:
+    the emitter says which path its executors cannot see, and on which host, before the
+    transaction writes anything."""
+    shared = tmp_path / "not-shared"
+    src = shared / "in"
+    write_parts(src, generate_bank(transactions=10, seed=25).events, 1)
+    schema = tmp_path / "accounts.avsc"
+    schema.write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
+    (tmp_path / "spark").mkdir()
+    with standalone(tmp_path / "spark", hide=shared) as (master, _):
+        log = shared / "log"
+        run = tidefeed(
+            *("emit", "--source", f"debezium:{src}", "--feed", "bank", "--log", str(log)),
+            *("--key", "id", "--schema", str(schema), "--master", master),
+            *("--driver-txn-bytes", "0"),
+            env={"PYSPARK_PYTHON": sys.executable},
+        )
+    err = run.stderr.decode()
+    assert run.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"tidefeed emit: the log {log}/bank is not visible to Spark's"), last
+    assert f"executors on {socket.gethostname()} (master {master})" in last
+    assert "object store URI" in last and "Traceback" not in err
+    # the epoch's claim is all the feed holds, and the probe is gone
+    assert [p.name for p in (log / "bank" / "_commits").iterdir()] == [f"{1:020d}.json"]
+    assert not list((log / "bank").glob(".executor-probe-*"))
+    assert not (log / "bank" / "times").exists() or not any((log / "bank" / "times").iterdir())
