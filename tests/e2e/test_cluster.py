@@ -239,9 +239,19 @@ def test_a_keyed_feed_with_its_log_on_s3_runs_on_the_cluster_without_hadoop_aws(
         server.stop()
 
 
+def _can_hide() -> bool:
+    """Whether this process may give a child a mount namespace with a tmpfs of its own."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    tried = ["unshare", "--mount", "--propagation", "private", "mount", "-t", "tmpfs"]
+    done = subprocess.run([*tried, "none", "/mnt"], capture_output=True, timeout=30)
+    return done.returncode == 0
+
+
 @pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("unshare") is None,
-    reason="a worker that does not see the driver's folders needs root and unshare(1)",
+    not _can_hide(),
+    reason="a worker that does not see the driver's folders needs root, unshare(1) and "
+    "the right to mount in a new mount namespace",
 )
 def test_a_log_and_input_the_executors_cannot_see_are_refused_before_any_work(tmp_path):
     """The worker runs where the driver's folder is not mounted, as on another machine:
