@@ -194,12 +194,36 @@ def test_spark_tasks_write_grouped_files_into_the_store(bucket, spark):
     assert strays(fs, "inbox/log/_staging/1", written) == []
 
 
+def _keyed_emit(spark: Any, src: Path, log: str, engines: Any = None, **extra: Any) -> list[Any]:
+    """A batch emit of feed ``t`` (keyed on ``id``, a file per transaction) from the
+    Debezium files in ``src`` into ``log``; its reports."""
+    from feed.emit.emitter import Emitter, EmitterConfig
+    from feed.txn.engine import ENGINES
+
+    cfg = EmitterConfig(
+        source_kind="debezium",
+        source_path=str(src),
+        feed="t",
+        log=log,
+        key=("id",),
+        schema=ACCOUNTS_SCHEMA,
+        clock="logical",
+        max_files_per_txn=1,
+        **extra,
+    )
+    e = Emitter(cfg, spark=spark, engines=engines or ENGINES)
+    e.open()
+    try:
+        return e.run()
+    finally:
+        e.close()
+
+
 def test_a_keyed_feed_in_an_s3_log_takes_small_transactions_on_the_driver(bucket, spark, tmp_path):
     """A log in the store: the first transaction is Spark's (its input is over
     ``driver_txn_bytes``; its tasks write through pyarrow), the next one is computed on
     the driver (feed/txn/driver.py), which reads the state's buckets Spark wrote and
     writes new ones and the segments in the store; the feed reads back as the table."""
-    from feed.emit.emitter import Emitter, EmitterConfig
     from feed.log.reader import FeedReader
 
     uri, _ = bucket
@@ -215,21 +239,7 @@ def test_a_keyed_feed_in_an_s3_log_takes_small_transactions_on_the_driver(bucket
         {"before": gone, "after": None, "op": "d", "source": {"lsn": 501, "txId": 20}},
     ]
     (src / "b.json").write_bytes(b"\n".join(orjson.dumps(e) for e in later) + b"\n")
-    cfg = EmitterConfig(
-        source_kind="debezium",
-        source_path=str(src),
-        feed="t",
-        log=log,
-        key=("id",),
-        schema=ACCOUNTS_SCHEMA,
-        clock="logical",
-        max_files_per_txn=1,
-        driver_txn_bytes=(src / "b.json").stat().st_size,
-    )
-    e = Emitter(cfg, spark=spark)
-    e.open()
-    reports = e.run()
-    e.close()
+    reports = _keyed_emit(spark, src, log, driver_txn_bytes=(src / "b.json").stat().st_size)
     assert ["driver" in r.seconds for r in reports] == [False, True]
     rows = FeedReader(log, "t").snapshot().to_pylist()
     table = {r["id"]: (r["balance"], r["count"]) for r in rows}
@@ -242,7 +252,6 @@ def test_a_keyed_feed_in_an_s3_log_reads_its_state_back_in_spark_without_hadoop_
     """Every transaction in Spark, the log in the store: the second and third read the
     keyed state the first wrote. Spark's own reader would need s3a:// (hadoop-aws, not in
     the pyspark wheel); the tasks read the state's files through pyarrow instead."""
-    from feed.emit.emitter import Emitter, EmitterConfig
     from feed.log.reader import FeedReader
     from feed.txn.engine import SPARK
 
@@ -267,20 +276,7 @@ def test_a_keyed_feed_in_an_s3_log_reads_its_state_back_in_spark_without_hadoop_
         source = {"lsn": 500 + n, "txId": 20 + n}
         lines = [orjson.dumps({**e, "source": source}) for e in events]
         (src / f"{'bc'[n]}.json").write_bytes(b"\n".join(lines) + b"\n")
-    cfg = EmitterConfig(
-        source_kind="debezium",
-        source_path=str(src),
-        feed="t",
-        log=log,
-        key=("id",),
-        schema=ACCOUNTS_SCHEMA,
-        clock="logical",
-        max_files_per_txn=1,
-    )
-    e = Emitter(cfg, spark=spark, engines=(SPARK,))
-    e.open()
-    reports = e.run()
-    e.close()
+    reports = _keyed_emit(spark, src, log, engines=(SPARK,))
     assert [r.updates for r in reports] == [19, 3, 2]  # (an update is two, a delete one)
     rows = FeedReader(log, "t").snapshot().to_pylist()
     table = {r["id"]: (r["balance"], r["count"]) for r in rows}
