@@ -118,6 +118,9 @@ def write_json_lines(df: DataFrame, store: str | None, folder: str) -> None:
 
 
 def _json_task(store: str | None, folder: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """The function each task runs: its rows as one JSON-lines file in ``folder``, whose
+    path and row count it returns. Runs on executors: pyarrow and orjson."""
+
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         import uuid
 
