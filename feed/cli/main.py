@@ -224,8 +224,9 @@ def _spark_reason(e: BaseException) -> str:
     line = (reason or _one_line(e)).strip().splitlines()[0]
     if "S3AFileSystem" in line:
         line += (
-            " (Spark reads s3:// input and logs as s3a://, which needs the hadoop-aws jars: "
-            "see docs/operations.md)"
+            " (Spark's own readers read Parquet and Delta input, and an --eager push's "
+            "segments, in s3:// as s3a://, which needs the hadoop-aws jars: see "
+            "docs/operations.md)"
         )
     return line
 

@@ -43,8 +43,10 @@ __all__ = [
     "edge_txn",
     "input_bytes",
     "input_lines",
+    "is_remote",
     "list_files",
     "next_source",
+    "reopenable",
     "spark_file_path",
     "spark_input",
     "spark_metadata_path",
@@ -56,7 +58,8 @@ __all__ = [
 _STORES: dict[str, tuple[str, pafs.FileSystem]] = {}
 
 
-def _is_remote(path: str) -> bool:
+def is_remote(path: str) -> bool:
+    """Whether ``path`` is a store URI (``s3://…``), not a local path."""
     return "://" in path and not path.startswith("file://")
 
 
@@ -67,7 +70,7 @@ def _local(path: str) -> str:
 def _filesystem(path: str, what: str = "input") -> tuple[pafs.FileSystem, str]:
     """The filesystem of a local path or a store URI, and the path in it. A store is
     opened again only for a URI that gives other options."""
-    if not _is_remote(path):
+    if not is_remote(path):
         return pafs.LocalFileSystem(), _local(path)
     scheme, rest = path.split("://", 1)
     inner, _, options = rest.partition("?")
@@ -83,10 +86,21 @@ def _filesystem(path: str, what: str = "input") -> tuple[pafs.FileSystem, str]:
     return fs, opened
 
 
+def reopenable(path: str) -> str:
+    """A store file's URI with the options its store was opened with (the listing's
+    ``?endpoint_override=…``), so that another process (a Spark task) opens the store the
+    same way; a local path as it is."""
+    if not is_remote(path) or "?" in path:
+        return path
+    scheme, rest = path.split("://", 1)
+    cached = _STORES.get(f"{scheme}://{rest.split('/', 1)[0]}")
+    return f"{path}?{cached[0]}" if cached is not None and cached[0] else path
+
+
 def list_files(path: str, *, what: str = "source path") -> list[str]:
     """The input files of ``path`` (a file, or a folder's files not named ``.*``/``_*``),
     in name order: absolute paths, or ``scheme://bucket/key`` URIs for a store."""
-    if not _is_remote(path):
+    if not is_remote(path):
         full = _local(path)
         if os.path.isfile(full):
             return [full]
@@ -172,7 +186,7 @@ def input_bytes(files: Sequence[str]) -> int:
 
 def spark_input(path: str) -> str:
     """An input file as Spark reads it: Hadoop's ``s3a://`` for ``s3://``."""
-    if not _is_remote(path):
+    if not is_remote(path):
         return _local(path)
     scheme, rest = path.split("://", 1)
     return f"{'s3a' if scheme == 's3' else scheme}://{rest}"
@@ -192,7 +206,7 @@ def spark_metadata_path(path: str) -> str:
     """An input file as the text source's ``_metadata.file_path`` column holds it (a
     local file with its ``file:`` scheme)."""
     uri = spark_file_path(path)
-    return uri if _is_remote(path) else "file:" + uri
+    return uri if is_remote(path) else "file:" + uri
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,7 +374,7 @@ class InputWindow:
         they are small and say which transactions are complete."""
         if not self.tx_metadata:
             return []
-        if not _is_remote(self.tx_metadata) and not os.path.exists(_local(self.tx_metadata)):
+        if not is_remote(self.tx_metadata) and not os.path.exists(_local(self.tx_metadata)):
             # not there yet: a capture makes the folder with its first transaction (emit
             # --follow may start first; a batch emit is refused before this, in the CLI)
             self.tx_listed = []

@@ -14,7 +14,8 @@ from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_type
 
 from feed.sources.connect import as_strings, typed_record
-from feed.sources.inputs import check_compressed, spark_file_path, spark_input
+from feed.sources.inputs import check_compressed, is_remote, spark_file_path, spark_input
+from feed.sources.store_lines import read_store_text
 from protocol import avro_to_arrow
 
 __all__ = [
@@ -71,18 +72,23 @@ def read_text(spark: SparkSession, files: Sequence[str]) -> DataFrame:
     """Lines of ``files`` with their file, the file's index in ``files`` and a row id that
     grows with the line within each file (files are never split: see feed/emit/session.py)."""
     check_compressed(files)
-    index = F.create_map(
-        *[x for i, p in enumerate(files) for x in (F.lit(spark_file_path(p)), F.lit(i))]
-    )
-    df = spark.read.text([spark_input(f) for f in files]).select(
-        F.col("value").alias("_raw"), F.col("_metadata.file_path").alias("_file")
-    )
-    local = F.regexp_replace(F.col("_file"), r"^file:(//)?", "")
-    df = df.select(
-        "*",
-        index[local].cast("long").alias("ord_file"),
-        F.monotonically_increasing_id().alias("ord_row"),
-    ).where(F.trim("_raw") != "")  # (not length(trim(…)): it counts every line's characters)
+    df: DataFrame
+    if any(is_remote(f) for f in files):  # (through pyarrow: s3a:// needs hadoop-aws)
+        df = read_store_text(spark, files)
+    else:
+        index = F.create_map(
+            *[x for i, p in enumerate(files) for x in (F.lit(spark_file_path(p)), F.lit(i))]
+        )
+        df = spark.read.text([spark_input(f) for f in files]).select(
+            F.col("value").alias("_raw"), F.col("_metadata.file_path").alias("_file")
+        )
+        local = F.regexp_replace(F.col("_file"), r"^file:(//)?", "")
+        df = df.select(
+            "*",
+            index[local].cast("long").alias("ord_file"),
+            F.monotonically_increasing_id().alias("ord_row"),
+        )
+    df = df.where(F.trim("_raw") != "")  # (not length(trim(…)): it counts every character)
     return df
 
 

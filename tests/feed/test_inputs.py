@@ -102,3 +102,27 @@ def test_a_file_named_as_compressed_must_hold_that_codecs_data(tmp_path):
         bad.write_bytes(b'{"x": 1}\n')
         with pytest.raises(SourceError, match=rf"{bad} is named \.\w+ but does not hold {codec}"):
             check_compressed([*map(str, good), str(bad)])
+
+
+def test_store_lines_break_as_sparks_text_reader_does():
+    """Lines read by the tasks from a store (feed/sources/store_lines.py) break where
+    Spark's text reader breaks them (\\n, \\r\\n, a lone \\r; no empty line after the last
+    break), whatever the blocks; a byte that is not UTF-8 reads as U+FFFD."""
+    import random
+
+    from feed.sources.store_lines import split_lines
+
+    def spark_like(data: bytes) -> list[str]:
+        lines = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        if lines[-1] == b"":
+            lines.pop()
+        return [x.decode("utf-8", errors="replace") for x in lines]
+
+    rng = random.Random(7)
+    for _ in range(500):
+        data = bytes(rng.choice(b'a{"\r\n\xff\xc3\xa9') for _ in range(rng.randint(0, 40)))
+        cuts = sorted(rng.sample(range(len(data) + 1), k=min(len(data) + 1, rng.randint(0, 5))))
+        blocks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+        assert list(split_lines(b for b in blocks if b)) == spark_like(data), (data, blocks)
+    assert list(split_lines([b"a\r", b"\nb\r\r", b"c"])) == ["a", "b", "", "c"]
+    assert list(split_lines([b"\xc3", b"\xa9t\xff\n"])) == ["ét\ufffd"]

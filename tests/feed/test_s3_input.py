@@ -2,10 +2,10 @@
 
 The bucket is served by moto's S3 server on 127.0.0.1 (a real S3 API over HTTP, as MinIO
 or AWS would answer pyarrow). A small transaction's input is read through pyarrow by the
-driver engine, and the feed is made; Spark itself cannot read s3a:// here (the pyspark
-wheel has no hadoop-aws jars): a transaction in Spark over s3:// input ends in a one-line
-error and nothing committed. A log in the bucket needs no s3a://: Spark's tasks write it
-and read its keyed state back through pyarrow.
+driver engine, and the feed is made. Spark's own readers cannot read s3a:// here (the
+pyspark wheel has no hadoop-aws jars): a transaction in Spark reads the objects in its
+tasks through pyarrow, and a log in the bucket is written, and its keyed state read
+back, the same way.
 """
 
 from __future__ import annotations
@@ -113,12 +113,15 @@ def test_a_missing_prefix_is_an_error_naming_it(bucket):
         list_files(missing)
 
 
-def _emit(uri: str, env: dict[str, str], tmp_path: Path, *extra: str) -> Any:
+def _emit(
+    uri: str, env: dict[str, str], tmp_path: Path, *extra: str, kind: str = "debezium"
+) -> Any:
+    tmp_path.mkdir(exist_ok=True)
     schema = tmp_path / "schema.avsc"
     schema.write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
     return subprocess.run(
         [
-            *(sys.executable, "-m", "feed.cli.main", "emit", "--source", f"debezium:{uri}"),
+            *(sys.executable, "-m", "feed.cli.main", "emit", "--source", f"{kind}:{uri}"),
             *("--feed", "t", "--log", str(tmp_path / "log"), "--key", "id"),
             *("--schema", str(schema), *extra),
         ],
@@ -147,12 +150,40 @@ def test_a_small_emit_from_s3_reads_through_pyarrow_without_hadoop_aws(bucket, t
     assert collection_of(FeedReader(str(tmp_path / "log"), "t")) == as_multiset(rows)
 
 
-@pytest.mark.process  # a tidefeed process with its own JVM
-def test_emit_from_s3_without_hadoop_aws_says_so_and_commits_nothing(bucket, tmp_path):
+@pytest.mark.process  # two tidefeed processes, one with its own JVM
+def test_an_emit_from_s3_through_spark_reads_in_its_tasks_without_hadoop_aws(bucket, tmp_path):
+    """Forced through Spark, the same input gives the same feed: Spark's tasks read the
+    objects through pyarrow (feed/sources/store_lines.py), not Spark's s3a:// reader."""
+    from feed.log.reader import FeedReader
+
     uri, env = bucket
+    driver = _emit(uri, env, tmp_path / "driver", "--clock", "logical")
+    spark = _emit(uri, env, tmp_path / "spark", "--clock", "logical", "--driver-txn-bytes", "0")
+    assert driver.returncode == 0 and spark.returncode == 0, spark.stderr[-2000:]
+    assert "spark 4" in spark.stderr and " driver=" not in spark.stderr  # (in Spark)
+
+    def feed(log: Path) -> dict[int, list[Any]]:
+        reader = FeedReader(str(log), "t")
+        return {t: sorted(map(repr, reader.table(t).to_pylist())) for t in reader.times()}
+
+    assert feed(tmp_path / "spark" / "log") == feed(tmp_path / "driver" / "log") != {}
+
+
+@pytest.mark.process  # a tidefeed process with its own JVM
+def test_a_parquet_input_in_s3_without_hadoop_aws_says_so_and_commits_nothing(bucket, tmp_path):
+    """Parquet input is still read by Spark's own reader, as s3a://: without the
+    hadoop-aws jars that is one line saying what to install, and nothing committed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    uri, env = bucket
+    fs, _ = pafs.FileSystem.from_uri(uri)
+    rows = pa.table({"id": [1, 2], "owner": ["a", "b"], "balance": [1, 2]})
+    pq.write_table(rows, "inbox/parquet/part-1.parquet", filesystem=fs)
     log = tmp_path / "log"
-    run = _emit(uri, env, tmp_path, "--driver-txn-bytes", "0")  # (through Spark)
-    assert run.returncode != 0
+    source = uri.replace("inbox/cdc", "inbox/parquet")
+    run = _emit(source, env, tmp_path, "--order", "balance", kind="upsert")
+    assert run.returncode == 1
     last = run.stderr.strip().splitlines()[-1]
     assert "S3AFileSystem" in last and "hadoop-aws" in last, run.stderr[-2000:]
     # the epoch's claim is all the log holds: no time, no consumed file
