@@ -45,6 +45,10 @@ def _parse_source(spec: str, args: argparse.Namespace) -> tuple[SourceKind, str]
                     f"tidefeed emit: {flag}{f' (from ${variable})' if variable else ''} is an "
                     f"option of {other.name} sources; --source {name}: does not take it"
                 )
+    for option, what in kind.required:  # (said now, not once Spark has started)
+        if not getattr(args, option):
+            flag = "--" + option.replace("_", "-")
+            raise UsageError(f"tidefeed emit: --source {name}: needs {flag} ({what})")
     return kind, path
 
 

@@ -52,6 +52,8 @@ class SourceKind:
     line_txn: str | None = None
     #: the ``tidefeed emit`` options only this kind takes (EmitterConfig field names)
     options: tuple[str, ...] = ()
+    #: the options this kind cannot go without, each with what its value says
+    required: tuple[tuple[str, str], ...] = ()
 
 
 KINDS: dict[str, SourceKind] = {
@@ -66,7 +68,16 @@ KINDS: dict[str, SourceKind] = {
             options=("table", "tx_metadata"),
         ),
         SourceKind("cdf", "cdf", versions=True, per_key=True, line_txn="commit_version"),
-        SourceKind("upsert", "upsert", per_key=True, options=("order", "deleted")),
+        SourceKind(
+            "upsert",
+            "upsert",
+            per_key=True,
+            options=("order", "deleted"),
+            required=(
+                ("key", "the column(s) a row is upserted by"),
+                ("order", "what orders the upserts"),
+            ),
+        ),
         SourceKind("snapshot", "snapshot", whole_table=True),
         SourceKind("weighted", "weighted"),
         SourceKind("delta", "cdf", files=False, per_key=True, own_schema=True),

@@ -162,6 +162,15 @@ def test_unknown_option_value_is_a_usage_error():
             ("emit", "--source", "upsert:.", "--feed", "f", "--log", "l", "--tx-metadata", "m"),
             b"--tx-metadata is an option of debezium sources",
         ),
+        # what a kind cannot go without is said before Spark starts, not after
+        (
+            ("emit", "--source", "upsert:.", "--feed", "f", "--log", "l"),
+            b"tidefeed emit: --source upsert: needs --key (the column(s) a row is upserted by)",
+        ),
+        (
+            ("emit", "--source", "upsert:.", "--feed", "f", "--log", "l", "--key", "id"),
+            b"--source upsert: needs --order (what orders the upserts)",
+        ),
         (
             ("capture", "postgres", "--dsn", "d", "--table", "t", "--out", "o", "--debezium", "x"),
             b"KEY=VALUE",
