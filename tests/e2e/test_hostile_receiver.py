@@ -122,6 +122,8 @@ def _closed_within(port: int, seconds: float) -> float:
                     return time.monotonic() - began
             except TimeoutError:
                 pass
+            except ConnectionError:  # closed with bytes of ours unread: a reset, not a FIN
+                return time.monotonic() - began
             if time.monotonic() - began > seconds:
                 break
     finally:
