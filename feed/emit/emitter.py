@@ -103,8 +103,8 @@ class Emitter(SchemaVersions):
             from feed.emit.session import get_spark
 
             spark = get_spark(self.config.master, conf=dict(self.config.conf))
-            inputs = self.inputs.all_files() if self.config.kind.files else []
-            check_executors_see(spark, self.feedlog.local_root, inputs)  # (on a cluster)
+            files = self.inputs.all_files if self.config.kind.files else list
+            check_executors_see(spark, self.feedlog.local_root, files)  # (on a cluster)
             self._spark = spark
         return self._spark
 

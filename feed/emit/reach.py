@@ -16,18 +16,22 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from feed.sources.inputs import is_remote
 from protocol import SourceError
 
 __all__ = ["check_executors_see"]
 
 
-def check_executors_see(spark: Any, log_folder: str | None, inputs: Sequence[str]) -> None:
+def check_executors_see(
+    spark: Any, log_folder: str | None, inputs: Callable[[], Sequence[str]]
+) -> None:
     """Refuse a local log folder (``log_folder``; None: the log is in a store) or local
-    input files (``inputs``: those of the run, the first is looked at) that the executors
-    of a non-local master do not see as the driver does."""
+    input files (``inputs()``: those of the run, listed only on a non-local master; the
+    first is looked at) that the executors of a non-local master do not see as the
+    driver does."""
     master = str(spark.sparkContext.master)
     if master.startswith("local"):
         return
@@ -40,7 +44,7 @@ def check_executors_see(spark: Any, log_folder: str | None, inputs: Sequence[str
         with open(probe, "w") as f:
             f.write(token)
         probes.append(("log", probe, token))
-    local = [p for p in inputs if "://" not in p or p.startswith("file://")]
+    local = [p for p in inputs() if not is_remote(p)]
     if local:
         first = local[0].removeprefix("file://")
         probes.append(("source path", first, os.path.getsize(first)))

@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from feed.sources.inputs import reopenable, spark_file_path
+from feed.sources.inputs import is_remote, reopenable, spark_file_path
 from protocol import SourceError
 
 __all__ = ["LINE_COLUMNS", "read_store_text", "split_lines"]
@@ -58,7 +58,7 @@ def _file_lines(uri: str, name: str, index: int) -> Iterator[Any]:
     import pyarrow as pa
     import pyarrow.fs as pafs
 
-    if "://" in uri and not uri.startswith("file://"):
+    if is_remote(uri):
         fs, inner = pafs.FileSystem.from_uri(uri)
     else:
         fs, inner = pafs.LocalFileSystem(), uri.removeprefix("file://")

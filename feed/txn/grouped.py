@@ -58,12 +58,11 @@ def _write_task(
 
         import numpy as np
         import pyarrow as pa
-        import pyarrow.fs as pafs
         import pyarrow.parquet as pq
 
         from feed.log.store import PARQUET_PAGES
 
-        fs = pafs.FileSystem.from_uri(store)[0] if store else pafs.LocalFileSystem()
+        fs = store_fs(store)
         groups: list[int] = []
         files: list[str] = []
         rows: list[int] = []
@@ -107,9 +106,8 @@ def write_json_lines(df: DataFrame, store: str | None, folder: str) -> None:
     """Write ``df``'s rows as JSON lines (a null field left out, as Spark's JSON writer
     does) into ``folder``, a file per task, through pyarrow like :func:`write_groups`; the
     folder holds exactly the files the tasks returned (a failed attempt's are deleted)."""
-    import pyarrow.fs as pafs
 
-    fs = pafs.FileSystem.from_uri(store)[0] if store else pafs.LocalFileSystem()
+    fs = store_fs(store)
     fs.delete_dir_contents(folder, missing_dir_ok=True)  # (an earlier attempt's, if any)
     written = df.mapInArrow(_json_task(store, folder), _WRITTEN).collect()
     named = [(0, r["file"], r["rows"]) for r in written]
@@ -126,9 +124,8 @@ def _json_task(store: str | None, folder: str) -> Callable[[Iterator[Any]], Iter
 
         import orjson
         import pyarrow as pa
-        import pyarrow.fs as pafs
 
-        fs = pafs.FileSystem.from_uri(store)[0] if store else pafs.LocalFileSystem()
+        fs = store_fs(store)
         path, rows, out = f"{folder}/part-{uuid.uuid4().hex}.json", 0, None
         try:
             for batch in batches:
@@ -186,6 +183,14 @@ def _read_task(store: str, schema: bytes) -> Callable[[Iterator[Any]], Iterator[
                 yield from pa.Table.from_arrays(columns, schema=want).to_batches()
 
     return run
+
+
+def store_fs(store: str | None) -> Any:
+    """The pyarrow filesystem of ``store`` (a URI; None: the local disk), opened where it
+    is called: on the driver, or in a task."""
+    import pyarrow.fs as pafs
+
+    return pafs.FileSystem.from_uri(store)[0] if store else pafs.LocalFileSystem()
 
 
 def by_group(written: list[tuple[int, str, int]]) -> dict[int, tuple[list[str], int]]:
