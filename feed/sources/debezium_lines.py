@@ -13,7 +13,8 @@ PostgreSQL's ``timestamptz`` (ISO text with an offset); the values are typed by
 Anything else it declines, naming why, and the caller parses with Spark as before: a line
 that is not a JSON object (or ``null``), a value whose JSON type is not the plain one for
 its column (Spark would cast text, or quarantine), a bad row of any kind (Spark's error
-text is the one users see), a compressed file, a column of another type. Declining is
+text is the one users see), a file compressed by a Hadoop codec (gzip, bzip2 and zstd
+are read), a column of another type. Declining is
 never wrong, only slower.
 
 Two columns differ on purpose: a skipped line's images are null here (Spark types an
@@ -43,7 +44,7 @@ from feed.sources.debezium import (
     SKIP_TOMBSTONE,
     SKIP_TX_METADATA,
 )
-from feed.sources.inputs import input_lines, spark_metadata_path
+from feed.sources.inputs import HADOOP_ONLY, input_lines, spark_metadata_path
 from feed.sources.sparkhash import SEED, hashable, signed, spark_xxhash64, xxh64
 
 __all__ = ["Declined", "parse_lines", "shape_sample"]
@@ -272,8 +273,8 @@ def parse_lines(
         raise Declined("a key column of a type hashed by Spark only")
     rows: list[dict[str, Any]] = []
     for i, path in enumerate(files):
-        if path.endswith((".gz", ".bz2", ".deflate", ".lz4", ".snappy", ".zst")):
-            raise Declined(f"{path}: compressed")
+        if path.endswith(HADOOP_ONLY):
+            raise Declined(f"{path}: compressed by a Hadoop codec")
         name = spark_metadata_path(path)
         for n, raw in enumerate(input_lines(path)):
             line = raw[:-1] if raw.endswith(b"\r") else raw

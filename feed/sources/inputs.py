@@ -21,6 +21,7 @@ reads the same files under its own name for the store (``s3a://`` for ``s3://``)
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import urllib.parse
@@ -37,6 +38,7 @@ from feed.sources.registry import SourceKind
 from protocol import SourceError
 
 __all__ = [
+    "HADOOP_ONLY",
     "FilePosition",
     "InputWindow",
     "check_compressed",
@@ -130,16 +132,31 @@ def list_files(path: str, *, what: str = "source path") -> list[str]:
 
 
 def input_lines(path: str) -> Generator[bytes, None, None]:
-    """The lines of an input file, read in blocks of 1 MiB (local or in a store)."""
+    """The lines of an input file, read in blocks of 1 MiB (local or in a store), a file
+    compressed with gzip, bzip2 or zstd decompressed by its name as Spark's reader does
+    (one compressed by a Hadoop codec pyarrow does not read is refused, by name)."""
     fs, inner = _filesystem(path)
-    with fs.open_input_stream(inner, compression=None) as f:
-        rest = b""
-        while block := f.read(1 << 20):
-            lines = (rest + block).split(b"\n")
-            rest = lines.pop()
-            yield from lines
-        if rest:
-            yield rest
+    codec = _codec(path)
+    try:
+        with fs.open_input_stream(inner, compression=codec) as f:
+            rest = b""
+            while block := f.read(1 << 20):
+                lines = (rest + block).split(b"\n")
+                rest = lines.pop()
+                yield from lines
+            if rest:
+                yield rest
+    except (OSError, pa.ArrowInvalid) as e:
+        if codec is None:
+            raise
+        raise SourceError(f"input file {path} could not be decompressed ({codec}): {e}") from e
+
+
+def _codec(path: str) -> str | None:
+    """pyarrow's name of the codec Spark's reader takes from ``path``'s name, if any."""
+    if path.endswith(HADOOP_ONLY):
+        raise SourceError(f"input file {path}: a Hadoop codec only Spark reads (give --schema)")
+    return next((c for e, c in _PYARROW_CODECS.items() if path.endswith(e)), None)
 
 
 def _tail(path: str, size: int) -> bytes:
@@ -149,6 +166,10 @@ def _tail(path: str, size: int) -> bytes:
         f.seek(max(0, f.size() - size))
         return bytes(f.read())
 
+
+#: the name endings of Hadoop codecs Spark reads and pyarrow does not
+HADOOP_ONLY = (".deflate", ".lz4", ".snappy")
+_PYARROW_CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 
 #: the name endings Spark's readers take a codec from, with the bytes such data starts with
 _MAGIC = {
@@ -333,8 +354,10 @@ def edge_txn(kind: SourceKind, path: str, *, last: bool) -> str | None:
         return None
     txn_of = _LINE_TXN[kind.line_txn]
     try:
-        if last:
+        if last and _codec(path) is None:
             lines = [x for x in _tail(path, 1 << 20).splitlines() if x.strip()][::-1]
+        elif last:  # (a compressed stream has no end to seek to: read through)
+            lines = [*collections.deque((x for x in input_lines(path) if x.strip()), 100)][::-1]
         else:
             head = input_lines(path)
             lines = [x for x in itertools.islice(head, 100) if x.strip()]

@@ -51,7 +51,7 @@ from pyspark.sql import types as T
 from feed.sources.connect import as_strings, typed_record
 from feed.sources.debezium import read_debezium
 from feed.sources.debezium_schema import debezium_schema
-from feed.sources.inputs import input_lines, spark_input
+from feed.sources.inputs import HADOOP_ONLY, input_lines, spark_input
 from feed.sources.rows import (
     CORRUPT,
     PARSE_OPTIONS,
@@ -124,6 +124,8 @@ def infer_record_schema(
 
 def _in_first_row_order(fields: list[T.StructField], files: Sequence[str]) -> list[T.StructField]:
     """``fields`` (sorted by name, as Spark infers JSON) in the key order of the first row."""
+    if files[0].endswith(HADOOP_ONLY):  # (text only Spark reads: its order)
+        return fields
     for line in input_lines(files[0]):
         with contextlib.suppress(orjson.JSONDecodeError):
             row = orjson.loads(line)

@@ -18,14 +18,13 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from feed.sources.inputs import is_remote, reopenable, spark_file_path
+from feed.sources.inputs import HADOOP_ONLY, is_remote, reopenable, spark_file_path
 from protocol import SourceError
 
 __all__ = ["LINE_COLUMNS", "read_store_text", "split_lines"]
 
 #: the columns of the lines, as :func:`feed.sources.rows.read_text` gives them
 LINE_COLUMNS = "_raw string, _file string, ord_file long, ord_row long"
-_HADOOP_ONLY = (".deflate", ".lz4", ".snappy")
 _BATCH = 65_536  # lines per Arrow batch handed to Spark
 
 
@@ -33,7 +32,7 @@ def read_store_text(spark: Any, files: Sequence[str]) -> Any:
     """The lines of ``files`` (some or all in a store) as a DataFrame of
     :data:`LINE_COLUMNS`, read by Spark's tasks (see the module docstring)."""
     for path in files:
-        if path.endswith(_HADOOP_ONLY):
+        if path.endswith(HADOOP_ONLY):
             raise SourceError(
                 f"input file {path} is compressed with a Hadoop codec that input in an "
                 "object store cannot be read with (gzip, bzip2 and zstd can): decompress it"

@@ -233,3 +233,24 @@ def test_spark_xxhash64_of_rows_of_every_hashed_type(spark):
     for r, h in zip(t.to_pylist(), hashed.to_pylist(), strict=True):
         assert spark_xxhash64([(r[c], kinds[c]) for c in cols]) == h["h"]
         assert spark_xxhash64([(r["n"], kinds["n"]), (r["s"], kinds["s"])]) == h["ns"]
+
+
+def test_compressed_input_parses_as_spark_parses_it(spark, tmp_path):
+    """A gzip, bzip2 or zstd file is read as its text by both parses (Spark by its codecs,
+    the driver through pyarrow)."""
+    import bz2
+    import gzip
+
+    import pyarrow as pa
+
+    from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
+
+    text = b"\n".join(generate_bank(transactions=20, seed=5).events) + b"\n"
+    (tmp_path / "a.json.gz").write_bytes(gzip.compress(text))
+    (tmp_path / "b.json.bz2").write_bytes(bz2.compress(text))
+    with pa.CompressedOutputStream(str(tmp_path / "c.json.zst"), "zstd") as out:
+        out.write(text)
+    files = sorted(tmp_path.glob("*.json.*"))
+    ours, theirs = _both(spark, files, ACCOUNTS_SCHEMA, ["id"], "public.accounts", buckets=4)
+    assert ours == theirs
+    assert len(ours) == 3 * text.count(b"\n")

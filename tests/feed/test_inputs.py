@@ -126,3 +126,49 @@ def test_store_lines_break_as_sparks_text_reader_does():
         assert list(split_lines(b for b in blocks if b)) == spark_like(data), (data, blocks)
     assert list(split_lines([b"a\r", b"\nb\r\r", b"c"])) == ["a", "b", "", "c"]
     assert list(split_lines([b"\xc3", b"\xa9t\xff\n"])) == ["ét\ufffd"]
+
+
+def test_compressed_input_is_read_as_its_text_without_spark(tmp_path):
+    """Spark reads a ``.gz``, ``.bz2`` or ``.zst`` input file as its text; what tidefeed
+    reads of a file itself (its lines, the source transaction at its edges, the
+    Connect schema of its first event) does the same, and a Hadoop-only codec is refused
+    by name where it used to read the compressed bytes as lines."""
+    import bz2
+    import gzip
+    import shutil
+
+    import pyarrow as pa
+
+    from feed.demo.data import generate_bank
+    from feed.sources.debezium_schema import debezium_schema
+    from feed.sources.inputs import edge_txn, input_lines
+    from feed.sources.registry import KINDS
+    from protocol import SourceError
+
+    text = b"\n".join(generate_bank(transactions=40, seed=3, wrapped_every=1).events) + b"\n"
+    plain = tmp_path / "plain.json"
+    plain.write_bytes(text)
+    packed = {"gz": gzip.compress(text), "bz2": bz2.compress(text), "zst": b""}
+    expected = list(input_lines(str(plain)))
+    assert len(expected) > 10 and expected[0].startswith(b"{")
+    schema = debezium_schema(lambda: pytest.fail("Spark is not needed"), [str(plain)], None)
+    edges = [edge_txn(KINDS["debezium"], str(plain), last=last) for last in (False, True)]
+    assert all(edges), edges
+    for ending, data in packed.items():
+        f = tmp_path / f"in.json.{ending}"
+        if ending == "zst":
+            with pa.CompressedOutputStream(str(f), "zstd") as out:
+                out.write(text)
+        else:
+            f.write_bytes(data)
+        assert list(input_lines(str(f))) == expected, ending
+        assert [edge_txn(KINDS["debezium"], str(f), last=last) for last in (False, True)] == edges
+        assert debezium_schema(lambda: pytest.fail("Spark"), [str(f)], None) == schema
+    hadoop = tmp_path / "in.json.lz4"
+    shutil.copy(plain, hadoop)
+    with pytest.raises(SourceError, match=rf"{hadoop}: a Hadoop codec only Spark reads"):
+        list(input_lines(str(hadoop)))
+    broken = tmp_path / "broken.json.gz"
+    broken.write_bytes(packed["gz"][: len(packed["gz"]) // 2])
+    with pytest.raises(SourceError, match=rf"{broken} could not be decompressed \(gzip\)"):
+        list(input_lines(str(broken)))
