@@ -71,6 +71,9 @@ class Lease:
         }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: the token of the lease this one took over: a late renewal of that holder may
+        #: still write over this lease once, and is written over again
+        self._took: str | None = None
 
     def _read(self) -> dict[str, Any] | None:
         return read_lease(self.feedlog)  # none, or a torn write: no live holder to name
@@ -104,19 +107,33 @@ class Lease:
                     "--take-over to take the feed from it (it stops at its next commit)"
                 )
             self.log.warning("feed %s: taking it over from %s", self.feedlog.feed, who)
+            self._took = held.get("token")
         self._write()
         self._thread = threading.Thread(target=self._renew, daemon=True, name="tidefeed-lease")
         self._thread.start()
 
     def _renew(self) -> None:
-        while not self._stop.wait(RENEW_SECONDS):
-            d = self._read()
-            if d is not None and d.get("token") != self.me["token"]:
-                return  # taken over: leave it to the new holder
-            try:
-                self._write()
-            except OSError as e:  # the log is away for a moment: the next turn tries again
-                self.log.warning("feed %s: cannot renew its lease: %s", self.feedlog.feed, e)
+        while not self._stop.wait(RENEW_SECONDS) and self.renew_once():
+            pass
+
+    def renew_once(self) -> bool:
+        """One renewal; False once another emitter took the feed over (left to it). The
+        holder this one took over from may have read its lease just before the take-over
+        and renewed it just after: that write is written over here, not obeyed."""
+        d = self._read()
+        theirs = d is not None and d.get("token") != self.me["token"]
+        if theirs and (d or {}).get("token") != self._took:
+            return False  # taken over: leave it to the new holder
+        if theirs:
+            self.log.warning(
+                "feed %s: its lease was renewed by the emitter it took over from; taken back",
+                self.feedlog.feed,
+            )
+        try:
+            self._write()
+        except OSError as e:  # the log is away for a moment: the next turn tries again
+            self.log.warning("feed %s: cannot renew its lease: %s", self.feedlog.feed, e)
+        return True
 
     def release(self) -> None:
         self._stop.set()

@@ -115,6 +115,31 @@ def test_a_held_lease_is_renewed_and_left_to_one_that_took_it(fl, monkeypatch):
     assert _holder(fl)["token"] == "theirs"
 
 
+def test_a_late_renewal_of_the_holder_taken_over_is_taken_back(fl):
+    """The old holder read its own lease just before a take-over and writes its renewal
+    just after it: the new holder's next renewal writes its lease back (it used to
+    leave the feed to the old one, which then stopped at its next commit and deleted
+    the lease, leaving the feed without one), and the old holder then yields."""
+    old = Lease(fl, take_over=False, log=LOG)
+    old._write()  # (held without its renewing thread: the turns are taken by hand)
+    new = Lease(fl, take_over=True, log=LOG)
+    new.me["pid"] = old.me["pid"] + 1  # (another process's, as far as the lease can tell)
+    old.me["host"] = new.me["host"] = "elsewhere"
+    old._write()
+    new.acquire()
+    new._stop.set()  # (its thread stops: the turns below are taken by hand)
+    assert _holder(fl)["token"] == new.me["token"]
+    old._write()  # the old holder's renewal, read before the take-over
+    assert new.renew_once() is True
+    assert _holder(fl)["token"] == new.me["token"]
+    assert old.renew_once() is False  # the old holder yields at its next turn
+    assert _holder(fl)["token"] == new.me["token"]
+    # a third emitter's take-over is obeyed as before
+    _lease_file(fl, token="third")
+    assert new.renew_once() is False
+    assert _holder(fl)["token"] == "third"
+
+
 @pytest.mark.slow
 def test_a_second_emit_is_refused_while_the_first_follows_and_not_once_it_is_killed(tmp_path):
     """Real processes: an ``emit --follow`` holds the feed; a second ``emit`` of it says
