@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from feed.sources.inputs import is_remote
+from feed.sources.stores import is_remote
 from protocol import SourceError
 
 __all__ = ["check_executors_see"]

@@ -24,7 +24,7 @@ input. tests/feed/test_debezium_lines.py compares both parses line for line.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import orjson
@@ -44,8 +44,10 @@ from feed.sources.debezium import (
     SKIP_TOMBSTONE,
     SKIP_TX_METADATA,
 )
-from feed.sources.inputs import HADOOP_ONLY, input_lines, spark_metadata_path
+from feed.sources.file_text import HADOOP_ONLY, input_lines
+from feed.sources.inputs import spark_metadata_path
 from feed.sources.sparkhash import SEED, hashable, signed, spark_xxhash64, xxh64
+from protocol import SourceError
 
 __all__ = ["Declined", "parse_lines", "shape_sample"]
 
@@ -164,6 +166,14 @@ def _check(env: dict[str, Any], top: bool) -> None:
         _items((env.get("schema") or {}).get("fields"), "schema.fields")
 
 
+def _lines(path: str, left: int | None) -> Iterator[bytes]:
+    """``path``'s lines, declined past ``left`` bytes of text (or a line too long)."""
+    try:
+        yield from input_lines(path, limit=left)
+    except SourceError as e:
+        raise Declined(str(e)) from None
+
+
 #: the columns Spark's parse says are never null
 _NOT_NULL = ("pos_n", "ord_row", "_file")
 
@@ -263,20 +273,25 @@ def parse_lines(
     key: Sequence[str],
     table: str | None,
     buckets: int | None = None,
+    budget: int | None = None,
 ) -> pa.Table:
     """The canonical change rows of Debezium ``files``, as the driver engine reads them
     from Spark (:data:`feed.txn.driver._COLUMNS`; with ``buckets``, each event's state
     bucket in ``_bucket``, as :func:`feed.txn.state.bucket_of` gives it). Raises
-    :class:`Declined` for input Spark must parse (see the module docstring)."""
+    :class:`Declined` for input Spark must parse (see the module docstring), and for
+    more than ``budget`` bytes of text (a compressed file may hold far more than its size)."""
     rec = RecordDecoder(record, encodings)
     if buckets is not None and not all(hashable(rec.kinds[k]) for k in key):
         raise Declined("a key column of a type hashed by Spark only")
     rows: list[dict[str, Any]] = []
+    used = 0  # bytes of text read
     for i, path in enumerate(files):
         if path.endswith(HADOOP_ONLY):
             raise Declined(f"{path}: compressed by a Hadoop codec")
         name = spark_metadata_path(path)
-        for n, raw in enumerate(input_lines(path)):
+        left = None if budget is None else budget - used
+        for n, raw in enumerate(_lines(path, left)):
+            used += len(raw) + 1
             line = raw[:-1] if raw.endswith(b"\r") else raw
             if b"\r" in line:
                 raise Declined(f"{path}: a line broken by a carriage return")

@@ -16,7 +16,7 @@ from pyspark.sql import types as T
 
 from feed.sources.connect import connect_to_avro
 from feed.sources.events import debezium_event
-from feed.sources.inputs import input_lines
+from feed.sources.file_text import input_lines
 from feed.sources.rows import PARSE_OPTIONS, ordered_fields, read_text
 from protocol import SourceError
 

@@ -25,7 +25,7 @@ import collections
 import itertools
 import os
 import urllib.parse
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,76 +34,29 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from feed.sources.events import debezium_event
+from feed.sources.file_text import codec_of, input_lines, tail
 from feed.sources.registry import SourceKind
+from feed.sources.stores import filesystem, is_remote, local_path
 from protocol import SourceError
 
 __all__ = [
-    "HADOOP_ONLY",
     "FilePosition",
     "InputWindow",
-    "check_compressed",
     "edge_txn",
     "input_bytes",
-    "input_lines",
-    "is_remote",
     "list_files",
     "next_source",
-    "reopenable",
     "spark_file_path",
     "spark_input",
     "spark_metadata_path",
 ]
-
-#: the filesystem of each store (``scheme://bucket``) a URI named, with the URI's options
-#: (the part after ``?``): listing a source on every poll and opening the files it lists
-#: (URIs without options) use it again instead of opening the store anew
-_STORES: dict[str, tuple[str, pafs.FileSystem]] = {}
-
-
-def is_remote(path: str) -> bool:
-    """Whether ``path`` is a store URI (``s3://…``), not a local path."""
-    return "://" in path and not path.startswith("file://")
-
-
-def _local(path: str) -> str:
-    return os.path.abspath(path.removeprefix("file://"))
-
-
-def _filesystem(path: str, what: str = "input") -> tuple[pafs.FileSystem, str]:
-    """The filesystem of a local path or a store URI, and the path in it. A store is
-    opened again only for a URI that gives other options."""
-    if not is_remote(path):
-        return pafs.LocalFileSystem(), _local(path)
-    scheme, rest = path.split("://", 1)
-    inner, _, options = rest.partition("?")
-    store = f"{scheme}://{inner.split('/', 1)[0]}"
-    cached = _STORES.get(store)
-    if cached is not None and (not options or options == cached[0]):
-        return cached[1], inner
-    try:
-        fs, opened = pafs.FileSystem.from_uri(path)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise SourceError(f"cannot open {what} {path!r}: {e}") from e
-    _STORES[store] = (options, fs)
-    return fs, opened
-
-
-def reopenable(path: str) -> str:
-    """A store file's URI with the options its store was opened with (the listing's
-    ``?endpoint_override=…``), so that another process (a Spark task) opens the store the
-    same way; a local path as it is."""
-    if not is_remote(path) or "?" in path:
-        return path
-    scheme, rest = path.split("://", 1)
-    cached = _STORES.get(f"{scheme}://{rest.split('/', 1)[0]}")
-    return f"{path}?{cached[0]}" if cached is not None and cached[0] else path
 
 
 def list_files(path: str, *, what: str = "source path") -> list[str]:
     """The input files of ``path`` (a file, or a folder's files not named ``.*``/``_*``),
     in name order: absolute paths, or ``scheme://bucket/key`` URIs for a store."""
     if not is_remote(path):
-        full = _local(path)
+        full = local_path(path)
         if os.path.isfile(full):
             return [full]
         if not os.path.isdir(full):
@@ -112,7 +65,7 @@ def list_files(path: str, *, what: str = "source path") -> list[str]:
             names = [e.name for e in it if not e.name.startswith((".", "_")) and e.is_file()]
         return [os.path.join(full, n) for n in sorted(names)]
     scheme = path.split("://", 1)[0]
-    fs, root = _filesystem(path, what)
+    fs, root = filesystem(path, what)
     root = root.rstrip("/")
     try:
         info = fs.get_file_info(root)
@@ -131,76 +84,11 @@ def list_files(path: str, *, what: str = "source path") -> list[str]:
     return [f"{scheme}://{p}" for p in sorted(found, key=lambda p: p.rsplit("/", 1)[-1])]
 
 
-def input_lines(path: str) -> Generator[bytes, None, None]:
-    """The lines of an input file, read in blocks of 1 MiB (local or in a store), a file
-    compressed with gzip, bzip2 or zstd decompressed by its name as Spark's reader does
-    (one compressed by a Hadoop codec pyarrow does not read is refused, by name)."""
-    fs, inner = _filesystem(path)
-    codec = _codec(path)
-    try:
-        with fs.open_input_stream(inner, compression=codec) as f:
-            rest = b""
-            while block := f.read(1 << 20):
-                lines = (rest + block).split(b"\n")
-                rest = lines.pop()
-                yield from lines
-            if rest:
-                yield rest
-    except (OSError, pa.ArrowInvalid) as e:
-        if codec is None:
-            raise
-        raise SourceError(f"input file {path} could not be decompressed ({codec}): {e}") from e
-
-
-def _codec(path: str) -> str | None:
-    """pyarrow's name of the codec Spark's reader takes from ``path``'s name, if any."""
-    if path.endswith(HADOOP_ONLY):
-        raise SourceError(f"input file {path}: a Hadoop codec only Spark reads (give --schema)")
-    return next((c for e, c in _PYARROW_CODECS.items() if path.endswith(e)), None)
-
-
-def _tail(path: str, size: int) -> bytes:
-    """The last ``size`` bytes of an input file."""
-    fs, inner = _filesystem(path)
-    with fs.open_input_file(inner) as f:
-        f.seek(max(0, f.size() - size))
-        return bytes(f.read())
-
-
-#: the name endings of Hadoop codecs Spark reads and pyarrow does not
-HADOOP_ONLY = (".deflate", ".lz4", ".snappy")
-_PYARROW_CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
-
-#: the name endings Spark's readers take a codec from, with the bytes such data starts with
-_MAGIC = {
-    ".gz": ("gzip", b"\x1f\x8b"),
-    ".bz2": ("bzip2", b"BZh"),
-    ".zst": ("zstd", b"\x28\xb5\x2f\xfd"),
-}
-
-
-def check_compressed(files: Sequence[str]) -> None:
-    """Refuse an input file named as compressed whose first bytes are not that codec's:
-    Spark's codec would fail the whole transaction with an error naming no file."""
-    for path in files:
-        for ending, (codec, magic) in _MAGIC.items():
-            if not path.endswith(ending):
-                continue
-            fs, inner = _filesystem(path)
-            with fs.open_input_stream(inner, compression=None) as f:
-                head = bytes(f.read(len(magic)))
-            if head and head != magic:
-                raise SourceError(
-                    f"input file {path} is named {ending} but does not hold {codec} data (it "
-                    f"starts with {head!r}): compress it, or name it without {ending}"
-                )
-
-
 def input_bytes(files: Sequence[str]) -> int:
     """The total size of input files (their stores are asked for remote ones)."""
     total = 0
     for f in files:
-        fs, inner = _filesystem(f)
+        fs, inner = filesystem(f)
         total += fs.get_file_info(inner).size or 0
     return total
 
@@ -208,7 +96,7 @@ def input_bytes(files: Sequence[str]) -> int:
 def spark_input(path: str) -> str:
     """An input file as Spark reads it: Hadoop's ``s3a://`` for ``s3://``."""
     if not is_remote(path):
-        return _local(path)
+        return local_path(path)
     scheme, rest = path.split("://", 1)
     return f"{'s3a' if scheme == 's3' else scheme}://{rest}"
 
@@ -354,8 +242,8 @@ def edge_txn(kind: SourceKind, path: str, *, last: bool) -> str | None:
         return None
     txn_of = _LINE_TXN[kind.line_txn]
     try:
-        if last and _codec(path) is None:
-            lines = [x for x in _tail(path, 1 << 20).splitlines() if x.strip()][::-1]
+        if last and codec_of(path) is None:
+            lines = [x for x in tail(path, 1 << 20).splitlines() if x.strip()][::-1]
         elif last:  # (a compressed stream has no end to seek to: read through)
             lines = [*collections.deque((x for x in input_lines(path) if x.strip()), 100)][::-1]
         else:
@@ -397,7 +285,7 @@ class InputWindow:
         they are small and say which transactions are complete."""
         if not self.tx_metadata:
             return []
-        if not is_remote(self.tx_metadata) and not os.path.exists(_local(self.tx_metadata)):
+        if not is_remote(self.tx_metadata) and not os.path.exists(local_path(self.tx_metadata)):
             # not there yet: a capture makes the folder with its first transaction (emit
             # --follow may start first; a batch emit is refused before this, in the CLI)
             self.tx_listed = []

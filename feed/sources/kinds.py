@@ -51,7 +51,8 @@ from pyspark.sql import types as T
 from feed.sources.connect import as_strings, typed_record
 from feed.sources.debezium import read_debezium
 from feed.sources.debezium_schema import debezium_schema
-from feed.sources.inputs import HADOOP_ONLY, input_lines, spark_input
+from feed.sources.file_text import HADOOP_ONLY, input_lines
+from feed.sources.inputs import spark_input
 from feed.sources.rows import (
     CORRUPT,
     PARSE_OPTIONS,

@@ -14,8 +14,10 @@ from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_type
 
 from feed.sources.connect import as_strings, typed_record
-from feed.sources.inputs import check_compressed, is_remote, spark_file_path, spark_input
+from feed.sources.file_text import check_compressed
+from feed.sources.inputs import spark_file_path, spark_input
 from feed.sources.store_lines import read_store_text
+from feed.sources.stores import is_remote
 from protocol import avro_to_arrow
 
 __all__ = [

@@ -249,7 +249,7 @@ def column_numbers(
     from feed.sources.capture import COLUMNS_TABLE
     from feed.sources.debezium_schema import table_of
     from feed.sources.events import debezium_event
-    from feed.sources.inputs import input_lines
+    from feed.sources.file_text import input_lines
 
     marker = COLUMNS_TABLE.rsplit(".", 1)[-1].encode()
     ours = f'"{table.rsplit(".", 1)[-1]}"'.encode()

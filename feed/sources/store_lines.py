@@ -18,7 +18,9 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from feed.sources.inputs import HADOOP_ONLY, is_remote, reopenable, spark_file_path
+from feed.sources.file_text import HADOOP_ONLY
+from feed.sources.inputs import spark_file_path
+from feed.sources.stores import is_remote, reopenable
 from protocol import SourceError
 
 __all__ = ["LINE_COLUMNS", "read_store_text", "split_lines"]

@@ -150,7 +150,8 @@ def _parsed(ctx: TxnContext, files: Sequence[str], start: LoadedState | _Statele
     try:
         record = to_arrow_type(ctx.record_type, timezone="UTC")
         encodings = connect_names(ctx.info.schema)
-        return parse_lines(files, record, encodings, key, ctx.info.table, buckets)
+        table, budget = ctx.info.table, ctx.config.driver_txn_bytes
+        return parse_lines(files, record, encodings, key, table, buckets, budget)
     except Declined as e:
         ctx.log.debug("feed %s: input parsed by Spark: %s", ctx.config.feed, e)
     from pyspark.sql import functions as F

@@ -89,7 +89,7 @@ def test_a_file_named_as_compressed_must_hold_that_codecs_data(tmp_path):
     import bz2
     import gzip
 
-    from feed.sources.inputs import check_compressed
+    from feed.sources.file_text import check_compressed
     from protocol import SourceError
 
     good = [tmp_path / "a.json.gz", tmp_path / "b.json.bz2", tmp_path / "c.json"]
@@ -141,7 +141,8 @@ def test_compressed_input_is_read_as_its_text_without_spark(tmp_path):
 
     from feed.demo.data import generate_bank
     from feed.sources.debezium_schema import debezium_schema
-    from feed.sources.inputs import edge_txn, input_lines
+    from feed.sources.file_text import input_lines
+    from feed.sources.inputs import edge_txn
     from feed.sources.registry import KINDS
     from protocol import SourceError
 
@@ -172,3 +173,36 @@ def test_compressed_input_is_read_as_its_text_without_spark(tmp_path):
     broken.write_bytes(packed["gz"][: len(packed["gz"]) // 2])
     with pytest.raises(SourceError, match=rf"{broken} could not be decompressed \(gzip\)"):
         list(input_lines(str(broken)))
+
+
+def test_a_small_compressed_file_cannot_make_the_driver_read_without_bound(tmp_path, monkeypatch):
+    """A few kilobytes of gzip can hold gigabytes of text. The driver reads a line up to
+    MAX_LINE bytes and a file up to the limit it is given, then says which file went past;
+    the driver parse declines text past its budget (Spark reads it instead)."""
+    import gzip
+
+    import pyarrow as pa
+
+    import feed.sources.file_text as file_text
+    from feed.demo.data import generate_bank
+    from feed.sources.debezium_lines import Declined, parse_lines
+    from feed.sources.file_text import input_lines
+    from protocol import SourceError
+
+    monkeypatch.setattr(file_text, "MAX_LINE", 1 << 20)
+    bomb = tmp_path / "bomb.json.gz"
+    bomb.write_bytes(gzip.compress(b"x" * (8 << 20)))
+    assert bomb.stat().st_size < 64 << 10
+    with pytest.raises(SourceError, match=rf"{bomb}: a line longer than {1 << 20} bytes"):
+        list(input_lines(str(bomb)))
+    text = b"\n".join(generate_bank(transactions=40, seed=3).events) + b"\n"
+    events = tmp_path / "events.json.gz"
+    events.write_bytes(gzip.compress(text))
+    assert b"\n".join(input_lines(str(events))) + b"\n" == text
+    with pytest.raises(SourceError, match=rf"{events}: more than 1000 bytes of text"):
+        list(input_lines(str(events), limit=1000))
+    record = pa.struct([("id", pa.int64()), ("owner", pa.string())])
+    args = ([str(events)], record, {}, ["id"], None)
+    assert parse_lines(*args, budget=len(text) + (1 << 20)).num_rows == text.count(b"\n")
+    with pytest.raises(Declined, match="bytes of text"):
+        parse_lines(*args, budget=len(text) // 2)

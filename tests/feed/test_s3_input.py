@@ -23,11 +23,11 @@ from moto import server as moto_server
 
 from feed.demo.data import ACCOUNTS_SCHEMA
 from feed.sources.debezium_schema import debezium_table
+from feed.sources.file_text import input_lines
 from feed.sources.inputs import (
     InputWindow,
     edge_txn,
     input_bytes,
-    input_lines,
     list_files,
     spark_file_path,
     spark_input,

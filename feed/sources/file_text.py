@@ -1,0 +1,87 @@
+"""The text of an input file as the driver reads it: its lines, decompressed by the
+file's name as Spark's reader does, within bounds a small compressed file cannot pass."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+
+import pyarrow as pa
+
+from feed.sources.stores import filesystem
+from protocol import SourceError
+
+__all__ = ["HADOOP_ONLY", "MAX_LINE", "check_compressed", "codec_of", "input_lines", "tail"]
+
+
+def input_lines(path: str, *, limit: int | None = None) -> Generator[bytes, None, None]:
+    """The lines of an input file, read in blocks of 1 MiB (local or in a store), a file
+    compressed with gzip, bzip2 or zstd decompressed by its name as Spark's reader does
+    (one compressed by a Hadoop codec pyarrow does not read is refused, by name). A line
+    past :data:`MAX_LINE` bytes, or text past ``limit`` bytes, is a :class:`SourceError`:
+    a small compressed file may hold far more."""
+    fs, inner = filesystem(path)
+    codec = codec_of(path)
+    try:
+        with fs.open_input_stream(inner, compression=codec) as f:
+            rest, read = b"", 0
+            while block := f.read(1 << 20):
+                read += len(block)
+                if limit is not None and read > limit:
+                    raise SourceError(f"input file {path}: more than {limit} bytes of text")
+                lines = (rest + block).split(b"\n")
+                rest = lines.pop()
+                if len(rest) > MAX_LINE:
+                    raise SourceError(f"input file {path}: a line longer than {MAX_LINE} bytes")
+                yield from lines
+            if rest:
+                yield rest
+    except (OSError, pa.ArrowInvalid) as e:
+        if codec is None:
+            raise
+        raise SourceError(f"input file {path} could not be decompressed ({codec}): {e}") from e
+
+
+def codec_of(path: str) -> str | None:
+    """pyarrow's name of the codec Spark's reader takes from ``path``'s name, if any."""
+    if path.endswith(HADOOP_ONLY):
+        raise SourceError(f"input file {path}: a Hadoop codec only Spark reads (give --schema)")
+    return next((c for e, c in _PYARROW_CODECS.items() if path.endswith(e)), None)
+
+
+def tail(path: str, size: int) -> bytes:
+    """The last ``size`` bytes of an input file."""
+    fs, inner = filesystem(path)
+    with fs.open_input_file(inner) as f:
+        f.seek(max(0, f.size() - size))
+        return bytes(f.read())
+
+
+#: the name endings of Hadoop codecs Spark reads and pyarrow does not
+HADOOP_ONLY = (".deflate", ".lz4", ".snappy")
+_PYARROW_CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
+#: the longest line read on the driver (a Debezium event is far shorter)
+MAX_LINE = 256 << 20
+
+#: the name endings Spark's readers take a codec from, with the bytes such data starts with
+_MAGIC = {
+    ".gz": ("gzip", b"\x1f\x8b"),
+    ".bz2": ("bzip2", b"BZh"),
+    ".zst": ("zstd", b"\x28\xb5\x2f\xfd"),
+}
+
+
+def check_compressed(files: Sequence[str]) -> None:
+    """Refuse an input file named as compressed whose first bytes are not that codec's:
+    Spark's codec would fail the whole transaction with an error naming no file."""
+    for path in files:
+        for ending, (codec, magic) in _MAGIC.items():
+            if not path.endswith(ending):
+                continue
+            fs, inner = filesystem(path)
+            with fs.open_input_stream(inner, compression=None) as f:
+                head = bytes(f.read(len(magic)))
+            if head and head != magic:
+                raise SourceError(
+                    f"input file {path} is named {ending} but does not hold {codec} data (it "
+                    f"starts with {head!r}): compress it, or name it without {ending}"
+                )
