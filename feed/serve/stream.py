@@ -34,6 +34,13 @@ log = logging.getLogger("tidefeed.serve")
 
 #: updates per encoded chunk of a pull stream (bounded bytes per write and per loop turn)
 STREAM_CHUNK_UPDATES = 4_096
+#: updates per chunk once the consumer has taken :data:`FAST_AFTER_BYTES` without a write
+#: waiting for it: a 1 M-update time pulls about 1.6x faster in chunks this size, and a
+#: consumer that reads nothing never gets there (the socket buffers hold a few MiB)
+STREAM_FAST_UPDATES = 32_768
+FAST_AFTER_BYTES = 16 << 20
+#: a write taken within this many seconds did not wait for its consumer
+_PROMPT_SECONDS = 0.02
 
 #: seconds a write may wait for its consumer before the stream lets go of its open files
 #: (readers of 50 stuck streams held ~2 MB each); they are opened again after the updates
@@ -116,6 +123,8 @@ class _PullStream:
         self.lower = lower  # where the next time's progress starts
         self.sent = 0  # updates already encoded of the first time from ``lower`` on
         self.files = _OpenTurns()
+        self.rows = STREAM_CHUNK_UPDATES  # updates per turn's chunk
+        self.taken = 0  # bytes the consumer took since a write last waited for it
         self.sink = io.BytesIO()
         self.encoder = get_codec(fmt).encoder(self.sink, schema=reader.info.schema)
         # an Avro or Arrow stream has one schema: it ends where a newer version is committed
@@ -164,10 +173,14 @@ class _PullStream:
         taken); one that takes none for ``stall_seconds`` has the stream abandoned and
         the connection dropped."""
         task = asyncio.ensure_future(self.resp.write(data))
+        began = time.monotonic()
         try:
             done, _ = await asyncio.wait({task}, timeout=RELEASE_SECONDS)
+            prompt = time.monotonic() - began < _PROMPT_SECONDS
+            self.taken = self.taken + len(data) if done and prompt else 0
             if not done:
                 self.files.release()
+                self.rows = STREAM_CHUNK_UPDATES
                 wait = max(0.0, self.st.config.stall_seconds - RELEASE_SECONDS)
                 done, _ = await asyncio.wait({task}, timeout=wait)
                 if not done:
@@ -237,6 +250,9 @@ class _PullStream:
                 self.count_sent(n, data)
                 if data:
                     await self.write(data)  # (only the encoded bytes wait for the consumer)
+                if self.rows < STREAM_FAST_UPDATES and self.taken >= FAST_AFTER_BYTES:
+                    self.rows = STREAM_FAST_UPDATES  # (opened again after what was sent)
+                    self.files.release()
         finally:  # the open files, at once, also when the consumer is gone
             self.files.release()
 
@@ -247,7 +263,7 @@ class _PullStream:
         turns = self.files.turns
         if turns is None:
             turns = self.files.turns = self.reader.committed(
-                self.lower, frontier, STREAM_CHUNK_UPDATES, skip=self.sent
+                self.lower, frontier, self.rows, skip=self.sent
             )
         messages = next(turns, None)
         if messages is None:

@@ -168,6 +168,52 @@ async def test_a_stream_waiting_on_its_consumer_lets_its_files_go_and_goes_on_ex
     assert any(k > 0 for k in skips)  # files were let go in mid-time and opened again
 
 
+@pytest.mark.parametrize("keeps_up", [True, False])
+async def test_a_consumer_that_keeps_up_gets_larger_chunks_and_the_stream_stays_exact(
+    feed_log, monkeypatch, keeps_up
+):
+    """A consumer that took FAST_AFTER_BYTES without a write waiting for it gets chunks
+    of STREAM_FAST_UPDATES: the stream opens its files again with them after what it sent
+    (mid-time), nothing lost or repeated. One whose writes wait keeps the small chunks."""
+    import feed.serve.stream as pull
+
+    monkeypatch.setattr(pull, "STREAM_CHUNK_UPDATES", 2)
+    monkeypatch.setattr(pull, "STREAM_FAST_UPDATES", 5)
+    monkeypatch.setattr(pull, "FAST_AFTER_BYTES", 1)
+    write, reads = web.StreamResponse.write, []
+
+    async def consumer(self, data):
+        if not keeps_up:
+            await asyncio.sleep(0.03)  # each write waits (past _PROMPT_SECONDS)
+        return await write(self, data)
+
+    batches = FeedReader._batches
+
+    def spied(self, seg, rows, skip):
+        reads.append((rows, skip))
+        return batches(self, seg, rows, skip)
+
+    monkeypatch.setattr(web.StreamResponse, "write", consumer)
+    monkeypatch.setattr(FeedReader, "_batches", spied)
+    log, _ = feed_log
+    base, runner = await serve(make_server_app(ServerConfig(log=str(log))))
+    try:
+        url = f"{base}/v1/feeds/bank/changes?format=ndjson"
+        async with aiohttp.ClientSession() as s, s.get(url) as r:
+            msgs = get_codec("ndjson").decode(await r.read())
+    finally:
+        await runner.cleanup()
+    assert check_messages(msgs, key=["id"]) == []
+    assert accumulate(msgs) == as_multiset(TRUTH_2.values())
+    sizes = [len(m) for m in msgs if isinstance(m, Updates)]
+    if keeps_up:
+        assert max(sizes) > 2 and all(n <= 5 for n in sizes), sizes
+        assert (5, 0) not in reads[:1] and any(rows == 5 for rows, _ in reads), reads
+    else:
+        assert all(n <= 2 for n in sizes), sizes
+        assert all(rows == 2 for rows, _ in reads), reads
+
+
 async def test_feed_list_info_snapshot_and_errors(feed_log):
     log, _ = feed_log
     base, runner = await serve(make_server_app(ServerConfig(log=str(log), token="tok")))
