@@ -129,6 +129,34 @@ async def test_a_large_time_streams_in_bounded_chunks(feed_log, fmt, monkeypatch
         await runner.cleanup()
 
 
+async def _pull_spied(feed_log, monkeypatch, consumer, fmt):
+    """A whole pull of the feed whose writes go through ``consumer(write, data)``: its
+    messages, checked exact, and each read of a time's files as (rows, skip)."""
+    write, reads = web.StreamResponse.write, []
+    batches = FeedReader._batches  # what the committed loop reads a time's files with
+
+    async def written(self, data):
+        return await consumer(lambda d: write(self, d), data)
+
+    def spied(self, seg, rows, skip):
+        reads.append((rows, skip))
+        return batches(self, seg, rows, skip)
+
+    monkeypatch.setattr(web.StreamResponse, "write", written)
+    monkeypatch.setattr(FeedReader, "_batches", spied)
+    log, _ = feed_log
+    base, runner = await serve(make_server_app(ServerConfig(log=str(log))))
+    try:
+        url = f"{base}/v1/feeds/bank/changes?format={fmt}"
+        async with aiohttp.ClientSession() as s, s.get(url) as r:
+            msgs = get_codec(fmt).decode(await r.read())
+    finally:
+        await runner.cleanup()
+    assert check_messages(msgs, key=["id"]) == []
+    assert accumulate(msgs) == as_multiset(TRUTH_2.values())
+    return msgs, reads
+
+
 async def test_a_stream_waiting_on_its_consumer_lets_its_files_go_and_goes_on_exact(
     feed_log, monkeypatch
 ):
@@ -138,34 +166,16 @@ async def test_a_stream_waiting_on_its_consumer_lets_its_files_go_and_goes_on_ex
 
     monkeypatch.setattr(pull, "STREAM_CHUNK_UPDATES", 2)
     monkeypatch.setattr(pull, "RELEASE_SECONDS", 0.05)
-    writes, skips = [0], []
-    write = web.StreamResponse.write
+    writes = [0]
 
-    async def slow_consumer(self, data):  # every third write waits past the delay
+    async def slow_consumer(write, data):  # every third write waits past the delay
         writes[0] += 1
         if writes[0] % 3 == 0:
             await asyncio.sleep(0.2)
-        return await write(self, data)
+        return await write(data)
 
-    batches = FeedReader._batches  # what the committed loop reads a time's files with
-
-    def spied(self, seg, rows, skip):
-        skips.append(skip)
-        return batches(self, seg, rows, skip)
-
-    monkeypatch.setattr(web.StreamResponse, "write", slow_consumer)
-    monkeypatch.setattr(FeedReader, "_batches", spied)
-    log, _ = feed_log
-    base, runner = await serve(make_server_app(ServerConfig(log=str(log))))
-    try:
-        url = f"{base}/v1/feeds/bank/changes?format=arrow"
-        async with aiohttp.ClientSession() as s, s.get(url) as r:
-            msgs = get_codec("arrow").decode(await r.read())
-    finally:
-        await runner.cleanup()
-    assert check_messages(msgs, key=["id"]) == []
-    assert accumulate(msgs) == as_multiset(TRUTH_2.values())
-    assert any(k > 0 for k in skips)  # files were let go in mid-time and opened again
+    _, reads = await _pull_spied(feed_log, monkeypatch, slow_consumer, "arrow")
+    assert any(skip > 0 for _, skip in reads)  # files let go in mid-time, opened again
 
 
 @pytest.mark.parametrize("keeps_up", [True, False])
@@ -180,31 +190,13 @@ async def test_a_consumer_that_keeps_up_gets_larger_chunks_and_the_stream_stays_
     monkeypatch.setattr(pull, "STREAM_CHUNK_UPDATES", 2)
     monkeypatch.setattr(pull, "STREAM_FAST_UPDATES", 5)
     monkeypatch.setattr(pull, "FAST_AFTER_BYTES", 1)
-    write, reads = web.StreamResponse.write, []
 
-    async def consumer(self, data):
+    async def consumer(write, data):
         if not keeps_up:
             await asyncio.sleep(0.03)  # each write waits (past _PROMPT_SECONDS)
-        return await write(self, data)
+        return await write(data)
 
-    batches = FeedReader._batches
-
-    def spied(self, seg, rows, skip):
-        reads.append((rows, skip))
-        return batches(self, seg, rows, skip)
-
-    monkeypatch.setattr(web.StreamResponse, "write", consumer)
-    monkeypatch.setattr(FeedReader, "_batches", spied)
-    log, _ = feed_log
-    base, runner = await serve(make_server_app(ServerConfig(log=str(log))))
-    try:
-        url = f"{base}/v1/feeds/bank/changes?format=ndjson"
-        async with aiohttp.ClientSession() as s, s.get(url) as r:
-            msgs = get_codec("ndjson").decode(await r.read())
-    finally:
-        await runner.cleanup()
-    assert check_messages(msgs, key=["id"]) == []
-    assert accumulate(msgs) == as_multiset(TRUTH_2.values())
+    msgs, reads = await _pull_spied(feed_log, monkeypatch, consumer, "ndjson")
     sizes = [len(m) for m in msgs if isinstance(m, Updates)]
     if keeps_up:
         assert max(sizes) > 2 and all(n <= 5 for n in sizes), sizes
