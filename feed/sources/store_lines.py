@@ -18,6 +18,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from feed.sources import file_text
 from feed.sources.file_text import HADOOP_ONLY
 from feed.sources.inputs import spark_file_path
 from feed.sources.stores import is_remote, reopenable
@@ -65,7 +66,7 @@ def _file_lines(uri: str, name: str, index: int) -> Iterator[Any]:
         fs, inner = pafs.LocalFileSystem(), uri.removeprefix("file://")
     with fs.open_input_stream(inner) as f:  # (compression detected from the name)
         blocks = iter(lambda: f.read(1 << 24), b"")
-        lines = split_lines(blocks)
+        lines = _named(name, split_lines(blocks))
         row = 0
         while chunk := list(itertools.islice(lines, _BATCH)):
             n = len(chunk)
@@ -81,16 +82,25 @@ def _file_lines(uri: str, name: str, index: int) -> Iterator[Any]:
             row += n
 
 
+def _named(name: str, lines: Iterator[str]) -> Iterator[str]:
+    try:
+        yield from lines
+    except SourceError as e:
+        raise SourceError(f"input file {name}: {e}") from None
+
+
 def split_lines(blocks: Iterable[bytes]) -> Iterator[str]:
     """The lines of a file read in ``blocks``, broken where Spark's reader breaks them
     (``\n``, ``\r\n``, a lone ``\r``; no empty line after the last break), decoded
-    with U+FFFD for a byte that is not UTF-8."""
+    with U+FFFD for a byte that is not UTF-8; a line past ``MAX_LINE`` bytes is an error."""
     rest = b""
     for block in blocks:
         data = rest + block
         # up to the last break (a final \r may be the first half of a \r\n)
         cut = max(data.rfind(b"\n"), data.rfind(b"\r", 0, len(data) - 1))
         complete, rest = data[: cut + 1], data[cut + 1 :]
+        if len(rest) > file_text.MAX_LINE:  # (a small compressed file may hold one huge line)
+            raise SourceError(f"a line longer than {file_text.MAX_LINE} bytes")
         for line in _breaks(complete)[:-1]:
             yield line.decode("utf-8", errors="replace")
     last = _breaks(rest)

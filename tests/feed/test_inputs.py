@@ -128,6 +128,19 @@ def test_store_lines_break_as_sparks_text_reader_does():
     assert list(split_lines([b"\xc3", b"\xa9t\xff\n"])) == ["ét\ufffd"]
 
 
+def test_store_lines_stop_at_a_line_past_the_bound(monkeypatch):
+    """A line with no break is not gathered without end in a task's memory (a small
+    compressed file in a store may decompress to one huge line)."""
+    import feed.sources.file_text as file_text
+    from feed.sources.store_lines import split_lines
+    from protocol import SourceError
+
+    monkeypatch.setattr(file_text, "MAX_LINE", 100)
+    assert list(split_lines([b"x" * 60 + b"\n", b"y" * 90 + b"\n"])) == ["x" * 60, "y" * 90]
+    with pytest.raises(SourceError, match="a line longer than 100 bytes"):
+        list(split_lines([b"a\n", *[b"z" * 40] * 5]))
+
+
 def test_compressed_input_is_read_as_its_text_without_spark(tmp_path):
     """Spark reads a ``.gz``, ``.bz2`` or ``.zst`` input file as its text; what tidefeed
     reads of a file itself (its lines, the source transaction at its edges, the
