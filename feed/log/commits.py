@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
+import pyarrow.fs as pafs
+
 from feed._faults import maybe_die
 from feed.log.checkpoint import Checkpoint, CheckpointStore
 from feed.log.manifest import ManifestStore, Segment
@@ -74,11 +76,36 @@ class Committer:
         gone = self.feedlog.delete_times_from(claimed.progress.upper)
         self.feedlog.delete_dir(self.feedlog.path("_staging"))
         state.prune(kept_states)
-        for name in ("quarantine",):
-            for n in self.feedlog.numbered_dirs(name):
-                if n > read.seq and f"{name}/{n}" != claimed.state:
-                    self.feedlog.delete_dir(self.feedlog.path(name, str(n)))
+        for n in self.feedlog.numbered_dirs("quarantine"):
+            # past the commits read, or at a compaction's seq (a transaction that lost
+            # its seq to a compaction moves its rows on: see commit): never committed
+            if n > read.seq or self._compaction_at(n):
+                self.feedlog.delete_dir(self.feedlog.path("quarantine", str(n)))
         return claimed, gone
+
+    def _compaction_at(self, seq: int) -> bool:
+        """Whether the kept commit ``seq`` is a compaction's (it raised ``since``)."""
+        try:
+            this, before = self.store.read(seq), self.store.read(seq - 1)
+        except (CheckpointError, FileNotFoundError):
+            return False
+        return this.since > before.since
+
+    def _move_quarantine(self, seq: int, to: int) -> None:
+        """Transaction ``seq``'s quarantined rows, as transaction ``to``'s (its commit lost
+        ``seq`` to a compaction). A move cut short leaves both folders uncommitted: the
+        next start deletes them, and the transaction is redone."""
+        src, dst = (
+            self.feedlog.path("quarantine", str(seq)),
+            self.feedlog.path("quarantine", str(to)),
+        )
+        files = [f for f in self.feedlog.list_dir(src) if f.type == pafs.FileType.File]
+        if not files:
+            return
+        self.feedlog.fs.create_dir(dst, recursive=True)
+        for f in files:
+            self.feedlog.fs.move(f.path, f"{dst}/{f.base_name}")
+        self.feedlog.delete_dir(src)
 
     def commit(
         self,
@@ -89,8 +116,11 @@ class Committer:
         """Commit ``build(latest)``: publish its manifest (the latest one plus ``segments``)
         first, then the checkpoint. A compaction may have committed in between (same epoch,
         a higher seq): then commit on top of it; a higher epoch means this emitter is stale."""
+        lost: int | None = None  # the seq a compaction took from this commit
         for _ in range(16):
             new_cp = build(base)
+            if lost is not None and lost != new_cp.seq:
+                self._move_quarantine(lost, new_cp.seq)
             if segments:
                 m = self.manifests.write(
                     seq=new_cp.seq,
@@ -106,7 +136,7 @@ class Committer:
                 winner = self._compaction_over(base, new_cp.seq, "committing")
                 if winner is None:
                     raise
-                base = winner
+                base, lost = winner, new_cp.seq
                 continue
             return new_cp
         raise CommitConflict(f"feed {self.feed!r}: gave up committing after 16 conflicts")

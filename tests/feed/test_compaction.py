@@ -169,6 +169,47 @@ def test_an_emitter_start_racing_a_compaction_claims_on_top_of_it(log_copy):
     assert committer.store.latest() == claimed
 
 
+def test_quarantined_rows_of_a_commit_that_lost_its_seq_to_a_compaction_stay_exact(log_copy):
+    """A transaction quarantines its bad rows under the seq it means to commit at. When a
+    compaction commits that seq first, the transaction commits at the next one and its
+    rows move with it; when it dies instead, the next start deletes its rows (the
+    compaction's seq never has any), where they were kept and then quarantined again by
+    the redo. Rows of committed transactions stay."""
+    import logging
+
+    from feed.log.commits import Committer
+    from feed.log.store import FeedLog
+    from feed.sources.rows import spark_record_type
+    from feed.txn.state import BucketedState
+
+    flog = FeedLog(str(log_copy), "bank")
+    committer = Committer(flog, feed="bank", logger=logging.getLogger("test"))
+    state = BucketedState(lambda: None, flog, spark_record_type(ACCOUNTS_SCHEMA), ("id",), str)
+
+    def quarantine(seq: int) -> None:
+        flog.write_bytes(flog.path("quarantine", str(seq), "part-00000.json"), b"{}\n")
+
+    def held() -> list[int]:
+        return flog.numbered_dirs("quarantine")
+
+    base = committer.store.latest()
+    quarantine(base.seq)  # a committed transaction's rows
+    quarantine(base.seq + 1)  # this transaction's, before its commit
+    frontier = FeedReader(str(log_copy), "bank").frontier
+    compact(str(log_copy), "bank", frontier - 6)  # takes seq + 1
+    done = committer.commit(base, lambda b: b.successor(), [])
+    assert done.seq == base.seq + 2
+    assert held() == [base.seq, base.seq + 2]  # moved with the commit
+    # a transaction dies after quarantining; a compaction takes its seq; the next start
+    quarantine(done.seq + 1)
+    compact(str(log_copy), "bank", frontier - 3)
+    read = committer.store.latest()
+    assert read.seq == done.seq + 1
+    committer.claim(read, state)
+    assert held() == [base.seq, base.seq + 2]
+    assert collection_of(FeedReader(str(log_copy), "bank")) == truth_multiset()
+
+
 def test_retention_target():
     assert retention_target(frontier=100, since=0, retain=10, lowest_ack=None) == 89
     assert retention_target(frontier=100, since=0, retain=10, lowest_ack=50) == 50
