@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from feed.sources.stores import is_remote
+from feed.sources.stores import is_remote, local_path
 from protocol import SourceError
 
 __all__ = ["check_executors_see"]
@@ -46,7 +46,7 @@ def check_executors_see(
         probes.append(("log", probe, token))
     local = [p for p in inputs() if not is_remote(p)]
     if local:
-        first = local[0].removeprefix("file://")
+        first = local_path(local[0])
         probes.append(("source path", first, os.path.getsize(first)))
     if not probes:
         return

@@ -121,10 +121,10 @@ class Lease:
         holder this one took over from may have read its lease just before the take-over
         and renewed it just after: that write is written over here, not obeyed."""
         d = self._read()
-        theirs = d is not None and d.get("token") != self.me["token"]
-        if theirs and (d or {}).get("token") != self._took:
-            return False  # taken over: leave it to the new holder
-        if theirs:
+        held = self.me["token"] if d is None else d.get("token")
+        if held != self.me["token"]:
+            if self._took is None or held != self._took:
+                return False  # taken over: leave it to the new holder
             self.log.warning(
                 "feed %s: its lease was renewed by the emitter it took over from; taken back",
                 self.feedlog.feed,

@@ -44,7 +44,7 @@ from feed.sources.debezium import (
     SKIP_TOMBSTONE,
     SKIP_TX_METADATA,
 )
-from feed.sources.file_text import HADOOP_ONLY, input_lines
+from feed.sources.file_text import input_lines
 from feed.sources.inputs import spark_metadata_path
 from feed.sources.sparkhash import SEED, hashable, signed, spark_xxhash64, xxh64
 from protocol import SourceError
@@ -167,7 +167,8 @@ def _check(env: dict[str, Any], top: bool) -> None:
 
 
 def _lines(path: str, left: int | None) -> Iterator[bytes]:
-    """``path``'s lines, declined past ``left`` bytes of text (or a line too long)."""
+    """``path``'s lines, declined past ``left`` bytes of text, for a line too long or a
+    Hadoop codec (:func:`~feed.sources.file_text.input_lines` refuses them)."""
     try:
         yield from input_lines(path, limit=left)
     except SourceError as e:
@@ -286,8 +287,6 @@ def parse_lines(
     rows: list[dict[str, Any]] = []
     used = 0  # bytes of text read
     for i, path in enumerate(files):
-        if path.endswith(HADOOP_ONLY):
-            raise Declined(f"{path}: compressed by a Hadoop codec")
         name = spark_metadata_path(path)
         left = None if budget is None else budget - used
         for n, raw in enumerate(_lines(path, left)):

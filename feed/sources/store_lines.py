@@ -21,7 +21,7 @@ from typing import Any
 from feed.sources import file_text
 from feed.sources.file_text import HADOOP_ONLY
 from feed.sources.inputs import spark_file_path
-from feed.sources.stores import is_remote, reopenable
+from feed.sources.stores import filesystem, reopenable
 from protocol import SourceError
 
 __all__ = ["LINE_COLUMNS", "read_store_text", "split_lines"]
@@ -58,12 +58,8 @@ def _lines_task() -> Callable[[Iterator[Any]], Iterator[Any]]:
 def _file_lines(uri: str, name: str, index: int) -> Iterator[Any]:
     """Runs on executors: one file's lines as Arrow batches of :data:`LINE_COLUMNS`."""
     import pyarrow as pa
-    import pyarrow.fs as pafs
 
-    if is_remote(uri):
-        fs, inner = pafs.FileSystem.from_uri(uri)
-    else:
-        fs, inner = pafs.LocalFileSystem(), uri.removeprefix("file://")
+    fs, inner = filesystem(uri)
     with fs.open_input_stream(inner) as f:  # (compression detected from the name)
         blocks = iter(lambda: f.read(1 << 24), b"")
         lines = _named(name, split_lines(blocks))
