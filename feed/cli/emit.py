@@ -97,6 +97,7 @@ def _emitter_config(args: argparse.Namespace, kind: SourceKind, path: str) -> An
         schema=load_schema_file(args.schema) if args.schema else None,
         clock=args.clock,
         granularity=args.granularity,
+        layout=args.layout,
         follow=args.follow,
         trigger=args.trigger,
         master=args.master,

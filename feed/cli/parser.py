@@ -24,6 +24,7 @@ from feed.emit.settings import (
     DEFAULT_CLOCK,
     DEFAULT_DRIVER_TXN_BYTES,
     DEFAULT_GRANULARITY,
+    DEFAULT_LAYOUT,
     DEFAULT_MAX_FILES,
     DEFAULT_TRIGGER,
 )
@@ -152,6 +153,13 @@ def _emit(command: Callable[..., OptionParser]) -> None:
         choices=("batch", "transaction"),
         help="one time per emitter transaction, or one per source transaction (default: the "
         f"feed's; a new feed: {DEFAULT_GRANULARITY})",
+    )
+    p.option(
+        "--layout",
+        choices=("times", "packs"),
+        help="how the log files updates: a folder per time, or packs of many times in a "
+        "few files, for object stores (default: the feed's; a new feed: "
+        f"{DEFAULT_LAYOUT}; docs/operations.md, 'Packs')",
     )
     _emit_run(p)
     _emit_push(p)

@@ -111,17 +111,19 @@ class EagerPusher:
     ready: Callable[[], bool] | None = None
     skipped: bool = field(default=False, init=False)
 
-    def push(self, spark: Any, paths: list[str], epoch: int) -> EagerReport:
-        """Push the update files ``paths`` (``…/times/<t>/part-….parquet``) from Spark tasks."""
+    def push(
+        self, spark: Any, paths: list[str], epoch: int, store: str | None = None
+    ) -> EagerReport:
+        """Push the update files ``paths`` (``…/times/<t>/part-….parquet``, or packs, whose
+        ``time`` column says each row's) from Spark tasks. ``store``: the URI of the
+        filesystem of packs not on a local disk, read by the tasks through pyarrow (Spark's
+        own reader would need hadoop-aws for ``s3://``)."""
         self.skipped = self.ready is not None and not self.ready()
         if not paths or self.skipped:
             return EagerReport(0, 0)
         from pyspark.sql import functions as F
 
-        df = spark.read.parquet(*paths).withColumn(
-            "time",
-            F.regexp_extract(F.input_file_name(), r"/times/(\d+)/[^/]*$", 1).cast("long"),
-        )
+        df = _updates_frame(spark, paths, store)
         fn = _push_batches(self.url, self.fmt, self.token, self.schema, epoch)
         row = (
             df.mapInArrow(fn, "pushed long, failed long")
@@ -146,3 +148,25 @@ class EagerPusher:
         except PushRejected as e:
             log.warning("eager: the receiver did not take the progress (%s); resending", e)
             return None
+
+
+def _updates_frame(spark: Any, paths: list[str], store: str | None) -> Any:
+    """The rows of the update files ``paths`` with their ``time``, as a DataFrame."""
+    from pyspark.sql import functions as F
+
+    if store is not None:
+        import pyarrow.parquet as pq
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        from feed.txn.grouped import read_files, store_fs
+
+        schema = pq.read_schema(paths[0], filesystem=store_fs(store))
+        if "time" in schema.names:  # packs (a folder per time on a store goes below)
+            return read_files(spark, store, paths, from_arrow_schema(schema))
+    df = spark.read.parquet(*paths)
+    if "time" not in df.columns:
+        df = df.withColumn(
+            "time",
+            F.regexp_extract(F.input_file_name(), r"/times/(\d+)/[^/]*$", 1).cast("long"),
+        )
+    return df

@@ -106,9 +106,18 @@ def commit_entry(plan: Planned, segments: Sequence[Segment]) -> dict[str, Any]:
         "next": plan.next,
         "source": plan.source,
         "state": plan.state,
-        "segments": [[s.time, s.epoch, s.count, list(s.files)] for s in segments],
+        "segments": [_segment_entry(s) for s in segments],
         **({"schema": plan.schema} if plan.schema is not None else {}),
     }
+
+
+def _segment_entry(s: Segment) -> list[Any]:
+    """A segment as a group commit records it: time, epoch, count, files, and for packs
+    each file's row groups."""
+    entry: list[Any] = [s.time, s.epoch, s.count, list(s.files)]
+    if s.groups:
+        entry.append([list(g) for g in s.groups])
+    return entry
 
 
 def from_entry(e: dict[str, Any]) -> tuple[Planned, list[Segment]]:
@@ -119,7 +128,10 @@ def from_entry(e: dict[str, Any]) -> tuple[Planned, list[Segment]]:
         state=e["state"],
         schema=e.get("schema"),
     )
-    return plan, [Segment(t, ep, n, tuple(f)) for t, ep, n, f in e["segments"]]
+    return plan, [
+        Segment(t, ep, n, tuple(f), tuple(tuple(g) for g in (groups[0] if groups else ())))
+        for t, ep, n, f, *groups in e["segments"]
+    ]
 
 
 def roll_forward(log_uri: str, latest: dict[str, Any], logger: logging.Logger) -> dict[str, int]:

@@ -18,7 +18,7 @@ import orjson
 import pyarrow as pa
 
 from feed.log.checkpoint import Checkpoint, fixed
-from feed.log.info import Clock, FeedInfo, Granularity
+from feed.log.info import Clock, FeedInfo, Granularity, Layout
 from feed.log.store import FeedLog
 from feed.sources.registry import SourceKind, source_kind
 from protocol import CodecError, SourceError, fingerprint
@@ -27,6 +27,7 @@ from protocol.schema import avro_to_arrow
 __all__ = [
     "DEFAULT_CLOCK",
     "DEFAULT_GRANULARITY",
+    "DEFAULT_LAYOUT",
     "DEFAULT_MAX_FILES",
     "DEFAULT_TRIGGER",
     "EmitterConfig",
@@ -45,6 +46,7 @@ DEFAULT_DRIVER_TXN_BYTES = 4 << 20
 BadRecords = Literal["quarantine", "fail"]
 DEFAULT_CLOCK: Clock = "wallclock"  # a new feed's, when --clock is left out
 DEFAULT_GRANULARITY: Granularity = "batch"  # a new feed's, when --granularity is left out
+DEFAULT_LAYOUT: Layout = "times"  # a new feed's, when --layout is left out
 RESERVED = ("time", "diff")
 #: a follow-mode emitter warns once input has been held back this long (incomplete source
 #: transactions: an END record or events not arrived), and again as often while it lasts
@@ -61,6 +63,7 @@ class EmitterConfig:
     schema: dict[str, Any] | None = None
     clock: Clock | None = None  # None: the feed's, else wallclock
     granularity: Granularity | None = None  # None: the feed's, else batch
+    layout: Layout | None = None  # None: the feed's, else times
     follow: bool = False
     trigger: float = DEFAULT_TRIGGER
     master: str | None = None
@@ -112,7 +115,10 @@ def feed_settings(
     if info is not None:
         return settle(cfg, info), info
     cfg = replace(
-        cfg, clock=cfg.clock or DEFAULT_CLOCK, granularity=cfg.granularity or DEFAULT_GRANULARITY
+        cfg,
+        clock=cfg.clock or DEFAULT_CLOCK,
+        granularity=cfg.granularity or DEFAULT_GRANULARITY,
+        layout=cfg.layout or DEFAULT_LAYOUT,
     )
     info = create_feed(cfg, feedlog, spark=spark, files=files, delta_schema=delta_schema, log=log)
     return cfg, info
@@ -179,6 +185,7 @@ def create_feed(
         table=table,
         source=cfg.source_kind,
         granularity=cfg.granularity,
+        layout=cfg.layout,
         order=cfg.order,
         deleted=cfg.deleted,
         group=cfg.group,
@@ -213,6 +220,7 @@ def settle(cfg: EmitterConfig, info: FeedInfo) -> EmitterConfig:
         ("key", "--key", ",".join(info.key)),
         ("clock", "--clock", info.clock),
         ("granularity", "--granularity", info.granularity),
+        ("layout", "--layout", info.layout),
         ("table", "--table", info.table),
         ("order", "--order", info.order),
         ("deleted", "--deleted", info.deleted),
@@ -235,6 +243,7 @@ def settle(cfg: EmitterConfig, info: FeedInfo) -> EmitterConfig:
         settled[name] = value
     settled["clock"] = settled["clock"] or DEFAULT_CLOCK
     settled["granularity"] = settled["granularity"] or DEFAULT_GRANULARITY
+    settled["layout"] = settled["layout"] or DEFAULT_LAYOUT
     return replace(cfg, **settled)
 
 

@@ -19,7 +19,7 @@ import pyarrow.fs as pafs
 
 from feed._faults import maybe_die
 from feed.log.checkpoint import Checkpoint, CheckpointStore
-from feed.log.manifest import ManifestStore, Segment
+from feed.log.manifest import PACKS, ManifestStore, Segment
 from feed.log.store import FeedLog
 from protocol import CheckpointError, CommitConflict
 
@@ -74,6 +74,7 @@ class Committer:
         kept_states, kept_manifests = self.kept_refs(claimed)
         self.manifests.prune(kept_manifests)
         gone = self.feedlog.delete_times_from(claimed.progress.upper)
+        self._drop_unnamed_packs(claimed)
         self.feedlog.delete_dir(self.feedlog.path("_staging"))
         state.prune(kept_states)
         for n in self.feedlog.numbered_dirs("quarantine"):
@@ -82,6 +83,26 @@ class Committer:
             if n > read.seq or self._compaction_at(n):
                 self.feedlog.delete_dir(self.feedlog.path("quarantine", str(n)))
         return claimed, gone
+
+    def _drop_unnamed_packs(self, claimed: Checkpoint) -> None:
+        """Delete the packs ``claimed``'s manifest does not name: uncommitted transactions'
+        (the rollback of a feed of packs) or, after a compaction cut short, folded ones.
+        One listing of ``packs/``; no other writer of packs runs at a claim."""
+        found = [
+            i
+            for i in self.feedlog.list_dir(self.feedlog.path(PACKS))
+            if i.type == pafs.FileType.File
+        ]
+        if not found:
+            return
+        named = self.manifests.packs(self.manifests.of(claimed))
+        unnamed = [i for i in found if f"{PACKS}/{i.base_name}" not in named]
+        for i in unnamed:
+            self.feedlog.delete_file(i.path)
+        if unnamed:
+            self.log.info(
+                "feed %s: rolled back %d pack(s) no commit names", self.feed, len(unnamed)
+            )
 
     def _compaction_at(self, seq: int) -> bool:
         """Whether the kept commit ``seq`` is a compaction's (it raised ``since``)."""

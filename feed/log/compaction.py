@@ -96,6 +96,8 @@ def compact(log_uri: str, feed: str, to: int) -> CompactResult:
             f"still need earlier times; wait for their ACKs or delete them"
         )
     started = time.monotonic()
+    # the packs only times below ``to`` use, deleted once the compaction is committed
+    folded = reader.packs(hi=to) - reader.packs(lo=to)
     snap = reader.snapshot(to)  # record columns + count, consolidated
     table = snap.rename_columns([*snap.column_names[:-1], "diff"])
     folder = flog.path("compacted", str(to))
@@ -109,6 +111,8 @@ def compact(log_uri: str, feed: str, to: int) -> CompactResult:
     _commit(reader, to, (part[len(flog.root) + 1 :],), table.num_rows)
     maybe_die("compact_after_commit")
     deleted = _drop_folded(flog, to)
+    for rel in sorted(folded):
+        flog.delete_file(flog.path(rel))
     log.info(
         "feed %s: compacted to %d (%d records) in %.1fs",
         feed,

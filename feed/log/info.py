@@ -11,12 +11,15 @@ import orjson
 
 from protocol import fingerprint
 
-__all__ = ["Clock", "FeedInfo", "Granularity", "SchemaVersion"]
+__all__ = ["Clock", "FeedInfo", "Granularity", "Layout", "SchemaVersion"]
 
 #: what a feed's times count: source transactions in order, or milliseconds of wall time
 Clock = Literal["logical", "wallclock"]
 #: what one time of a feed holds: one emitter transaction, or one source transaction
 Granularity = Literal["batch", "transaction"]
+#: how a feed's updates are filed: a folder per time (DESIGN §5), or packs of many times
+#: (feed/txn/packs.py)
+Layout = Literal["times", "packs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +96,7 @@ class FeedInfo:
     #: the feeds of its group (one time domain over several tables: feed/emit/group.py), in
     #: order; empty for a feed of its own
     group: tuple[str, ...] = ()
+    layout: Layout | None = None  # None: a folder per time (a feed from before packs)
     #: the record schema's later versions, oldest first (``schemas/``: not in feed.json)
     versions: tuple[SchemaVersion, ...] = field(default=(), compare=False)
     #: the schema feed.json names (the first version, from the feed's first time)
@@ -164,6 +168,7 @@ class FeedInfo:
                         ("granularity", self.granularity),
                         ("order", self.order),
                         ("deleted", self.deleted),
+                        ("layout", self.layout if self.layout == "packs" else None),
                     )
                     if v
                 },

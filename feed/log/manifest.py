@@ -9,11 +9,16 @@ A checkpoint names one manifest, ``_manifests/<seq:020d>-e<epoch>-<random>.json`
 
 and each part is a small Parquet table of *segments*, one row per committed time with
 updates: ``time``, ``epoch`` (the writer), ``count`` (its updates) and ``files`` (paths
-relative to the feed folder). A transaction writes one new part holding only its own times
-and a manifest listing the earlier parts plus the new one; parts are merged like a binary
-counter (the newest two while the newer holds at least as many times as the older), so a
-manifest lists O(log times) parts and each time is rewritten O(log times) times over the
-feed's life: a commit costs O(its changes), amortized.
+relative to the feed folder). A feed of the ``packs`` layout (docs/operations.md, "Packs")
+keeps many times in one file: its parts have a ``groups`` column too, for each file the
+row groups that hold the time, and its manifests say ``"format": 2`` (a reader that knows
+only format 1 refuses them by name instead of reading a pack whole as one time).
+
+A transaction writes one new part holding only its own times and a manifest listing the
+earlier parts plus the new one; parts are merged like a binary counter (the newest two
+while the newer holds at least as many times as the older), so a manifest lists O(log
+times) parts and each time is rewritten O(log times) times over the feed's life: a commit
+costs O(its changes), amortized.
 
 Every manifest and part is written under a name no other writer uses (a random suffix)
 through :meth:`FeedLog.create_exclusive` (temporary file, fsync, exclusive link): a reader
@@ -38,10 +43,14 @@ import pyarrow.parquet as pq
 from feed.log.store import FeedLog
 from protocol import CheckpointError
 
-__all__ = ["Manifest", "ManifestStore", "Part", "Segment"]
+__all__ = ["PACKS", "Manifest", "ManifestStore", "Part", "Segment"]
 
 FORMAT = 1
+#: a manifest whose segments may name row groups of packs
+PACKS_FORMAT = 2
 FOLDER = "_manifests"
+#: the folder of a feed's packs: one file per writing task, many times in each
+PACKS = "packs"
 #: a file no commit names is left alone this long by a listing prune (a compaction may be
 #: about to commit it)
 GRACE_SECONDS = 600
@@ -51,18 +60,29 @@ _PART_SCHEMA = pa.schema(
         pa.field("epoch", pa.int64(), nullable=False),
         pa.field("count", pa.int64(), nullable=False),
         pa.field("files", pa.list_(pa.string()), nullable=False),
+        # packs only: for each file, its row groups that hold the time (null: whole files)
+        pa.field("groups", pa.list_(pa.list_(pa.int32()))),
     ]
 )
 
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """One committed time's updates: ``count`` rows in ``files`` written by ``epoch``."""
+    """One committed time's updates: ``count`` rows in ``files`` written by ``epoch``;
+    ``groups``, for packs, the row groups of each file that hold them (empty: every row of
+    every file)."""
 
     time: int
     epoch: int
     count: int
     files: tuple[str, ...]
+    groups: tuple[tuple[int, ...], ...] = ()
+
+    def pieces(self) -> list[tuple[str, tuple[int, ...] | None]]:
+        """Each file with its row groups to read (None: the whole file)."""
+        if not self.groups:
+            return [(f, None) for f in self.files]
+        return list(zip(self.files, self.groups, strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +103,12 @@ class Manifest:
     compacted: tuple[str, ...] = ()  # the files of the collection at ``since``
     records: int = 0
     parts: tuple[Part, ...] = ()
+    format: int = FORMAT  # PACKS_FORMAT once a segment names row groups
 
     def to_json(self, *, feed: str, seq: int, epoch: int) -> bytes:
         return orjson.dumps(
             {
-                "format": FORMAT,
+                "format": self.format,
                 "feed": feed,
                 "seq": seq,
                 "epoch": epoch,
@@ -114,9 +135,29 @@ def _segments_table(segments: Iterable[Segment]) -> pa.Table:
             "epoch": pa.array([s.epoch for s in segs], pa.int64()),
             "count": pa.array([s.count for s in segs], pa.int64()),
             "files": pa.array([list(s.files) for s in segs], pa.list_(pa.string())),
+            "groups": pa.array(
+                [[list(g) for g in s.groups] if s.groups else None for s in segs],
+                _PART_SCHEMA.field("groups").type,
+            ),
         },
         schema=_PART_SCHEMA,
     )
+
+
+def _full(table: pa.Table) -> pa.Table:
+    """A part as read, in the part schema (a part of a feed without packs has no
+    ``groups`` column: every file is whole)."""
+    if "groups" not in table.column_names:
+        table = table.append_column("groups", pa.nulls(table.num_rows, _PART_SCHEMA[-1].type))
+    return table.cast(_PART_SCHEMA) if table.schema != _PART_SCHEMA else table
+
+
+def _as_written(table: pa.Table) -> pa.Table:
+    """A part as it is written: without ``groups`` when no time names row groups, so a
+    feed without packs keeps the parts a format-1 reader knows."""
+    if table["groups"].null_count == table.num_rows:
+        return table.drop_columns(["groups"])
+    return table
 
 
 class ManifestStore:
@@ -140,7 +181,7 @@ class ManifestStore:
             raise CheckpointError(f"{where} is missing; the feed log is damaged") from e
         except (OSError, orjson.JSONDecodeError) as e:
             raise CheckpointError(f"{where} is unreadable: {e}") from e
-        if d.get("format") != FORMAT:
+        if d.get("format") not in (FORMAT, PACKS_FORMAT):
             raise CheckpointError(f"{where}: unknown manifest format {d.get('format')!r}")
         comp = d.get("compacted") or {}
         m = Manifest(
@@ -149,6 +190,7 @@ class ManifestStore:
             compacted=tuple(comp.get("files", ())),
             records=int(comp.get("records", 0)),
             parts=tuple(Part(**p) for p in d.get("parts", ())),
+            format=int(d["format"]),
         )
         self._manifests[name] = m
         return m
@@ -169,9 +211,7 @@ class ManifestStore:
                 # ParquetFile, not pq.read_table: that goes through pyarrow.dataset, whose
                 # import (pandas with it) would cost a server's first read ~0.2 s
                 with self.log.fs.open_input_file(self.log.path(part.file)) as f:
-                    table = pq.ParquetFile(f).read()
-                if table.schema != _PART_SCHEMA:
-                    table = table.cast(_PART_SCHEMA)
+                    table = _full(pq.ParquetFile(f).read())
             except FileNotFoundError as e:
                 raise CheckpointError(
                     f"feed {self.log.feed!r}: manifest part {part.file} (times {part.lo}.."
@@ -198,15 +238,27 @@ class ManifestStore:
 
     def segments(self, m: Manifest, lo: int | None = None, hi: int | None = None) -> list[Segment]:
         return [
-            Segment(r["time"], r["epoch"], r["count"], tuple(r["files"]))
+            Segment(
+                r["time"],
+                r["epoch"],
+                r["count"],
+                tuple(r["files"]),
+                tuple(tuple(g) for g in r["groups"]) if r["groups"] else (),
+            )
             for r in self.table(m, lo, hi).to_pylist()
         ]
+
+    def packs(self, m: Manifest, lo: int | None = None, hi: int | None = None) -> set[str]:
+        """The packs (files under ``packs/``) that ``m``'s times ``>= lo`` and ``< hi``
+        name."""
+        files = pc.list_flatten(self.table(m, lo, hi)["files"])
+        return {f for f in pc.unique(files).to_pylist() if f.startswith(PACKS + "/")}
 
     # ---- writing -----------------------------------------------------------------------
     def _write_part(self, table: pa.Table) -> Part:
         name = f"{FOLDER}/parts/{uuid.uuid4().hex}.parquet"
         sink = pa.BufferOutputStream()
-        pq.write_table(table, sink, compression="zstd")
+        pq.write_table(_as_written(table), sink, compression="zstd")
         self.log.create_exclusive(self.log.path(name), sink.getvalue().to_pybytes())
         self.written.add(name)
         self._parts[name] = table
@@ -232,6 +284,7 @@ class ManifestStore:
         """Write the manifest of commit ``seq``: ``base``'s segments at or above ``since``
         plus ``added`` (which must all lie above ``base``'s), published whole."""
         added = list(added)
+        packed = any(s.groups for s in added) or (base is not None and base.format == PACKS_FORMAT)
         parts = list(base.parts) if base is not None else []
         new_since = base.since if base is not None else 0
         files, records = (base.compacted, base.records) if base is not None else ((), 0)
@@ -269,6 +322,7 @@ class ManifestStore:
             compacted=tuple(files),
             records=records,
             parts=tuple(parts),
+            format=PACKS_FORMAT if packed else FORMAT,
         )
         body = m.to_json(feed=self.log.feed, seq=seq, epoch=epoch)
         if not self.log.create_exclusive(self.log.path(m.name), body):

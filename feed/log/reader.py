@@ -10,6 +10,7 @@ error naming the time and the file.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Generator, Iterator
 
 import numpy as np
@@ -18,7 +19,7 @@ import pyarrow.parquet as pq
 
 from feed.log.checkpoint import Checkpoint, CheckpointStore
 from feed.log.info import FeedInfo
-from feed.log.manifest import ManifestStore, Segment
+from feed.log.manifest import PACKS, ManifestStore, Segment
 from feed.log.store import FeedLog
 from protocol import (
     CheckpointError,
@@ -34,6 +35,8 @@ __all__ = ["STREAM_ROWS", "FeedReader", "flat_updates"]
 
 #: the most updates of one time :meth:`FeedReader.batches` holds at once
 STREAM_ROWS = 50_000
+#: the packs whose footers a reader keeps
+FOOTERS_KEPT = 8
 
 
 class FeedReader:
@@ -51,6 +54,8 @@ class FeedReader:
         self.info: FeedInfo = info
         self._manifests = ManifestStore(self.log)
         self._record_type: tuple[FeedInfo, pa.DataType] | None = None
+        self._footers: dict[str, pq.FileMetaData] = {}  # packs' (oldest first)
+        self._footers_lock = threading.Lock()
         self.checkpoint: Checkpoint | None = None
         self.refresh()
         self.info = self._all.at(self.frontier)  # (also when nothing is committed)
@@ -90,6 +95,10 @@ class FeedReader:
             return []
         return [int(t) for t in self._manifests.table(self.manifest, lo, hi)["time"].to_pylist()]
 
+    def packs(self, lo: int | None = None, hi: int | None = None) -> set[str]:
+        """The packs (feed/txn/packs.py) that the kept times ``>= lo`` and ``< hi`` use."""
+        return self._manifests.packs(self.manifest, lo, hi)
+
     def counts(self) -> dict[int, int]:
         """Update count of every committed time, as the manifest records it."""
         t = self._manifests.table(self.manifest, self.since, self.frontier)
@@ -103,7 +112,10 @@ class FeedReader:
         with self._segment_files(seg) as files:
             if not files:
                 return pa.table({"diff": pa.array([], pa.int64())})
-            return pa.concat_tables([f.read() for f in files], promote_options="default")
+            return pa.concat_tables(
+                [f.read_row_groups(g, columns=_record_columns(f)) for f, g in files],
+                promote_options="default",
+            )
 
     def count(self, time: int) -> int:
         """The number of updates at a committed ``time``, as its manifest counts them."""
@@ -142,14 +154,17 @@ class FeedReader:
         if seg is None:
             return
         with self._segment_files(seg, stream=True) as files:
-            for f in files:
-                groups = list(range(f.metadata.num_row_groups))
+            for f, groups in files:
                 while groups and skip >= (n := f.metadata.row_group(groups[0]).num_rows):
                     skip -= n
                     groups.pop(0)
                 if not groups:
                     continue
-                for b in f.iter_batches(batch_size=rows, row_groups=groups, use_threads=False):
+                columns = _record_columns(f)
+                batches = f.iter_batches(
+                    batch_size=rows, row_groups=groups, columns=columns, use_threads=False
+                )
+                for b in batches:
                     if skip >= b.num_rows:
                         skip -= b.num_rows
                         continue
@@ -160,18 +175,27 @@ class FeedReader:
     @contextlib.contextmanager
     def _segment_files(
         self, seg: Segment | None, stream: bool = False
-    ) -> Iterator[list[pq.ParquetFile]]:
+    ) -> Iterator[list[tuple[pq.ParquetFile, list[int]]]]:
         """The open files of a committed time's segment (none for no segment, or a time
-        without updates), their row counts checked against the manifest's count; closed
-        on exit, or as soon as opening or checking them fails. ``stream``: opened to be
-        read a batch at a time (see :meth:`_open`)."""
+        without updates), each with its row groups that hold the time (every one, but in
+        a pack), their row counts checked against the manifest's count; closed on exit,
+        or as soon as opening or checking them fails. ``stream``: opened to be read a
+        batch at a time (see :meth:`_open`)."""
         with contextlib.ExitStack() as opened:
-            files: list[pq.ParquetFile] = []
+            files: list[tuple[pq.ParquetFile, list[int]]] = []
             if seg is not None:
-                for rel in seg.files:
-                    files.append(self._open(rel, f"time {seg.time}", stream=stream))
-                    opened.callback(files[-1].close)
-                found = sum(f.metadata.num_rows for f in files)
+                for rel, groups in seg.pieces():
+                    f = self._open(rel, f"time {seg.time}", stream=stream)
+                    opened.callback(f.close)
+                    n = f.metadata.num_row_groups
+                    if groups is not None and any(not 0 <= g < n for g in groups):
+                        raise CheckpointError(
+                            f"feed {self.name!r}: time {seg.time}'s row groups {groups} "
+                            f"of {rel} are not all there ({n} in the file)"
+                        )
+                    files.append((f, list(range(n)) if groups is None else list(groups)))
+                meta = [(f.metadata, g) for f, g in files]
+                found = sum(m.row_group(i).num_rows for m, g in meta for i in g)
                 if found != seg.count:
                     raise CheckpointError(
                         f"feed {self.name!r}: time {seg.time} holds {found} update(s) in "
@@ -180,27 +204,26 @@ class FeedReader:
             yield files
 
     def _open(self, rel: str, what: str, stream: bool = False) -> pq.ParquetFile:
-        # ParquetFile, not pq.read_table: that one goes through pyarrow.dataset, whose
-        # import (pandas with it) would cost the first read a server makes ~0.2 s.
-        # ``stream``: read a page at a time through a 64 KiB buffer, nothing read ahead
-        # (pyarrow's default pre-buffers every column chunk of the row groups it reads:
-        # ~7.8 MB held by a reader of a 1M-update time after its first batch, ~1.6 MB
-        # this way, at the same speed). A pull stream whose consumer stopped reading
-        # holds its reader (docs/operations.md)
+        # ParquetFile, not pq.read_table (pyarrow.dataset's import costs a server's first
+        # read ~0.2 s). ``stream``: a page at a time through a 64 KiB buffer, nothing read
+        # ahead (the default pre-buffers every column chunk: ~7.8 MB held by a reader of a
+        # 1M-update time after its first batch, ~1.6 MB this way, at the same speed; see
+        # docs/operations.md). A pack's footer (it covers every time in it) is kept.
+        meta = self._footers.get(rel)
+        opts = {"pre_buffer": False, "buffer_size": 1 << 16} if stream else {}
         try:
-            if stream:
-                return pq.ParquetFile(
-                    self.log.path(rel),
-                    filesystem=self.log.fs,
-                    pre_buffer=False,
-                    buffer_size=1 << 16,
-                )
-            return pq.ParquetFile(self.log.path(rel), filesystem=self.log.fs)
+            f = pq.ParquetFile(self.log.path(rel), filesystem=self.log.fs, metadata=meta, **opts)
         except FileNotFoundError as e:
             raise CheckpointError(
                 f"feed {self.name!r}: {what} is committed but its file {rel} is missing "
                 "from the feed log"
             ) from e
+        if meta is None and rel.startswith(PACKS + "/"):
+            with self._footers_lock:  # (a server's streams read in threads)
+                while len(self._footers) >= FOOTERS_KEPT:
+                    del self._footers[next(iter(self._footers))]
+                self._footers[rel] = f.metadata
+        return f
 
     def _read(self, rel: str, what: str) -> pa.Table:
         f = self._open(rel, what)
@@ -353,6 +376,12 @@ class FeedReader:
         data = snap.column("data").combine_chunks()
         cols = {f.name: data.field(i) for i, f in enumerate(data.type)}
         return pa.table({**cols, "count": snap.column("diff")})
+
+
+def _record_columns(f: pq.ParquetFile) -> list[str] | None:
+    """The columns of a segment file to read: all but a pack's ``time`` (None: all)."""
+    names = f.schema_arrow.names
+    return [n for n in names if n != "time"] if "time" in names else None
 
 
 def _as_updates(table: pa.Table, time: int, record_type: pa.DataType) -> Updates:

@@ -7,6 +7,8 @@
     <log>/<feed>/_commits/<seq>.json     checkpoints (feed/log/checkpoint.py)
     <log>/<feed>/_manifests/…            what each checkpoint says the log holds (log/manifest.py)
     <log>/<feed>/times/<time>/*.parquet  consolidated updates at <time>: record columns + diff
+    <log>/<feed>/packs/*.parquet         or, with ``--layout packs``, many times per file
+                                         (feed/txn/packs.py)
     <log>/<feed>/compacted/<c>/*.parquet all updates at times <= c consolidated to time c
     <log>/<feed>/quarantine/<seq>/…      bad input rows with raw text and reason
     <log>/<feed>/state/<seq>/…           keyed-state snapshot that commit <seq> goes with
@@ -230,6 +232,7 @@ class FeedLog:
             order=d.get("order"),
             deleted=d.get("deleted"),
             group=tuple(d.get("group") or ()),
+            layout=d.get("layout") or "times",
         ).evolved_to(self.schema_versions())
 
     def schema_versions(self) -> list[SchemaVersion]:

@@ -18,6 +18,7 @@ from feed.log.manifest import Segment
 from feed.log.store import PARQUET_PAGES
 from feed.txn.context import TxnContext
 from feed.txn.driver_diffs import fill_unavailable, keyed_diffs
+from feed.txn.packs import write_pack
 from feed.txn.segments import install_segments, staging_folder
 from feed.txn.state import LoadedState
 
@@ -142,10 +143,14 @@ def write_segments(
     ctx: TxnContext, seq: int, units: dict[int, list[dict[str, Any]]], record: pa.Schema
 ) -> list[Segment]:
     """Write each unit's updates as its time's segment: staged, then installed under the
-    epoch's names (:func:`feed.txn.segments.install_segments`)."""
+    epoch's names (:func:`feed.txn.segments.install_segments`); in a feed of packs, one
+    pack holding every time (:mod:`feed.txn.packs`)."""
     fl, cp = ctx.feedlog, ctx.cp
-    staging = staging_folder(fl, seq)
     schema = pa.schema([*record, pa.field("diff", pa.int64())])
+    if ctx.config.layout == "packs":
+        tables = {cp.next + u: pa.Table.from_pylist(rows, schema) for u, rows in units.items()}
+        return write_pack(fl, seq, cp.epoch, tables)
+    staging = staging_folder(fl, seq)
     staged = []
     for unit, rows in sorted(units.items()):
         time = cp.next + unit

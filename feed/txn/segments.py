@@ -19,6 +19,7 @@ from feed.log.manifest import Segment
 from feed.log.store import FeedLog
 from feed.txn.context import Computed, TxnContext
 from feed.txn.grouped import by_group, write_groups, write_json_lines
+from feed.txn.packs import write_packs
 
 __all__ = [
     "Written",
@@ -74,7 +75,11 @@ def write_transaction(
 
 def write_updates(ctx: TxnContext, seq: int, updates: Any) -> list[Segment]:
     """Write transaction ``seq``'s ``updates`` (columns time, data, diff) as each time's
-    segment files, staged and then moved into place; return the segments by time."""
+    segment files, staged and then moved into place (in a feed of packs, a pack per
+    task: :mod:`feed.txn.packs`); return the segments by time."""
+    if ctx.config.layout == "packs":
+        cols = updates.select("time", "data.*", "diff")
+        return write_packs(cols, ctx.feedlog, seq, ctx.cp.epoch)
     staging = staging_folder(ctx.feedlog, seq)
     flat = updates.select("time", "data.*", "diff")
     staged = write_groups(flat, "time", ctx.feedlog.store, staging, "time=")

@@ -65,8 +65,13 @@ def compute_and_write(
         if eager is not None and segments:
             t_eager = time.perf_counter()
             fl = ctx.feedlog
-            paths = [ctx.spark_path(fl.path(f)) for s in segments for f in s.files]
-            eager.push(ctx.spark, paths, cp.epoch).log(ctx.log, cfg.feed)
+            files = sorted({f for s in segments for f in s.files})  # (a pack holds many)
+            if fl.store is not None and cfg.layout == "packs":  # read through pyarrow
+                report = eager.push(ctx.spark, [fl.path(f) for f in files], cp.epoch, fl.store)
+            else:
+                paths = [ctx.spark_path(fl.path(f)) for f in files]
+                report = eager.push(ctx.spark, paths, cp.epoch)
+            report.log(ctx.log, cfg.feed)
             secs["eager"] = time.perf_counter() - t_eager
         snapshot_lsn = snapshot_txn = None
         if cfg.kind.events and "snapshot_lsn" not in cp.source and read.snapshot_reads:

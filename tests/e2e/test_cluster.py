@@ -198,10 +198,11 @@ def test_spark_submit_runs_the_emitter(tmp_path):
 
 
 def test_a_keyed_feed_with_its_log_on_s3_runs_on_the_cluster_without_hadoop_aws(cluster, tmp_path):
-    """The log in an S3 bucket (moto's server on 127.0.0.1), every transaction in the
-    cluster's executors: they write the segments and the keyed state and read the state
-    back through pyarrow, with the credentials docs/operations.md says to pass them
-    (``spark.executorEnv.AWS_*``). The pyspark wheel alone: no hadoop-aws anywhere."""
+    """The input and the log in an S3 bucket (moto's server on 127.0.0.1), every
+    transaction in the cluster's executors: they read the input, write the packs and the
+    keyed state and read the state back through pyarrow, with the credentials
+    docs/operations.md says to pass them (``spark.executorEnv.AWS_*``). The pyspark wheel
+    alone: no hadoop-aws anywhere."""
     import pyarrow.fs as pafs
     from moto import server as moto_server
 
@@ -220,8 +221,10 @@ def test_a_keyed_feed_with_its_log_on_s3_runs_on_the_cluster_without_hadoop_aws(
         fs.create_dir("logs")
         log = f"s3://logs/feeds?{query}"
         bank = generate_bank(transactions=30, seed=24)
-        src = tmp_path / "in"
-        write_parts(src, bank.events, 3)
+        for part in write_parts(tmp_path / "in", bank.events, 3):
+            with fs.open_output_stream(f"logs/in/{part.name}") as out:
+                out.write(part.read_bytes())
+        src = f"s3://logs/in?{query}"
         schema = tmp_path / "accounts.avsc"
         schema.write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
         executors = [x for k, v in aws.items() for x in ("--conf", f"spark.executorEnv.{k}={v}")]
@@ -229,7 +232,7 @@ def test_a_keyed_feed_with_its_log_on_s3_runs_on_the_cluster_without_hadoop_aws(
             *("emit", "--source", f"debezium:{src}", "--feed", "bank", "--log", log),
             *("--key", "id", "--clock", "logical", "--schema", str(schema)),
             *("--master", master, "--max-files-per-txn", "1", "--driver-txn-bytes", "0"),
-            *executors,
+            *("--layout", "packs", *executors),
             env={"PYSPARK_PYTHON": sys.executable, **aws},
         )
         assert run.returncode == 0, run.stderr.decode()[-3000:]
@@ -241,6 +244,10 @@ def test_a_keyed_feed_with_its_log_on_s3_runs_on_the_cluster_without_hadoop_aws(
                 mp.setenv(k, v)
             reader = FeedReader(log, "bank")
             assert collection_of(reader) == as_multiset(bank.final.values())
+            found = fs.get_file_info(pafs.FileSelector("logs/feeds/bank", recursive=True))
+            files = {i.path.split("logs/feeds/bank/", 1)[1] for i in found if i.is_file}
+            assert {f for f in files if f.startswith("packs/")} == reader.packs()
+            assert not [f for f in files if f.startswith("times/")]
     finally:
         server.stop()
 

@@ -103,6 +103,33 @@ def test_a_chain_of_sigkills_at_every_step_then_a_clean_run(tmp_path, reference)
     verify(log, reference)
 
 
+def test_sigkills_in_a_feed_of_packs_then_a_clean_run(tmp_path, reference):
+    """The packs layout (feed/txn/packs.py) writes no folder per time: a transaction killed
+    after its packs are written, or before its commit, leaves packs no commit names; the
+    next start deletes them and the feed ends as a clean run's of folders."""
+    import orjson
+
+    src = tmp_path / "in"
+    write_parts_at_transactions(src, BANK.events, 3)
+    (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
+    log = tmp_path / "log"
+    packs = log / "bank" / "packs"
+    for kill_at in ("after_write:2", "before_commit:1"):
+        args = emit_args(src, log, "--layout", "packs")
+        crashed = tidefeed(*args, env={"TIDEFEED_TEST_KILL_AT": kill_at})
+        assert crashed.returncode == -signal.SIGKILL, (kill_at, crashed.stderr.decode()[-2000:])
+        reader = FeedReader(str(log), "bank")
+        assert reader.checkpoint.source["file"] == "part-0000.json", kill_at
+        assert {f"packs/{p.name}" for p in packs.iterdir()} > reader.packs()  # uncommitted
+    again = tidefeed(*emit_args(src, log))  # (the feed's layout: packs)
+    assert again.returncode == 0, again.stderr.decode()[-3000:]
+    assert b"rolled back 1 pack(s)" in again.stderr, again.stderr.decode()[-3000:]
+    reader = FeedReader(str(log), "bank")
+    assert {f"packs/{p.name}" for p in packs.iterdir()} == reader.packs()
+    assert not (log / "bank" / "times").exists()
+    verify(log, reference)
+
+
 def test_random_sigkills_in_follow_mode(tmp_path, reference):
     import orjson
 
