@@ -23,7 +23,7 @@ from protocol import CheckpointError, SourceError, check_messages
 from ..e2e.helpers import write_parts, write_parts_at_transactions
 from .model import collection_of
 from .test_compaction import rows_of
-from .test_manifest import FINAL, FIRST, FIRST_TRUTH, REST, config
+from .test_manifest import FINAL, FIRST, FIRST_TRUTH, REST, config, run
 
 
 def _updates(reader: FeedReader) -> dict[int, list]:
@@ -80,11 +80,7 @@ def test_a_group_commit_keeps_the_row_groups_of_its_segments():
 
 # ---- with the emitter ------------------------------------------------------------------
 def _emit(spark, base: Path, **kw) -> Emitter:
-    e = Emitter(config(base, **kw), spark=spark)
-    e.open()
-    e.run()
-    e.close()
-    return e
+    return run(spark, config(base, **kw))
 
 
 @pytest.fixture(scope="module")
