@@ -62,10 +62,7 @@ class PackWriter:
             self._writer = pq.ParquetWriter(
                 self.path, self.schema, filesystem=self.fs, **PARQUET_PAGES
             )
-        if isinstance(batch, pa.RecordBatch):
-            self._writer.write_batch(batch, row_group_size=ROW_GROUP)
-        else:
-            self._writer.write_table(batch, row_group_size=ROW_GROUP)
+        self._writer.write(batch, row_group_size=ROW_GROUP)
         k = -(-n // ROW_GROUP)  # each call writes ceil(n / ROW_GROUP) row groups
         if self.times and self.times[-1][0] == time:
             t, rows, first, groups = self.times[-1]
