@@ -218,6 +218,10 @@ class FeedReader:
                 f"feed {self.name!r}: {what} is committed but its file {rel} is missing "
                 "from the feed log"
             ) from e
+        except pa.ArrowInvalid as e:  # cut short or overwritten: damaged, not a crash
+            raise CheckpointError(
+                f"feed {self.name!r}: {what}: its file {rel} is not readable Parquet ({e})"
+            ) from e
         if meta is None and rel.startswith(PACKS + "/"):
             with self._footers_lock:  # (a server's streams read in threads)
                 while len(self._footers) >= FOOTERS_KEPT:

@@ -231,6 +231,16 @@ def test_a_pack_without_the_named_row_groups_is_an_error_naming_it(copy):
         FeedReader(str(copy / "log"), "bank").table(t)
 
 
+def test_a_pack_cut_short_is_an_error_naming_it_not_a_crash(copy):
+    reader = FeedReader(str(copy / "log"), "bank")
+    t = reader.times()[-1]
+    (seg,) = reader._segments(t, t + 1)
+    path = copy / "log" / "bank" / seg.files[0]
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=rf"time {t}: its file {seg.files[0]} is not"):
+        FeedReader(str(copy / "log"), "bank").table(t)
+
+
 def test_a_reader_of_format_1_only_refuses_a_manifest_of_packs(copy, monkeypatch):
     from feed.log import manifest
 
