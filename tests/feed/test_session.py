@@ -144,3 +144,44 @@ def test_a_ctrl_c_while_spark_starts_reaches_the_commands_own_handler():
     assert p.returncode == 0, p.stderr.decode()[-2000:]
     assert p.stdout.decode().split() == ["['ours']", "<lambda>"]
     assert b"Traceback" not in p.stderr and b"KeyboardInterrupt" not in p.stderr
+
+
+SIZED = (
+    "spark.sql.shuffle.partitions",
+    "spark.sql.codegen.wholeStage",
+    "spark.sql.codegen.factoryMode",
+)
+
+
+def test_a_small_transaction_runs_with_the_small_input_settings_then_restores_them(spark, tmp_path):
+    from feed.emit.session import sized_for_input
+
+    def settings() -> list[str | None]:
+        return [spark.conf.get(k, None) for k in SIZED]
+
+    def codegen_stages() -> bool:
+        q = spark.range(10).selectExpr("id + 1 AS x").where("x > 3")  # (no shuffle: no AQE)
+        return "*(" in q._jdf.queryExecution().executedPlan().toString()
+
+    before = settings()
+    small, mid, large = tmp_path / "small.json", tmp_path / "mid.json", tmp_path / "large.json"
+    small.write_bytes(b"{}\n")
+    for f, size in ((mid, 5 << 20), (large, 17 << 20)):
+        with open(f, "wb") as out:
+            out.truncate(size)
+    assert codegen_stages()
+    with sized_for_input(spark, {}, [str(small)]):  # one partition, no generated code
+        assert settings() == ["1", "false", "NO_CODEGEN"]
+        assert not codegen_stages()
+    assert settings() == before and codegen_stages()
+    with sized_for_input(spark, {}, [str(mid)]):  # one partition, generated code
+        assert settings() == ["1", *before[1:]]
+        assert codegen_stages()
+    with sized_for_input(spark, {}, [str(large)]):  # as the session has it
+        assert settings() == before
+    # a --conf naming one setting of a group leaves the group alone
+    with sized_for_input(spark, {"spark.sql.codegen.wholeStage": "true"}, [str(small)]):
+        assert settings() == ["1", *before[1:]]
+    with sized_for_input(spark, {"spark.sql.shuffle.partitions": "3"}, [str(small)]):
+        assert settings() == [before[0], "false", "NO_CODEGEN"]
+    assert settings() == before
