@@ -283,9 +283,9 @@ def sized_for_input(
     """Run a transaction of small input with the settings that suit it (:data:`SMALL_INPUT`),
     each restored after it; ``--conf`` naming a setting always wins.
 
-    - Under 16 MB, one shuffle partition: its shuffles then take one task each instead of
+    - Under 16 MiB, one shuffle partition: its shuffles then take one task each instead of
       a wave per partition (a second or so of a small transaction's time).
-    - Under 4 MB, no generated code: a small transaction runs some 30 short Spark jobs,
+    - Under 4 MiB, no generated code: a small transaction runs some 30 short Spark jobs,
       and compiling each plan's generated Java (again whenever a literal in it changes,
       such as a position) costs more than it saves on a few thousand rows.
     """
@@ -300,6 +300,8 @@ def sized_for_input(
     before = {k: spark.conf.get(k, None) for k in changed}
     for k, v in changed.items():
         spark.conf.set(k, v)
+    if changed:
+        log.debug("a transaction of %d input bytes runs with %s", size, changed)
     try:
         yield
     finally:
