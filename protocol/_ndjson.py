@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
-from ._text_checks import nesting_check, text_check
+from ._text_checks import nesting_check, number_check, utf8_check
 from .codecs import Codec, Decoder, Encoder, check_field_names
 from .errors import CodecError, Compacted
 from .jsontext import json_objects, span
@@ -44,44 +44,69 @@ _DUMP_OPTS = orjson.OPT_NON_STR_KEYS
 
 #: Updates per line: lines of ~100-200 kB let pyarrow's reader parse a body in parallel.
 MAX_UPDATES_PER_LINE = 2_000
+#: updates whose text an encoder builds at once (bounded: a string array holds < 2 GiB)
+_TEXT_ROWS = 65_536
 
 
 class NdjsonEncoder(Encoder):
+    def _write(self, message: Message) -> None:
+        if not (isinstance(message, Updates) and len(message) > self._max and message.has_table()):
+            super()._write(message)
+            return
+        # the text of many updates at once, then cut into lines: the kernels' cost per
+        # call is paid once per batch of lines, not once per line
+        table = message.table()
+        step = self._max * max(1, _TEXT_ROWS // self._max)
+        for at in range(0, len(message), step):
+            rows = _row_texts(Updates.from_arrow(table.slice(at, step)))
+            if rows is None:  # a record type left to orjson (the same for every slice)
+                super()._write(message)
+                return
+            for start in range(0, len(rows), self._max):
+                self._write_line(span(rows, start, min(len(rows), start + self._max)))
+                self.written += 1
+
     def _write_updates(self, updates: Updates) -> None:
-        line = _columnar_line(updates) if updates.has_table() else None
-        if line is None:  # wire rows, or a record type left to orjson
+        rows = _row_texts(updates) if updates.has_table() else None
+        if rows is None:  # wire rows, or a record type left to orjson
             line = orjson.dumps(
                 {"updates": updates.rows()}, option=_DUMP_OPTS, default=_json_default
             )
-        self._out.write(line)
-        self._out.write(b"\n")
+            self._out.write(line)
+            self._out.write(b"\n")
+        else:
+            self._write_line(span(rows, 0, len(rows)))
+
+    def _write_line(self, rows: memoryview) -> None:
+        """One ``{"updates": [...]}`` line of update texts that each end with a comma."""
+        self._out.write(b'{"updates":[')
+        self._out.write(rows[:-1])
+        self._out.write(b"]}\n")
 
     def _write_progress(self, p: Progress) -> None:
         self._out.write(orjson.dumps({"progress": p.to_wire()}))
         self._out.write(b"\n")
 
 
-def _columnar_line(updates: Updates) -> bytes | None:
-    """The ``{"updates": [...]}`` line of an Arrow-held batch built column-wise (see
-    :mod:`.jsontext`), or None when its record type is left to orjson."""
+def _row_texts(updates: Updates) -> pa.Array | None:
+    """The text of every update of an Arrow-held batch, ``{"data":…,"time":…,"diff":…},``
+    each, built column-wise (see :mod:`.jsontext`); None when its record type is left to
+    orjson."""
     table = updates.table()
     data = json_objects(table.column("data"))
     if data is None:
         return None
+    low, high = pc.min_max(table.column("time")).values()
+    if low.is_valid and low == high:  # one time (the usual batch): its text once
+        time: list[Any] = [f',"time":{low.as_py()},"diff":']
+    else:
+        time = [',"time":', pc.cast(table.column("time"), pa.string()), ',"diff":']
     rows = pc.binary_join_element_wise(
-        '{"data":',
-        data,
-        ',"time":',
-        pc.cast(table.column("time"), pa.string()),
-        ',"diff":',
-        pc.cast(table.column("diff"), pa.string()),
-        "},",
-        "",
+        '{"data":', data, *time, pc.cast(table.column("diff"), pa.string()), "},", ""
     )
     if isinstance(rows, pa.ChunkedArray):
         rows = rows.combine_chunks()
-    text = span(rows, 0, len(rows))
-    return b"".join((b'{"updates":[', text[:-1], b"]}"))
+    return rows
 
 
 #: the longest line a stream decoder reads: a feed's lines hold at most
@@ -268,7 +293,8 @@ def _decode_columnar(
 ) -> tuple[list[Message], pa.DataType | None] | None:
     """Decode a whole body with pyarrow's JSON reader (with the record type ``record`` if
     it reads the body as inference would): its messages and its record type, or ``None``
-    to use the line decoder."""
+    to use the line decoder. Raises :class:`CodecError` for a number no reader may take
+    (:func:`number_check`), unless the typed read already ruled them out."""
     raw = np.frombuffer(body, dtype=np.uint8)
     ends = np.flatnonzero(raw == 10)
     if not len(ends) or ends[-1] != len(raw) - 1:
@@ -276,6 +302,10 @@ def _decode_columnar(
     longest = int(np.max(np.diff(ends, prepend=-1)))
     options = pa_json.ReadOptions(block_size=max(longest + 1, _MIN_BLOCK), use_threads=True)
     table = None if record is None else _read_hinted(body, options, record)
+    if table is None:
+        # (a typed read of integers, strings and booleans fails on NaN, Infinity and
+        # integers beyond 64 bits; inference would make floats of them)
+        number_check(body)
     try:
         if table is None:
             table = pa_json.read_json(pa.BufferReader(body), read_options=options)
@@ -331,10 +361,12 @@ class NdjsonCodec(Codec):
 
     def decode(self, body: bytes, *, schema: Any = None) -> list[Message]:
         nesting_check(body)
-        text_check(body)
+        utf8_check(body)
         if schema is None and body:
             try:
                 decoded = _decode_columnar(body, self._record)
+            except CodecError:
+                raise
             except Exception:  # e.g. invalid UTF-8 in a key: the line decoder says what
                 decoded = None
             if decoded is not None:
@@ -342,4 +374,5 @@ class NdjsonCodec(Codec):
                 if record is not None:
                     self._record = record if _hintable(record) else None
                 return messages
+        number_check(body)  # (before the line decoder, whatever the columnar read did)
         return list(NdjsonDecoder(io.BytesIO(body), schema=schema))

@@ -1,8 +1,9 @@
 """Checks of a JSON text body made before any JSON reader sees it: what pyarrow's reader
-(and orjson) would take quietly as something else, or crash on. :func:`text_check`:
-bytes that are not UTF-8, ``NaN``/``Infinity``, integers beyond 64 bits.
-:func:`nesting_check`: objects and arrays nested deeper than :data:`MAX_DEPTH`. Both
-scan at C speed (bytes.translate, numpy) and read Python-side only the lines that need it."""
+(and orjson) would take quietly as something else, or crash on. :func:`utf8_check`:
+bytes that are not UTF-8. :func:`number_check`: ``NaN``/``Infinity`` and integers beyond
+64 bits. :func:`nesting_check`: objects and arrays nested
+deeper than :data:`MAX_DEPTH`. They scan at C speed (bytes.translate, numpy) and read
+Python-side only the lines that need it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 from .errors import CodecError
 from .messages import INT64_MAX, INT64_MIN
 
-__all__ = ["MAX_DEPTH", "nesting_check", "text_check"]
+__all__ = ["MAX_DEPTH", "nesting_check", "number_check", "utf8_check"]
 
 
 #: a run of this many digits may be an integer beyond 64 bits (2^63 has 19 digits)
@@ -23,13 +24,9 @@ _LONG_DIGITS = b"1" * 19
 _DIGITS = bytes(0x31 if 0x30 <= c <= 0x39 else 0x30 for c in range(256))
 
 
-def text_check(body: bytes) -> None:
-    """Raise :class:`CodecError`, naming the line, for what the JSON readers would take
-    quietly as something else: bytes that are not UTF-8 (pyarrow replaced them with
-    U+FFFD), the non-JSON ``NaN`` and ``Infinity`` (pyarrow took them as floats), and
-    integers beyond 64 bits (both readers made them floats). Bodies that can hold none of
-    these (no such word, no run of 19 digits) pass after a few scans at C speed; the
-    others are read line by line with Python's own JSON reader, which says exactly."""
+def utf8_check(body: bytes) -> None:
+    """Raise :class:`CodecError`, naming the line, for bytes that are not UTF-8 (pyarrow's
+    reader replaces them with U+FFFD)."""
     if not body.isascii():
         try:
             body.decode("utf-8")
@@ -37,6 +34,16 @@ def text_check(body: bytes) -> None:
             raise CodecError(
                 f"invalid UTF-8 at byte {e.start}", fmt="ndjson", position=_line_at(body, e.start)
             ) from None
+
+
+def number_check(body: bytes) -> None:
+    """Raise :class:`CodecError`, naming the line, for the non-JSON ``NaN`` and
+    ``Infinity`` (pyarrow's reader takes them as floats when it infers types) and integers
+    beyond 64 bits (both readers make them floats). Bodies that can hold none of these (no
+    such word, no run of 19 digits) pass after a few scans at C speed; the others are read
+    line by line with Python's own JSON reader, which says exactly. A body that pyarrow
+    read whole with a given type of integers, strings and booleans needs no such scan:
+    that read fails on any of them."""
     words = b"NaN" in body or b"Infinity" in body
     if not words and _LONG_DIGITS not in body.translate(_DIGITS):
         return

@@ -346,3 +346,35 @@ def test_ndjson_read_with_the_last_record_type_equals_reading_with_inference(mon
     # read with the record type before them: the 2nd, 3rd and 7th bodies; the others went
     # to inference (after a float the record type is not used; the 6th is not tried)
     assert hinted == [True, True, False, False, True, False, False, False, False]
+
+
+@pytest.mark.parametrize("times", [[1], [1, 2, 7]], ids=["one time", "several times"])
+def test_an_arrow_batch_larger_than_a_line_is_cut_into_full_lines_as_orjson_writes_them(
+    monkeypatch, times
+):
+    """NDJSON builds the text of many updates at once and cuts it into lines: every
+    line holds ``max_updates`` (the last the rest), byte for byte what orjson writes."""
+    from protocol import _ndjson
+
+    monkeypatch.setattr(_ndjson, "_TEXT_ROWS", 25)  # text built 20 updates at a time
+    rows = [
+        {"data": {"id": i, "name": f'n "{i}"', "ok": i % 2 == 0}, "time": times[i % len(times)]}
+        for i in range(55)
+    ]
+    table = pa.table(
+        {
+            "data": pa.array([r["data"] for r in rows]),
+            "time": pa.array([r["time"] for r in rows], pa.int64()),
+            "diff": pa.array([1 if i % 3 else -2 for i in range(55)], pa.int64()),
+        }
+    )
+    buf = io.BytesIO()
+    enc = get_codec("ndjson").encoder(buf, max_updates=10)
+    enc.write(Updates.from_arrow(table))
+    enc.close()
+    wire = table.to_pylist()
+    expected = b"".join(
+        orjson.dumps({"updates": wire[at : at + 10]}) + b"\n" for at in range(0, 55, 10)
+    )
+    assert buf.getvalue() == expected
+    assert enc.written == 6

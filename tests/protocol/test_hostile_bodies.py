@@ -217,12 +217,26 @@ def test_ndjson_without_escapes_brackets_in_strings_do_not_count():
         (b"-Infinity", "Infinity is not JSON"),
     ],
 )
-def test_ndjson_values_no_reader_may_change_are_refused(value, says):
+@pytest.mark.parametrize("typed", [False, True], ids=["inferred", "typed"])
+def test_ndjson_values_no_reader_may_change_are_refused(value, says, typed):
+    """Whether the body is read with types inferred, or with the record type of the body
+    before it (which skips the scan for such numbers: that read fails on them)."""
+    from protocol._ndjson import NdjsonCodec
+
+    codec = NdjsonCodec()
     ok = b'{"progress": {"lower": [0], "upper": [0], "counts": []}}\n'
+    if typed:  # a first body of integer records gives the codec their type
+        first = b'{"updates": [{"data": {"a": 7}, "time": 1, "diff": 1}]}\n'
+        assert [len(m) for m in codec.decode(first)] == [1]
     body = ok + b'{"updates": [{"data": {"a": ' + value + b'}, "time": 1, "diff": 1}]}\n'
     with pytest.raises(CodecError, match=says) as e:
-        get_codec("ndjson").decode(body)
+        codec.decode(body)
     assert "line 2" in str(e.value)
+    # the same values inside strings are text like any other
+    quoted = b'{"updates": [{"data": {"a": 8, "s": "' + value + b'"}, "time": 1, "diff": 1}]}\n'
+    quoted = ok + quoted
+    (_, updates) = codec.decode(quoted)
+    assert next(iter(updates)).record == {"a": 8, "s": value.decode()}
 
 
 def test_ndjson_invalid_utf8_is_refused_naming_the_line():
