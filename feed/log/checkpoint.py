@@ -30,14 +30,17 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
 from feed.log.store import FeedLog
 from protocol import CheckpointError, CommitConflict, Progress
 
-__all__ = ["FORMAT", "KEEP_COMMITS", "Checkpoint", "CheckpointStore", "fixed"]
+__all__ = ["FORMAT", "KEEP_COMMITS", "Checkpoint", "CheckpointStore", "CommitKind", "fixed"]
+
+#: what wrote a commit (:meth:`CheckpointStore.made_by`)
+CommitKind = Literal["claim", "compaction", "transaction"]
 
 FORMAT = 1
 KEEP_COMMITS = 5
@@ -165,6 +168,20 @@ class CheckpointStore:
             if repair:
                 self.log.fs.move(path, f"{path}.broken")
             return self.read(seqs[-2]) if len(seqs) > 1 else None
+
+    def made_by(self, seq: int) -> CommitKind | None:
+        """What wrote commit ``seq``: a ``"claim"`` (it raised the epoch), a
+        ``"compaction"`` (it raised ``since``) or a ``"transaction"``; None when it or the
+        commit before it is no longer kept (or was never written)."""
+        try:
+            this, before = self.read(seq), self.read(seq - 1)
+        except (CheckpointError, FileNotFoundError):
+            return None
+        if this.epoch > before.epoch:
+            return "claim"
+        if this.since > before.since:
+            return "compaction"
+        return "transaction"
 
     def read(self, seq: int) -> Checkpoint:
         path = self.path_of(seq)

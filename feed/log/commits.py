@@ -78,9 +78,10 @@ class Committer:
         self.feedlog.delete_dir(self.feedlog.path("_staging"))
         state.prune(kept_states)
         for n in self.feedlog.numbered_dirs("quarantine"):
-            # past the commits read, or at a compaction's seq (a transaction that lost
-            # its seq to a compaction moves its rows on: see commit): never committed
-            if n > read.seq or self._compaction_at(n):
+            # past the commits read, or at a claim's or a compaction's seq (a transaction
+            # that lost its seq to a compaction moves its rows on: see commit; one that
+            # lost it to another emitter's claim never commits): never committed
+            if n > read.seq or self.store.made_by(n) in ("claim", "compaction"):
                 self.feedlog.delete_dir(self.feedlog.path("quarantine", str(n)))
         return claimed, gone
 
@@ -103,14 +104,6 @@ class Committer:
             self.log.info(
                 "feed %s: rolled back %d pack(s) no commit names", self.feed, len(unnamed)
             )
-
-    def _compaction_at(self, seq: int) -> bool:
-        """Whether the kept commit ``seq`` is a compaction's (it raised ``since``)."""
-        try:
-            this, before = self.store.read(seq), self.store.read(seq - 1)
-        except (CheckpointError, FileNotFoundError):
-            return False
-        return this.since > before.since
 
     def _move_quarantine(self, seq: int, to: int) -> None:
         """Transaction ``seq``'s quarantined rows, as transaction ``to``'s (its commit lost

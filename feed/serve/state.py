@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from feed.log.checkpoint import CheckpointStore
 from feed.log.reader import FeedReader
 from feed.log.store import feed_names, valid_feed_name
 from feed.log.subscriptions import SubscriptionStore
@@ -149,15 +150,19 @@ class ServerState:
 
     def count_quarantined(self) -> None:
         """Set the quarantined-rows gauge of every feed: the rows in the quarantine folders
-        of committed transactions (a folder is read once; an uncommitted one is not
-        counted: the emitter's next start deletes it)."""
+        of committed transactions (a folder is read once). A folder of a transaction that
+        did not commit is not counted, whether its seq is still free or was taken by a
+        claim or a compaction: the emitter's next start deletes it."""
         for feed in self.feed_names():
             reader = self.reader(feed)
             fl, seen = reader.log, self._quarantine.setdefault(feed, {})
             committed = reader.checkpoint.seq if reader.checkpoint else 0
+            commits = CheckpointStore(fl)
             for n in fl.numbered_dirs("quarantine"):
                 if n > committed or n in seen:
                     continue
+                if commits.made_by(n) in ("claim", "compaction"):
+                    continue  # (no transaction committed at n; not kept in seen)
                 rows = 0
                 for info in fl.list_dir(fl.path("quarantine", str(n))):
                     if info.base_name.endswith(".json"):

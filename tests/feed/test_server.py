@@ -14,7 +14,10 @@ import pytest
 from aiohttp import web
 
 from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
+from feed.log.checkpoint import CheckpointStore
+from feed.log.compaction import compact
 from feed.log.reader import FeedReader
+from feed.log.store import FeedLog
 from feed.serve.server import ServerConfig, make_server_app
 from protocol import Progress, Updates, check_messages, get_codec, record_key
 from protocol.receiver import ReceiverConfig, make_receiver_app
@@ -482,8 +485,7 @@ async def test_metrics_count_the_quarantined_rows_of_committed_transactions(spar
     write(src / "part-0000.json", BANK.events[:THIRD])
     (src / "part-0001.json").write_bytes(b"\n".join(BAD_LINES) + b"\n")
     log = tmp_path / "log"
-    run_emitter(
-        spark,
+    args = dict(
         source_kind="debezium",
         source_path=str(src),
         feed="bank",
@@ -493,22 +495,49 @@ async def test_metrics_count_the_quarantined_rows_of_committed_transactions(spar
         clock="logical",
         max_files_per_txn=1,
     )
+    run_emitter(spark, **args)
     quarantine = log / "bank" / "quarantine"
     rows = [x for f in quarantine.rglob("*.json") for x in f.read_bytes().splitlines()]
     # every bad line but the delete at LSN 4, which is below the committed position: a
     # redelivery, dropped and counted as such
     assert len(rows) == len(BAD_LINES) - 1
-    # a quarantine folder no commit names (a crashed transaction's) is not counted
-    stray = quarantine / "999"
-    stray.mkdir()
-    (stray / "part-0.json").write_bytes(b'{"raw": "x"}\n' * 4)
-    base, runner = await serve(make_server_app(ServerConfig(log=str(log))))
-    try:
-        async with aiohttp.ClientSession() as s, s.get(f"{base}/metrics") as r:
-            text = await r.text()
-        assert f'tidefeed_quarantined_rows{{feed="bank"}} {float(len(rows))}' in text
-    finally:
-        await runner.cleanup()
+    commits = CheckpointStore(FeedLog(str(log), "bank"))
+    counted = f'tidefeed_quarantined_rows{{feed="bank"}} {float(len(rows))}'
+
+    def stray(seq: int) -> None:
+        """A crashed transaction's quarantined rows, meant for commit ``seq``."""
+        folder = quarantine / str(seq)
+        folder.mkdir()
+        (folder / "part-0.json").write_bytes(b'{"raw": "x"}\n' * 4)
+
+    async def gauge() -> str:
+        base, runner = await serve(make_server_app(ServerConfig(log=str(log))))
+        try:
+            async with aiohttp.ClientSession() as s, s.get(f"{base}/metrics") as r:
+                return await r.text()
+        finally:
+            await runner.cleanup()
+
+    def start_again() -> None:  # (no new input: the start's claim, and no transaction)
+        run_emitter(spark, **args)
+
+    # a quarantine folder at a seq no commit has taken is not counted
+    stray(commits.latest().seq + 1)
+    assert counted in await gauge()
+    # nor one whose seq a later commit took: a start's claim (the start itself deletes
+    # what it finds: these came after it), a compaction
+    start_again()
+    claim = commits.latest().seq
+    assert commits.made_by(claim) == "claim"
+    stray(claim)
+    stray(claim + 1)
+    compact(str(log), "bank", commits.latest().frontier - 1)
+    assert commits.made_by(claim + 1) == "compaction"
+    assert counted in await gauge()
+    # the next start deletes them, and keeps the rows of committed transactions
+    start_again()
+    left = [x for f in quarantine.rglob("*.json") for x in f.read_bytes().splitlines()]
+    assert sorted(left) == sorted(rows)
 
 
 async def test_a_consumer_leaving_during_a_snapshot_is_one_log_line(feed_log, monkeypatch, caplog):
