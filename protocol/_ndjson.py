@@ -1,9 +1,12 @@
 """NDJSON codec: one CDCv2-shaped JSON message per line.
 
-Streams decode line by line with orjson. A whole body in memory (what a receiver holds)
-first goes through pyarrow's multi-threaded JSON reader, straight into Arrow; any body that
-reader does not take cleanly (a malformed line, an unexpected shape, a string it would read
-as a timestamp) is decoded again line by line, which names what is wrong and where.
+Streams decode line by line: a long line of updates (a feed server writes 2 000 per line)
+with pyarrow's JSON reader, straight into Arrow, the others with orjson. A whole body in
+memory (what a receiver holds) first goes through pyarrow's multi-threaded JSON reader
+whole. Any line or body that reader does not take cleanly (a malformed line, an unexpected
+shape, a string it would read as a timestamp) is decoded again by orjson line by line,
+which names what is wrong and where. Through pyarrow, a column that some records of a
+line or body lack reads as null in them (a feed's records all carry every column).
 
 The reader infers the types of every body, which takes about half its time. A body is
 first read with the record type of the body before it, when that type is one inference
@@ -134,7 +137,14 @@ class NdjsonDecoder(Decoder):
             yield line
 
     def _messages(self) -> Iterator[Message]:
+        record: pa.DataType | None = None  # the record type of the last line read columnar
         for line in self._lines():
+            if len(line) >= _COLUMNAR_LINE and line.startswith(b'{"updates":'):
+                decoded = _columnar_updates(line, record)
+                if decoded is not None:
+                    messages, record = decoded
+                    yield from messages
+                    continue
             if not line.strip():
                 continue
             try:
@@ -172,6 +182,33 @@ class NdjsonDecoder(Decoder):
                     fmt="ndjson",
                     position=self.position,
                 )
+
+
+#: a stream's ``updates`` line at least this long is read by pyarrow's JSON reader, straight
+#: into Arrow (a line of 2 000 updates: ~1.5 ms instead of ~11 ms through Python objects);
+#: shorter lines, and any line that reader does not take cleanly, by orjson
+_COLUMNAR_LINE = 16 << 10
+
+
+def _columnar_updates(
+    line: bytes, record: pa.DataType | None
+) -> tuple[list[Message], pa.DataType | None] | None:
+    """One stream line of updates decoded as a whole body is (:func:`_decode_columnar`,
+    after the same checks): its messages and the record type to read the next line with;
+    None for the line decoder to read it (and name what is wrong), as for any line that
+    fails a check here."""
+    try:
+        nesting_check(line)
+        utf8_check(line)
+        decoded = _decode_columnar(line, record)
+    except Exception:  # (CodecError too: the line decoder gives a stream's own error)
+        return None
+    if decoded is None:
+        return None
+    messages, seen = decoded
+    if len(messages) != 1 or not isinstance(messages[0], Updates):
+        return None
+    return messages, seen if seen is not None and _hintable(seen) else None
 
 
 #: the smallest block pyarrow's JSON reader parses at once (blocks are parsed in parallel)

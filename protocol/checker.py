@@ -65,9 +65,10 @@ class FeedChecker:
     def __init__(
         self, *, non_negative: bool = False, key: Sequence[str] | None = None, feed: str = ""
     ) -> None:
-        self.store = MemoryStore()
-        self.consumer = Consumer(self.store, feed=feed)
         self.non_negative = non_negative or bool(key)
+        # (multiplicities are only asked for by the non-negative and one-row-per-key rules)
+        self.store = MemoryStore(accumulate=self.non_negative)
+        self.consumer = Consumer(self.store, feed=feed)
         self.key = tuple(key) if key else None
         self.violations: list[Violation] = []
         self.messages = 0

@@ -10,7 +10,8 @@ alike, a null hashes the same whatever its column type, and a null top-level col
 hashes as if it were absent), so distinct hashes prove distinct
 records. Equal hashes only say "maybe equal": the caller then compares the records exactly
 (:func:`protocol.messages.record_key`). Hashes are never stored or sent; they only have to
-agree within one process.
+agree within one process. :func:`merge_runs` and :func:`in_sorted` keep a time's hashes in
+sorted runs and look new ones up in them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pyarrow.compute as pc
 
 from .messages import record_keys
 
-__all__ = ["row_hashes"]
+__all__ = ["in_sorted", "merge_runs", "row_hashes"]
 
 _M64 = (1 << 64) - 1
 _SEED = 0x9E3779B97F4A7C15
@@ -220,3 +221,27 @@ def row_hashes(data: pa.Array | pa.ChunkedArray) -> np.ndarray:
     if not pa.types.is_struct(data.type):
         raise TypeError(f"records must be a struct column, got {data.type}")
     return _mix(_fold(np.full(len(data), _SEED, dtype=np.uint64), data, top=True))
+
+
+def merge_runs(runs: list[np.ndarray]) -> list[np.ndarray]:
+    """Sorted runs, the last one just added, merged from the end until each run is at
+    least twice as long as the next: a time of ``n`` hashes in ``m`` bodies is then held
+    in O(log m) runs, each hash merged O(log m) times (not once per body)."""
+    while len(runs) > 1 and len(runs[-2]) < 2 * len(runs[-1]):
+        # two sorted runs: the stable sort (timsort) merges them in linear time
+        last = runs.pop()
+        runs[-1] = np.sort(np.concatenate([runs[-1], last]), kind="stable")
+    return runs
+
+
+def in_sorted(sorted_hashes: np.ndarray, order: np.ndarray, needles: np.ndarray) -> np.ndarray:
+    """Which hashes are in ``sorted_hashes`` (a binary search each), given as ``needles``
+    (the hashes sorted: they walk the haystack in order, cache-friendly) and ``order``
+    (where each needle stands among the hashes)."""
+    if not len(sorted_hashes):
+        return np.zeros(len(needles), dtype=bool)
+    at = np.searchsorted(sorted_hashes, needles)
+    at[at == len(sorted_hashes)] = 0
+    found = np.empty(len(needles), dtype=bool)
+    found[order] = sorted_hashes[at] == needles
+    return found

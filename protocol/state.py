@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 from .consolidate import by_time
 from .errors import Conflict, CountMismatch, Gap, ProtocolError, StaleEpoch
 from .messages import UPDATE_COLUMNS, Message, Progress, Updates, WireRow, record_key
-from .rowhash import row_hashes
+from .rowhash import in_sorted, merge_runs, row_hashes
 from .stores import Store
 
 __all__ = ["ApplyResult", "Consumer"]
@@ -93,10 +93,11 @@ class Consumer:
         self._frontier = state.frontier
         self._epoch = state.epoch
         self._pending: _Pending = {}
-        #: per pending time, the hashes of all its pieces, sorted: a new body's records are
-        #: looked up in it (a binary search each), where a hash set of everything pending
-        #: was rebuilt per body (quadratic in a time spread over many bodies)
-        self._sorted: dict[int, np.ndarray] = {}
+        #: per pending time, the hashes of all its pieces in a few sorted runs
+        #: (:func:`~protocol.rowhash.merge_runs`): a new body's records are looked up in
+        #: each, a binary search per record (one set or one array, rebuilt per body, was
+        #: quadratic in a time spread over many bodies: a stream's lines of 2 000 updates)
+        self._sorted: dict[int, list[np.ndarray]] = {}
 
     @property
     def frontier(self) -> int | None:
@@ -144,19 +145,6 @@ class Consumer:
 def _examples(table: pa.Table) -> list[WireRow]:
     rows: list[WireRow] = table.slice(0, EXAMPLES_KEPT).to_pylist(maps_as_pydicts="strict")
     return rows
-
-
-def _in_sorted(sorted_hashes: np.ndarray, order: np.ndarray, needles: np.ndarray) -> np.ndarray:
-    """Which hashes are in ``sorted_hashes`` (a binary search each), given as ``needles``
-    (the hashes sorted: they walk the haystack in order, cache-friendly) and ``order``
-    (where each needle stands among the hashes)."""
-    if not len(sorted_hashes):
-        return np.zeros(len(needles), dtype=bool)
-    at = np.searchsorted(sorted_hashes, needles)
-    at[at == len(sorted_hashes)] = 0
-    found = np.empty(len(needles), dtype=bool)
-    found[order] = sorted_hashes[at] == needles
-    return found
 
 
 class _Txn:
@@ -251,7 +239,8 @@ class _Txn:
         pieces = self._pieces(t)
         found = np.zeros(len(hashes), dtype=bool)
         if self._base(t):
-            found |= _in_sorted(self.c._sorted[t], order, ordered)
+            for run in self.c._sorted[t]:
+                found |= in_sorted(run, order, ordered)
         staged = self.added.get(t, [])
         if staged:  # this body's earlier batches at t: few, looked up directly
             found |= np.isin(hashes, np.concatenate([p.hashes for p in staged]))
@@ -404,12 +393,8 @@ class _Txn:
         for t, pieces in self.added.items():
             c._pending[t] = c._pending.get(t, []) + pieces
             runs = [p.ordered for p in pieces]
-            old = c._sorted.get(t)
-            if old is not None:
-                runs.insert(0, old)
-            # sorted runs: the stable sort (timsort) merges them in linear time
-            merged = np.sort(np.concatenate(runs), kind="stable") if len(runs) > 1 else runs[0]
-            c._sorted[t] = merged
+            new = np.sort(np.concatenate(runs), kind="stable") if len(runs) > 1 else runs[0]
+            c._sorted[t] = merge_runs([*c._sorted.get(t, []), new])
         c._frontier, c._epoch = self.frontier, self.epoch
         self.result.frontier = self.frontier
         self.result.pending = c.pending

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 
 import numpy as np
 import pyarrow as pa
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol import Progress, Updates, get_codec
+from protocol import CodecError, Progress, Updates, get_codec
 from protocol.rowhash import row_hashes
 
 from ..strategies import RICH_SCHEMA, json_records, rich_records, updates_of
@@ -142,3 +143,101 @@ def test_string_hashes_do_not_depend_on_the_numpy_pass_size(monkeypatch):
     rowhash.warm()
     assert len(rowhash._POW.table) >= rowhash._CHUNK
     assert len(rowhash._INV.table) >= rowhash._CHUNK + 1
+
+
+def _long_lines(records: list[dict]) -> bytes:
+    """A stream of two lines of updates (each well over 16 KB, read by pyarrow) and a
+    progress, written by hand as a feed server would."""
+    import orjson
+
+    half = len(records) // 2
+    lines = [
+        orjson.dumps({"updates": [{"data": r, "time": 1, "diff": 1} for r in part]})
+        for part in (records[:half], records[half:])
+    ]
+    counts = b'[{"time": 1, "count": %d}]' % len(records)
+    progress = b'{"progress": {"lower": [0], "upper": [2], "counts": %s}}' % counts
+    return b"\n".join([*lines, progress]) + b"\n"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"when": "2024-01-01"},  # pyarrow would read a timestamp: orjson reads that line
+        {"big": 2**53 + 1},  # a double cannot hold it: orjson reads that line
+        {"x": 1.5, "deep": {"a": {"b": [1, 2]}}},
+    ],
+    ids=["plain", "timestamp-like", "beyond-doubles", "floats-and-nesting"],
+)
+def test_ndjson_stream_lines_of_many_updates_decode_as_orjson_reads_them(extra):
+    import orjson
+
+    # every record carries every column, as a feed's records do (a column a record of a
+    # line lacks reads as null from pyarrow's reader, as from a pushed body's)
+    records = [
+        {"id": i, "s": f'é "{i}" \\ x', "ok": i % 3 == 0, "n": None if i % 5 else i}
+        | dict.fromkeys(extra)
+        for i in range(1_000)
+    ]
+    records[700] |= extra  # in the second line only
+    body = _long_lines(records)
+    decoded = list(get_codec("ndjson").decoder(io.BytesIO(body)))
+    expected = [orjson.loads(line) for line in body.splitlines()]
+    assert [m.rows() for m in decoded[:2]] == [e["updates"] for e in expected[:2]]
+    assert decoded[2] == Progress(0, 2, ((1, 1_000),))
+    # the first line went through pyarrow's reader, straight into Arrow
+    assert decoded[0].has_table()
+
+
+def test_ndjson_stream_refuses_a_broken_long_line_by_its_number_after_the_good_ones():
+    records = [{"id": i, "s": "x" * 40} for i in range(1_000)]
+    body = _long_lines(records)
+    first, second, _ = body.split(b"\n", 2)
+    broken = first + b"\n" + second[: len(second) // 2] + b"\n"
+    decoder = get_codec("ndjson").decoder(io.BytesIO(broken))
+    it = iter(decoder)
+    assert len(next(it)) == 500
+    with pytest.raises(CodecError, match="invalid JSON") as e:
+        next(it)
+    assert "line 2" in str(e.value)
+
+
+def test_ndjson_stream_long_line_nested_past_the_body_limit_reads_as_before():
+    """A stream line nested deeper than a pushed body may be (64) but within orjson's
+    limit is read as it was before lines went to pyarrow: by orjson."""
+    deep: dict = {"v": 1}
+    for _ in range(80):
+        deep = {"d": deep}
+    records = [{"id": i, "s": "y" * 40, "deep": deep if i == 3 else None} for i in range(1_000)]
+    (first, *_) = list(get_codec("ndjson").decoder(io.BytesIO(_long_lines(records))))
+    assert first.rows()[3]["data"]["deep"] == deep
+
+
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=60), st.randoms())
+def test_sorted_runs_hold_every_hash_in_few_runs_and_find_each(sizes, rnd):
+    from protocol.rowhash import in_sorted, merge_runs
+
+    runs: list[np.ndarray] = []
+    added: list[np.ndarray] = []
+    first = 0
+    for n in sizes:
+        # distinct hashes, in no order: consecutive numbers times an odd number (mod 2**64)
+        new = np.arange(first, first + n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        new = new[np.array(rnd.sample(range(n), n))]
+        first += n
+        order = np.argsort(new)
+        # every hash added before is found, a new one is not
+        before = np.zeros(n, dtype=bool)
+        for run in runs:
+            before |= in_sorted(run, order, new[order])
+        assert not before.any()
+        if added:
+            old = added[rnd.randrange(len(added))]
+            o = np.argsort(old)
+            assert all(np.logical_or.reduce([in_sorted(run, o, old[o]) for run in runs]).tolist())
+        runs = merge_runs([*runs, np.sort(new)])
+        added.append(new)
+        assert all(np.all(r[:-1] <= r[1:]) for r in runs)
+        assert all(len(a) >= 2 * len(b) for a, b in itertools.pairwise(runs))
+        assert np.array_equal(np.sort(np.concatenate(runs)), np.sort(np.concatenate(added)))
