@@ -184,8 +184,8 @@ class ArrowCodec(Codec):
     ) -> Encoder:
         return ArrowEncoder(out, schema=schema, max_updates=max_updates)
 
-    def decoder(self, stream: IO[bytes], *, schema: Any = None) -> Decoder:
-        return ArrowDecoder(stream, schema=schema)
+    def decoder(self, stream: IO[bytes], *, schema: Any = None, tables: bool = False) -> Decoder:
+        return ArrowDecoder(stream, schema=schema)  # (its batches are Arrow either way)
 
     def decode(self, body: bytes, *, schema: Any = None) -> list[Message]:
         # a whole body in memory: Arrow reads it in place, with no copy through Python

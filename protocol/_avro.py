@@ -324,7 +324,7 @@ class AvroCodec(Codec):
     ) -> Encoder:
         return AvroEncoder(out, schema=schema, max_updates=max_updates)
 
-    def decoder(self, stream: IO[bytes], *, schema: Any = None) -> Decoder:
+    def decoder(self, stream: IO[bytes], *, schema: Any = None, tables: bool = False) -> Decoder:
         return AvroDecoder(stream, schema=schema)
 
     def decode(self, body: bytes, *, schema: Any = None) -> list[Message]:

@@ -229,7 +229,7 @@ class FeedClient:
                         stop_at = self.info()["frontier"]  # where this stream ends
                     body: list[Message] = []  # updates are applied together, up to a bound
                     held = 0
-                    for message in self.codec.decoder(stream):
+                    for message in self.codec.decoder(stream, tables=True):
                         failing_since, backoff = None, BACKOFF_START
                         body.append(message)
                         if isinstance(message, Updates):

@@ -198,7 +198,11 @@ class Codec(ABC):
     def encoder(self, out: IO[bytes], *, schema: Any = None, max_updates: int = ...) -> Encoder: ...
 
     @abstractmethod
-    def decoder(self, stream: IO[bytes], *, schema: Any = None) -> Decoder: ...
+    def decoder(self, stream: IO[bytes], *, schema: Any = None, tables: bool = False) -> Decoder:
+        """A decoder of ``stream``. ``tables``: the caller takes each batch of updates as
+        Arrow (:meth:`Updates.table`), so a text format may read them straight into Arrow
+        (NDJSON: a long line through pyarrow's reader, not Python objects); a caller that
+        wants Python rows leaves it False."""
 
     def encode(self, messages: Iterable[Message], *, schema: Any = None) -> bytes:
         """Encode ``messages`` into one complete body."""

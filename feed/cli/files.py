@@ -55,7 +55,7 @@ def _load_schema(path: str | None) -> Any:
 def cmd_check(args: argparse.Namespace) -> int:
     src = _open_in(args.file)
     fmt = args.format or sniff_format(_peek(src))
-    decoder = get_codec(fmt).decoder(src)
+    decoder = get_codec(fmt).decoder(src, tables=True)  # (the checker hashes Arrow tables)
     key = [c for c in args.key.split(",") if c] if args.key else None
     checker = FeedChecker(non_negative=args.non_negative, key=key)
     name = "stdin" if args.file == "-" else args.file
@@ -88,7 +88,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     src = _open_in(args.input)
     schema = _load_schema(args.schema)
-    decoder = get_codec(args.from_).decoder(src, schema=schema)
+    decoder = get_codec(args.from_).decoder(src, schema=schema, tables=True)
     out = sys.stdout.buffer if args.output == "-" else open(args.output, "wb")  # noqa: SIM115
     encoder = None
     try:

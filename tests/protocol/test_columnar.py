@@ -182,12 +182,14 @@ def test_ndjson_stream_lines_of_many_updates_decode_as_orjson_reads_them(extra):
     ]
     records[700] |= extra  # in the second line only
     body = _long_lines(records)
-    decoded = list(get_codec("ndjson").decoder(io.BytesIO(body)))
+    decoded = list(get_codec("ndjson").decoder(io.BytesIO(body), tables=True))
     expected = [orjson.loads(line) for line in body.splitlines()]
     assert [m.rows() for m in decoded[:2]] == [e["updates"] for e in expected[:2]]
     assert decoded[2] == Progress(0, 2, ((1, 1_000),))
-    # the first line went through pyarrow's reader, straight into Arrow
+    # the first line went through pyarrow's reader, straight into Arrow; for a caller that
+    # wants Python rows, through orjson
     assert decoded[0].has_table()
+    assert not next(iter(get_codec("ndjson").decoder(io.BytesIO(body)))).has_table()
 
 
 def test_ndjson_stream_refuses_a_broken_long_line_by_its_number_after_the_good_ones():
@@ -195,7 +197,7 @@ def test_ndjson_stream_refuses_a_broken_long_line_by_its_number_after_the_good_o
     body = _long_lines(records)
     first, second, _ = body.split(b"\n", 2)
     broken = first + b"\n" + second[: len(second) // 2] + b"\n"
-    decoder = get_codec("ndjson").decoder(io.BytesIO(broken))
+    decoder = get_codec("ndjson").decoder(io.BytesIO(broken), tables=True)
     it = iter(decoder)
     assert len(next(it)) == 500
     with pytest.raises(CodecError, match="invalid JSON") as e:
@@ -210,7 +212,7 @@ def test_ndjson_stream_long_line_nested_past_the_body_limit_reads_as_before():
     for _ in range(80):
         deep = {"d": deep}
     records = [{"id": i, "s": "y" * 40, "deep": deep if i == 3 else None} for i in range(1_000)]
-    (first, *_) = list(get_codec("ndjson").decoder(io.BytesIO(_long_lines(records))))
+    (first, *_) = list(get_codec("ndjson").decoder(io.BytesIO(_long_lines(records)), tables=True))
     assert first.rows()[3]["data"]["deep"] == deep
 
 
