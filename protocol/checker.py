@@ -29,12 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+import pyarrow as pa
+
+from ._counts import record_keys_of
 from .errors import Conflict, CountMismatch, Gap, ProtocolError
-from .messages import Message, Progress, Updates, WireRow, record_key
+from .messages import Message, Progress, Updates
 from .state import ApplyResult, Consumer
-from .stores import MemoryStore, table_rows
+from .stores import MemoryStore
 
 __all__ = ["FeedChecker", "Violation", "check_messages"]
 
@@ -141,7 +143,8 @@ class FeedChecker:
                 f"e.g. {ex['data']!r:.200}",
             )
         if res.committed and self.non_negative:
-            self._check_multiplicities(table_rows(res.committed))
+            for table in res.committed:
+                self._check_multiplicities(table)
 
     def _check_progress(self, p: Progress) -> None:
         f = self.consumer.frontier
@@ -163,21 +166,28 @@ class FeedChecker:
             self._report("progress-shape", p.lower, str(e))
         self._after(self.consumer.force(p))
 
-    def _check_multiplicities(self, committed: list[WireRow]) -> None:
-        touched: dict[bytes, Any] = {}
-        for row in committed:
-            touched.setdefault(record_key(row["data"]), row)
+    def _check_multiplicities(self, committed: pa.Table) -> None:
+        """The non-negative and one-row-per-key rules over the records a commit touched
+        (their keys built column-wise; a row is made Python only to be reported)."""
+        data = committed.column("data")
+        keys = record_keys_of(data).to_pylist()
+        touched: dict[bytes, int] = {}  # record key -> the row of its first update here
+        for i, rk in enumerate(keys):
+            touched.setdefault(rk, i)
+        by_key = None if self.key is None else _key_records(data, self.key).to_pylist()
+        times = committed.column("time")
         keys_touched: set[bytes] = set()
-        for rk, row in touched.items():
-            n = self.store.multiplicity(row["data"])
+        for rk, i in touched.items():
+            n = self.store.multiplicity_of(rk)
             if n < 0:
+                record = data[i].as_py(maps_as_pydicts="strict")
                 self._report(
                     "non-negative",
-                    row["time"],
-                    f"record {row['data']!r:.200} accumulates to multiplicity {n}",
+                    times[i].as_py(),
+                    f"record {record!r:.200} accumulates to multiplicity {n}",
                 )
-            if self.key is not None:
-                kk = record_key({c: row["data"].get(c) for c in self.key})
+            if by_key is not None:
+                kk = by_key[i]
                 live = self._live.setdefault(kk, {})
                 if n:
                     live[rk] = n
@@ -210,6 +220,16 @@ class FeedChecker:
                 "progress",
             )
         return self.violations
+
+
+def _key_records(data: pa.ChunkedArray, key: Sequence[str]) -> pa.Array:
+    """The :func:`~protocol.messages.record_key` of each record's key columns (a column
+    the records lack counts as null, which the key leaves out)."""
+    records = data.combine_chunks() if data.num_chunks != 1 else data.chunk(0)
+    fields = records.flatten()  # (the records' nulls folded into each field)
+    names = [records.type.field(i).name for i in range(records.type.num_fields)]
+    columns = [fields[names.index(c)] if c in names else pa.nulls(len(records)) for c in key]
+    return record_keys_of(pa.chunked_array([pa.StructArray.from_arrays(columns, names=list(key))]))
 
 
 def check_messages(

@@ -96,3 +96,28 @@ def test_rollback_is_legal_anywhere():
     checker = FeedChecker(non_negative=True)  # (its store then keeps what was committed)
     assert checker.check_all(msgs) == []
     assert [r["data"] for r in checker.store.committed] == [{"a": 2}]
+
+
+def test_multiplicity_rules_over_several_times_name_the_record_the_time_and_the_key():
+    """Records and key columns are keyed column-wise: a retraction cancels its insert
+    in a later time, and a record without the key column counts under the empty key."""
+    msgs = [
+        announcement(0),
+        U(({"id": 1, "v": "x"}, 1, 1), ({"id": 2, "v": "x"}, 1, 1)),
+        Progress(0, 2, ((1, 2),)),
+        U(({"id": 1, "v": "x"}, 2, -1), ({"id": 1, "v": "y"}, 2, 1)),  # an update: fine
+        Progress(2, 3, ((2, 2),)),
+        U(({"id": 1, "v": "z"}, 3, 1), ({"id": 3, "v": "w"}, 3, -1)),
+        Progress(3, 4, ((3, 2),)),
+        U(({"v": "q"}, 4, 1), ({"v": "r"}, 4, 1)),  # no id: both under the key {}
+        Progress(4, 5, ((4, 2),)),
+    ]
+    found = [(v.rule, v.time, v.detail) for v in check_messages(msgs, key=["id"])]
+    assert [(rule, t) for rule, t, _ in found] == [
+        ("non-negative", 3),
+        ("one-row-per-key", 4),
+        ("one-row-per-key", 5),
+    ]
+    assert "{'id': 3, 'v': 'w'}" in found[0][2] and "multiplicity -1" in found[0][2]
+    assert 'key {"id":1} has 2 live rows' in found[1][2]
+    assert "key {} has 2 live rows" in found[2][2]
