@@ -63,8 +63,10 @@ class NdjsonEncoder(Encoder):
         step = self._max * max(1, _TEXT_ROWS // self._max)
         for at in range(0, len(message), step):
             rows = _row_texts(Updates.from_arrow(table.slice(at, step)))
-            if rows is None:  # a record type left to orjson (the same for every slice)
-                super()._write(message)
+            if rows is None:
+                # left to orjson, from here on: a record type (or a value, such as a string
+                # with a control character) the column-wise text does not take
+                super()._write(Updates.from_arrow(table.slice(at)))
                 return
             for start in range(0, len(rows), self._max):
                 self._write_line(span(rows, start, min(len(rows), start + self._max)))

@@ -378,3 +378,30 @@ def test_an_arrow_batch_larger_than_a_line_is_cut_into_full_lines_as_orjson_writ
     )
     assert buf.getvalue() == expected
     assert enc.written == 6
+
+
+def test_an_arrow_batch_whose_later_updates_need_orjson_is_written_once(monkeypatch):
+    """Whether a batch's text can be built column-wise depends on its values too (a string
+    with a control character is left to orjson): a part of the batch met after lines were
+    written goes to orjson from there on, and no update is written twice."""
+    from protocol import _ndjson
+
+    monkeypatch.setattr(_ndjson, "_TEXT_ROWS", 25)  # text built 20 updates at a time
+    names = [f"n{i}" if i != 33 else "tab\there" for i in range(55)]
+    table = pa.table(
+        {
+            "data": pa.array([{"id": i, "name": n} for i, n in enumerate(names)]),
+            "time": pa.array([1] * 55, pa.int64()),
+            "diff": pa.array([1] * 55, pa.int64()),
+        }
+    )
+    buf = io.BytesIO()
+    enc = get_codec("ndjson").encoder(buf, max_updates=10)
+    enc.write(Updates.from_arrow(table))
+    enc.close()
+    wire = table.to_pylist()
+    expected = b"".join(
+        orjson.dumps({"updates": wire[at : at + 10]}) + b"\n" for at in range(0, 55, 10)
+    )
+    assert buf.getvalue() == expected
+    assert enc.written == 6
