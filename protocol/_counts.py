@@ -37,7 +37,9 @@ def record_keys_of(data: pa.ChunkedArray) -> pa.Array:
     text = json_objects(data, sort_keys=True, skip_nulls=True)
     if text is not None:
         return text.cast(pa.binary())
-    return pa.array(record_keys(data.to_pylist(maps_as_pydicts="strict")), pa.binary())
+    flat = all(not pa.types.is_nested(f.type) for f in data.type)
+    rows = data.to_pylist(maps_as_pydicts="strict")
+    return pa.array(record_keys(rows, nested=not flat), pa.binary())
 
 
 def from_ipc(blob: bytes) -> pa.Table:

@@ -22,8 +22,9 @@ import pyarrow.compute as pc
 __all__ = ["json_objects", "span"]
 
 
-def _text(arr: pa.Array, *, sort_keys: bool) -> pa.Array | None:
-    """The JSON text of every value of ``arr`` (nulls as ``null``), or None."""
+def _text(arr: pa.Array, *, sort_keys: bool, skip_nulls: bool = False) -> pa.Array | None:
+    """The JSON text of every value of ``arr`` (nulls as ``null``), or None; ``skip_nulls``
+    as in :func:`json_objects`, for a nested record."""
     t = arr.type
     if pa.types.is_integer(t):
         text = pc.cast(arr, pa.string())
@@ -42,7 +43,7 @@ def _text(arr: pa.Array, *, sort_keys: bool) -> pa.Array | None:
     elif pa.types.is_decimal(t) and t.scale >= 0:
         text = pc.binary_join_element_wise('"', pc.cast(arr, pa.string()), '"', "")
     elif pa.types.is_struct(t):
-        return json_objects(arr, sort_keys=sort_keys)
+        return json_objects(arr, sort_keys=sort_keys, skip_nulls=skip_nulls)
     elif pa.types.is_null(t):
         return pa.array(["null"] * len(arr), pa.string())
     else:
@@ -68,8 +69,8 @@ def json_objects(
 ) -> pa.Array | None:
     """The JSON object text of every record of a struct column (``null`` for a null
     record), the fields in schema order or sorted by name; None for a type not taken.
-    ``skip_nulls`` leaves out a top-level field whose value is null (the record identity of
-    :func:`protocol.messages.record_key`)."""
+    ``skip_nulls`` leaves out every field whose value is null, in nested records too (the
+    record identity of :func:`protocol.messages.record_key`)."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
     fields = list(arr.type)
@@ -107,7 +108,7 @@ def _without_nulls(
     nothing, and the first comma becomes the brace."""
     pieces: list[pa.Array] = []
     for i in order if order is not None else range(len(fields)):
-        text = _text(children[i], sort_keys=sort_keys)
+        text = _text(children[i], sort_keys=sort_keys, skip_nulls=True)
         if text is None:
             return None
         named = pc.binary_join_element_wise(

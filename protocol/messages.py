@@ -317,23 +317,34 @@ def _json_default(v: Any) -> Any:
     raise TypeError(f"cannot encode {type(v).__name__}")
 
 
+def _without_nulls(value: Any) -> Any:
+    """``value`` with every object member whose value is null left out, at any depth
+    (in objects inside lists too; a list's null elements stay: they are positions)."""
+    if isinstance(value, Mapping):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
 def record_key(record: Mapping[str, Any]) -> bytes:
-    """A canonical byte string identifying a record: column order does not matter, and a
-    top-level column that is null counts as absent. A feed's record schema grows (columns
-    added, dropped columns kept as null: docs/sources.md, "Schema changes"), so the same row
-    read before and after a change must be the same record."""
-    return orjson.dumps(
-        {k: v for k, v in record.items() if v is not None},
-        option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS,
-        default=_json_default,
-    )
+    """A canonical byte string identifying a record: field order does not matter, and a
+    field that is null counts as absent, at the top level and in nested records alike. A
+    feed's record schema grows (columns added, dropped columns kept as null:
+    docs/sources.md, "Schema changes"), so the same row read before and after a change must
+    be the same record; and a batch of JSON records read into one Arrow type gets the
+    fields its other records have, as nulls, in every nested record: the record must not
+    change with the batch it came in."""
+    return record_keys([record])[0]
 
 
-def record_keys(records: Sequence[Mapping[str, Any]]) -> list[bytes]:
-    """:func:`record_key` of every record."""
+def record_keys(records: Sequence[Mapping[str, Any] | None], *, nested: bool = True) -> list[bytes]:
+    """:func:`record_key` of every record (a ``None`` record keys as ``null``). ``nested``:
+    whether a record may hold a nested record (False for a flat record type saves a scan
+    of the keys)."""
     opt = orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
     dumps = orjson.dumps
-    return [
+    keys = [
         dumps(
             r if r is None else {k: v for k, v in r.items() if v is not None},
             option=opt,
@@ -341,3 +352,9 @@ def record_keys(records: Sequence[Mapping[str, Any]]) -> list[bytes]:
         )
         for r in records
     ]
+    if nested:
+        # a nested null shows as ":null" (so may a string: keyed again, to the same key)
+        for i, key in enumerate(keys):
+            if b":null" in key:
+                keys[i] = dumps(_without_nulls(records[i]), option=opt, default=_json_default)
+    return keys

@@ -28,7 +28,6 @@ __all__ = ["in_sorted", "merge_runs", "row_hashes"]
 
 _M64 = (1 << 64) - 1
 _SEED = 0x9E3779B97F4A7C15
-_NULL = 0x5BD1E9955BD1E995
 _P = 0x100000001B3  # odd, so it has an inverse modulo 2**64
 _P_INV = pow(_P, -1, 1 << 64)
 _LEN = 0xC2B2AE3D27D4EB4F
@@ -151,7 +150,7 @@ def _int_values(col: pa.Array) -> np.ndarray:
 
 
 def _leaf_hash(col: pa.Array) -> np.ndarray:
-    """Hash one leaf column (nulls are patched in by the caller)."""
+    """Hash one leaf column (its nulls are left out by the caller)."""
     t = col.type
     if pa.types.is_boolean(t):
         return _int_values(col.cast(pa.int8()))
@@ -186,28 +185,21 @@ def _leaf_hash(col: pa.Array) -> np.ndarray:
     return _binary_leaf(pa.array(texts, pa.binary()))
 
 
-def _fold(h: np.ndarray, arr: pa.Array, *, top: bool = False) -> np.ndarray:
-    """Fold every leaf of the struct ``arr`` into ``h``, fields in name order; at the
-    ``top`` level a null field leaves ``h`` as it is (a null column counts as absent)."""
+def _fold(h: np.ndarray, arr: pa.Array) -> np.ndarray:
+    """Fold every leaf of the struct ``arr`` into ``h``, fields in name order; a null
+    field leaves ``h`` as it is (it counts as absent, in a nested record too)."""
     children = arr.flatten()  # children with the struct's offset and nulls applied
     order = sorted(range(arr.type.num_fields), key=lambda i: arr.type.field(i).name)
     for i in order:
         child = children[i]
+        if pa.types.is_null(child.type):
+            continue  # null in every record: absent from all of them
         if pa.types.is_struct(child.type):
-            # a nested record hashes like one value, so a null one hashes like any null
             col = _fold(np.full(len(child), _SEED, dtype=np.uint64), child)
-            if child.null_count:
-                nulls = np.asarray(child.is_null().to_numpy(zero_copy_only=False))
-                col = np.where(nulls, np.uint64(_NULL), col)
-        elif pa.types.is_null(child.type):
-            col = np.full(len(child), _NULL, dtype=np.uint64)
         else:
             col = _leaf_hash(child)
-            if child.null_count:
-                nulls = np.asarray(child.is_null().to_numpy(zero_copy_only=False))
-                col = np.where(nulls, np.uint64(_NULL), col)
         folded = (h ^ np.uint64(_name_hash(arr.type.field(i).name))) * np.uint64(_P) + col
-        if top and child.null_count:
+        if child.null_count:
             nulls = np.asarray(child.is_null().to_numpy(zero_copy_only=False))
             folded = np.where(nulls, h, folded)
         h = folded
@@ -220,7 +212,7 @@ def row_hashes(data: pa.Array | pa.ChunkedArray) -> np.ndarray:
         data = data.combine_chunks() if data.num_chunks != 1 else data.chunk(0)
     if not pa.types.is_struct(data.type):
         raise TypeError(f"records must be a struct column, got {data.type}")
-    return _mix(_fold(np.full(len(data), _SEED, dtype=np.uint64), data, top=True))
+    return _mix(_fold(np.full(len(data), _SEED, dtype=np.uint64), data))
 
 
 def merge_runs(runs: list[np.ndarray]) -> list[np.ndarray]:

@@ -76,8 +76,9 @@ GIVE_WAY_ROWS = 5_000
 #: SQLite's page cache for the receiver's connection, in KiB
 CACHE_KIB = 64 << 10
 #: how the collection's record keys are made (``PRAGMA user_version``): 1, a null column
-#: counts as absent (:func:`protocol.messages.record_key`)
-KEY_FORMAT = 1
+#: counts as absent; 2, a null field of a nested record too
+#: (:func:`protocol.messages.record_key`)
+KEY_FORMAT = 2
 #: updates folded into the collection per SQLite transaction (whole parts; one part more
 #: if it alone is larger): each transaction rewrites the B-tree pages its records land on
 FOLD_ROWS = 50_000
@@ -141,8 +142,9 @@ class SqliteDatabase:
             if "folded" not in columns:  # a database from before the kept collection
                 self._conn.execute("ALTER TABLE feeds ADD COLUMN folded INTEGER NOT NULL DEFAULT 0")
             if self._conn.execute("PRAGMA user_version").fetchone()[0] < KEY_FORMAT:
-                # its collection is keyed with null columns in (before a feed's schema
-                # could grow): fold it again from the parts, which are all kept
+                # its collection is keyed with null fields in (null columns before a
+                # feed's schema could grow, nested ones before 2026-11-29): fold it again
+                # from the parts, which are all kept
                 with _immediate(self._conn):
                     self._conn.execute("DELETE FROM collection")
                     self._conn.execute("UPDATE feeds SET folded = 0")

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol import CodecError, Progress, Updates, get_codec
+from protocol.messages import record_keys
 from protocol.rowhash import row_hashes
 
 from ..strategies import RICH_SCHEMA, json_records, rich_records, updates_of
@@ -243,3 +244,28 @@ def test_sorted_runs_hold_every_hash_in_few_runs_and_find_each(sizes, rnd):
         assert all(np.all(r[:-1] <= r[1:]) for r in runs)
         assert all(len(a) >= 2 * len(b) for a, b in itertools.pairwise(runs))
         assert np.array_equal(np.sort(np.concatenate(runs)), np.sort(np.concatenate(added)))
+
+
+def test_a_nested_null_field_hashes_and_keys_as_an_absent_one():
+    """One record in two Arrow types (a body with other records gives its nested record
+    their fields, as nulls): one hash, one key. A value in that field is another record."""
+    from protocol._counts import record_keys_of
+
+    narrow = pa.array([{"id": 1, "addr": {"city": "X"}}])
+    geo = pa.struct([("lat", pa.int64())])
+    addr = pa.struct([("city", pa.string()), ("zip", pa.string()), ("geo", geo)])
+    wide = pa.array(
+        [
+            {"id": 1, "addr": {"city": "X", "zip": None, "geo": None}},
+            {"id": 1, "addr": {"city": "X", "zip": None, "geo": {"lat": None}}},
+            {"id": 1, "addr": {"city": "X", "zip": "9", "geo": None}},
+        ],
+        pa.struct([("id", pa.int64()), ("addr", addr)]),
+    )
+    hashes = row_hashes(wide).tolist()
+    keys = record_keys_of(pa.chunked_array([wide])).to_pylist()
+    assert hashes[0] == row_hashes(narrow)[0] and keys[0] == b'{"addr":{"city":"X"},"id":1}'
+    # an empty nested record is a value: not the same as none
+    assert keys[1] == b'{"addr":{"city":"X","geo":{}},"id":1}' and hashes[1] != hashes[0]
+    assert keys[2] != keys[0] and hashes[2] != hashes[0]
+    assert keys == record_keys(wide.to_pylist())

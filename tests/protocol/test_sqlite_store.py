@@ -312,3 +312,35 @@ def test_a_collection_keyed_before_null_columns_counted_as_absent_is_folded_agai
     assert [k for k, _ in again.current()] == [b'{"id":1,"v":3}']
     again.commit(updates=[part(2, [(rec, -1)], COLUMNAR)], frontier=3, epoch=1)
     assert kept(again) == {} == accumulated(again)
+
+
+def test_a_collection_keyed_before_nested_nulls_counted_as_absent_is_folded_again(tmp_path):
+    """A database whose keys kept a nested record's null fields (key format 1) is keyed
+    again when opened: a retraction of the record in another shape then cancels it."""
+    nested = pa.struct([("id", pa.int64()), ("addr", pa.struct([("city", pa.string())]))])
+    wider = pa.struct(
+        [("id", pa.int64()), ("addr", pa.struct([("city", pa.string()), ("zip", pa.string())]))]
+    )
+    path = str(tmp_path / "r.db")
+    db = SqliteDatabase(path)
+    store = db.store("f")
+    store.commit(
+        updates=[part(1, [({"id": 1, "addr": {"city": "X"}}, 1)], wider)], frontier=2, epoch=1
+    )
+    store.fold()
+    # as the code before key format 2 wrote it: the nested null in the key
+    with db.conn:
+        db.conn.execute(
+            "UPDATE collection SET rkey = ?", (b'{"addr":{"city":"X","zip":null},"id":1}',)
+        )
+        db.conn.execute("PRAGMA user_version = 1")
+    db.close()
+    db = SqliteDatabase(path)
+    store = db.store("f")
+    store.load()
+    store.commit(
+        updates=[part(2, [({"id": 1, "addr": {"city": "X"}}, -1)], nested)], frontier=3, epoch=1
+    )
+    assert kept(store) == {} == accumulated(store)
+    assert db.conn.execute("PRAGMA user_version").fetchone()[0] == sqlite_store.KEY_FORMAT
+    db.close()
