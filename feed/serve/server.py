@@ -70,6 +70,13 @@ def make_server_app(config: ServerConfig) -> web.Application:
             await asyncio.to_thread(store.flush, force=True)
 
     app.cleanup_ctx.append(subscriptions)
+
+    async def end_streams(app: web.Application) -> None:
+        # (before aiohttp waits for running handlers: a followed stream ends by itself
+        # only when its consumer goes, and a stop would wait out the shutdown timeout)
+        app[STATE].stopping.set()
+
+    app.on_shutdown.append(end_streams)
     if config.retain is not None:
 
         async def retention(app: web.Application):  # type: ignore[no-untyped-def]

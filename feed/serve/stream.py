@@ -292,10 +292,16 @@ def _chunks(messages: list[Any]) -> list[list[Any]]:
 async def _follow(
     st: ServerState, reader: FeedReader, follow: bool, position: Any, catch_up: Any, send: Any
 ) -> None:
-    """Keep streaming new commits; a heartbeat announcement when nothing came for a while."""
+    """Keep streaming new commits; a heartbeat announcement when nothing came for a while.
+    Ends when the server shuts down (after the whole times it sent: the consumer resumes
+    from there)."""
     idle_since = time.monotonic()
+    stopping = st.stopping
     while follow:
-        await asyncio.sleep(st.config.poll_seconds)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), st.config.poll_seconds)
+        if stopping.is_set():
+            return
         before = position()
         await asyncio.to_thread(reader.refresh)
         await catch_up()

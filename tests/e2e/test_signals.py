@@ -20,7 +20,7 @@ from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 from feed.log.checkpoint import CheckpointStore
 from feed.log.reader import FeedReader
 from feed.log.store import FeedLog
-from protocol import check_messages
+from protocol import check_messages, get_codec
 
 from ..feed.model import as_multiset, collection_of
 from .helpers import (
@@ -29,6 +29,7 @@ from .helpers import (
     start,
     tidefeed,
     wait_stopped,
+    wait_up,
     write_parts_at_transactions,
 )
 
@@ -242,3 +243,35 @@ def test_a_full_log_filesystem_fails_one_line_and_loses_nothing(tmp_path, small_
     again = tidefeed(*bank_emit_args(src, log), timeout=600)
     assert again.returncode == 0, again.stderr.decode()[-2000:]
     assert collection_of(FeedReader(str(log), "bank")) == as_multiset(BANK.final.values())
+
+
+def test_sigterm_stops_a_server_with_a_following_consumer_at_once(tmp_path):
+    """serve's streams of consumers that follow never end by themselves, and the web
+    server waits for running requests when it stops: SIGTERM must end them, after whole
+    times, instead of waiting out the shutdown timeout (it took two minutes)."""
+    import urllib.request
+
+    src, _ = bank_input(tmp_path, 2)
+    log = tmp_path / "log"
+    made = tidefeed(*bank_emit_args(src, log))
+    assert made.returncode == 0, made.stderr.decode()[-2000:]
+    port = free_port()
+    server = start("serve", "--log", str(log), "--port", str(port), log=tmp_path / "serve.log")
+    try:
+        wait_up(port)
+        url = f"http://127.0.0.1:{port}/v1/feeds/bank/changes?follow=true"
+        with urllib.request.urlopen(url, timeout=60) as stream:
+            lines = [stream.readline()]  # the stream is open and under way
+            sent = time.monotonic()
+            server.send_signal(signal.SIGTERM)
+            lines += stream.read().splitlines()  # to its end: the server closed it
+        code = server.wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert code == 0, stderr_of(tmp_path / "serve.log")[-2000:]
+    assert took < 10, f"SIGTERM took {took:.1f}s"
+    messages = [orjson.loads(x) for x in lines if x.strip()]
+    assert "progress" in messages[-1], messages[-1]  # it ended after a whole time
+    assert check_messages(get_codec("ndjson").decode(b"\n".join(lines) + b"\n")) == []
