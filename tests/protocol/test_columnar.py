@@ -269,3 +269,33 @@ def test_a_nested_null_field_hashes_and_keys_as_an_absent_one():
     assert keys[1] == b'{"addr":{"city":"X","geo":{}},"id":1}' and hashes[1] != hashes[0]
     assert keys[2] != keys[0] and hashes[2] != hashes[0]
     assert keys == record_keys(wide.to_pylist())
+
+
+def _sparse(depth: int) -> st.SearchStrategy[dict]:
+    """JSON-like records whose fields come and go: ints in ``a`` and ``b``, a string in
+    ``s``, a nested record (of the same kind) in ``n``, any of them left out or null."""
+    fields: dict[str, st.SearchStrategy] = {
+        "a": st.none() | st.integers(-3, 3),
+        "b": st.none() | st.integers(-3, 3),
+        "s": st.none() | st.sampled_from(["", "x", "null", ":null"]),
+    }
+    if depth:
+        fields["n"] = st.none() | _sparse(depth - 1)
+    return st.fixed_dictionaries({}, optional=fields)
+
+
+@given(st.lists(_sparse(2).map(lambda r: {"id": 1, **r}), min_size=1, max_size=8))
+def test_a_records_key_and_hash_do_not_depend_on_the_records_beside_it(records):
+    """Read together, records get one Arrow type (each one's nested records get the
+    fields the others have, as nulls); read alone, only their own: the key and the hash
+    are the same either way, and the key is record_key's of the Python record."""
+    from protocol._counts import record_keys_of
+    from protocol.messages import record_key
+
+    together = pa.array(records)
+    keys = record_keys_of(pa.chunked_array([together])).to_pylist()
+    hashes = row_hashes(together).tolist()
+    for i, r in enumerate(records):
+        alone = pa.array([r])
+        assert keys[i] == record_key(r) == record_keys_of(pa.chunked_array([alone]))[0].as_py()
+        assert hashes[i] == row_hashes(alone)[0]
