@@ -148,6 +148,7 @@ def test_a_ctrl_c_while_spark_starts_reaches_the_commands_own_handler():
 
 SIZED = (
     "spark.sql.shuffle.partitions",
+    "spark.sql.adaptive.enabled",
     "spark.sql.codegen.wholeStage",
     "spark.sql.codegen.factoryMode",
 )
@@ -171,17 +172,19 @@ def test_a_small_transaction_runs_with_the_small_input_settings_then_restores_th
             out.truncate(size)
     assert codegen_stages()
     with sized_for_input(spark, {}, [str(small)]):  # one partition, no generated code
-        assert settings() == ["1", "false", "NO_CODEGEN"]
+        assert settings() == ["1", "false", "false", "NO_CODEGEN"]
         assert not codegen_stages()
     assert settings() == before and codegen_stages()
     with sized_for_input(spark, {}, [str(mid)]):  # one partition, generated code
-        assert settings() == ["1", *before[1:]]
+        assert settings() == ["1", "false", *before[2:]]
         assert codegen_stages()
     with sized_for_input(spark, {}, [str(large)]):  # as the session has it
         assert settings() == before
     # a --conf naming one setting of a group leaves the group alone
     with sized_for_input(spark, {"spark.sql.codegen.wholeStage": "true"}, [str(small)]):
-        assert settings() == ["1", *before[1:]]
+        assert settings() == ["1", "false", *before[2:]]
     with sized_for_input(spark, {"spark.sql.shuffle.partitions": "3"}, [str(small)]):
-        assert settings() == [before[0], "false", "NO_CODEGEN"]
+        assert settings() == [before[0], "false", "false", "NO_CODEGEN"]
+    with sized_for_input(spark, {"spark.sql.adaptive.enabled": "true"}, [str(small)]):
+        assert settings() == ["1", before[1], "false", "NO_CODEGEN"]
     assert settings() == before
