@@ -171,11 +171,11 @@ def test_a_small_transaction_runs_with_the_small_input_settings_then_restores_th
         with open(f, "wb") as out:
             out.truncate(size)
     assert codegen_stages()
-    with sized_for_input(spark, {}, [str(small)]):  # one partition, no generated code
+    with sized_for_input(spark, {}, [str(small)]):  # one partition, no AQE, no generated code
         assert settings() == ["1", "false", "false", "NO_CODEGEN"]
         assert not codegen_stages()
     assert settings() == before and codegen_stages()
-    with sized_for_input(spark, {}, [str(mid)]):  # one partition, generated code
+    with sized_for_input(spark, {}, [str(mid)]):  # one partition, no AQE, generated code
         assert settings() == ["1", "false", *before[2:]]
         assert codegen_stages()
     with sized_for_input(spark, {}, [str(large)]):  # as the session has it
