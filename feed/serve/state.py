@@ -131,14 +131,9 @@ class ServerState:
         self.tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._quarantine: dict[str, dict[int, int]] = {}  # feed -> quarantine folder -> rows
         #: set when the server shuts down: following streams end at once (aiohttp waits
-        #: for running handlers, and a followed stream never ends by itself)
-        self._stopping: asyncio.Event | None = None
-
-    @property
-    def stopping(self) -> asyncio.Event:
-        if self._stopping is None:  # (made in the server's event loop, on first use)
-            self._stopping = asyncio.Event()
-        return self._stopping
+        #: for running handlers, and a followed stream never ends by itself); the event
+        #: binds to the server's loop when first waited on
+        self.stopping = asyncio.Event()
 
     def feed_names(self) -> list[str]:
         return feed_names(self.config.log)
