@@ -11,6 +11,7 @@ from typing import Any
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
+from feed.sources.cached import cached
 from feed.sources.positions import DATA_OPS, EVENT, first_from, place, unplace
 from feed.sources.snapshots import settle, superseded
 
@@ -61,7 +62,7 @@ class SecondPass:
         )
         # (every aggregate here is a number: Spark keeps them in a hash table, where a
         # struct would make it sort every row by transaction)
-        self.per_txn = per_txn = (
+        self.per_txn = per_txn = cached(
             self.flagged.groupBy("txn")
             .agg(
                 events_col.alias("events"),
@@ -72,7 +73,6 @@ class SecondPass:
             # a transaction redelivered whole after it was turned into updates: its events
             # are filtered out and its END is done with
             .join(self.ends.where(F.col("commit_lsn") > self.committed[0]), "txn", "full")
-            .persist()
         )
         self.events = events = F.coalesce(F.col("events"), F.lit(0))
         with_meta = F.coalesce(F.col("meta"), F.lit(False)) | F.col("expected").isNotNull()
@@ -118,7 +118,7 @@ class SecondPass:
         # each later scan reads the cached input again, which costs less than caching it
         # twice.
         if self.repeats:
-            data = data.persist()
+            data = cached(data)
             self.persisted = (data,)
         self.data = data
         self.ready = self.counted["ready"]

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
 
+from feed.sources.cached import cached
 from feed.sources.holdback import SecondPass
 from feed.sources.positions import (
     DATA_OPS,
@@ -198,14 +199,13 @@ class _Assembly(SecondPass):
         transactions costs seconds), whether any event is there twice, and the caller's
         figures. Each part is a scan of the cached input: the counts share one."""
         changes, committed = self.changes, self.committed
-        self.ends = ends = (
+        self.ends = ends = cached(
             changes.where(F.col("op") == "E")
             .groupBy("txn")
             .agg(
                 F.max("pos_hi").alias("commit_lsn"),
                 F.max("tx_count").alias("expected"),
             )
-            .persist()
         )
         is_data = F.col("op").isin(*DATA_OPS)
         # every row with its commit LSN: the figures below are over all of them in one scan

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from feed.log.checkpoint import fixed
+from feed.sources.cached import cached
 from feed.txn.assembly import DebeziumRead, assemble_debezium
 from feed.txn.context import (
     Computed,
@@ -158,7 +159,7 @@ def numbered_once(reads: Sequence[ReadChanges]) -> Iterator[None]:
     union = parts[0]
     for p in parts[1:]:
         union = union.unionByName(p)
-    order = union.groupBy("txn").agg(F.min("o").alias("o")).persist()
+    order = cached(union.groupBy("txn").agg(F.min("o").alias("o")))
     for r in reads:
         r.order = order
     try:
@@ -178,7 +179,7 @@ def _cached_changes(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, Any, An
     keep_raw = F.col("_error").isNotNull() | (F.col("op") == "d") | F.col("_toast").isNotNull()
     if ctx.config.kind.whole_table:
         keep_raw = F.lit(True)
-    changes = changes.withColumn("_raw", F.when(keep_raw, F.col("_raw"))).persist(spillable())
+    changes = cached(changes.withColumn("_raw", F.when(keep_raw, F.col("_raw"))), spillable())
     bad = changes.where(F.col("_error").isNotNull()).select("_file", "_raw", "_error")
     # (another table's last snapshot read stays: it says where a snapshot ends)
     good = changes.where(
@@ -239,14 +240,14 @@ def compute_updates(ctx: TxnContext, r: ReadChanges) -> Computed:
         else:
             bad = bad.unionByName(_unfillable(good))
             good = good.where(F.col("_toast").isNull())
-    diffs, new_state, cached, more_bad = _diffs(ctx, good, loaded, units)
+    diffs, new_state, released, more_bad = _diffs(ctx, good, loaded, units)
     if more_bad is not None:
         bad = bad.unionByName(more_bad)
     t_next = cp.next
     updates = consolidate_diffs(diffs, t_next)
     bad_rows = 0
     if r.suspect:
-        bad = bad.persist(spillable())
+        bad = cached(bad, spillable())
         bad_rows = bad.count()
     if bad_rows:
         _stop_on_bad(ctx, r, bad, bad_rows)
@@ -264,7 +265,7 @@ def compute_updates(ctx: TxnContext, r: ReadChanges) -> Computed:
         position=position,
         new_state=new_state,
         loaded=loaded,
-        cached=[changes, bad, cached, ranked, *txn_cached],
+        cached=[changes, bad, released, ranked, *txn_cached],
     )
 
 

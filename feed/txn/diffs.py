@@ -24,6 +24,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from feed.log.info import Granularity
+from feed.sources.cached import cached
 from feed.sources.positions import order_column
 from feed.txn.state import GONE_COLUMN, POS_COLUMN, POS_TYPE
 
@@ -101,7 +102,7 @@ def keyed_diffs(
         by_key = Window.partitionBy("k").orderBy("unit")
         first = F.row_number().over(by_key) == 1
         prev = F.when(first, F.col("old")).otherwise(F.lag("img").over(by_key))
-    last = last.withColumn("prev", prev).persist(StorageLevel.MEMORY_AND_DISK)
+    last = cached(last.withColumn("prev", prev), StorageLevel.MEMORY_AND_DISK)
     minus = last.where(F.col("prev").isNotNull()).select(
         F.col("prev").alias("data"), "unit", F.lit(-1).cast("long").alias("diff")
     )
@@ -349,7 +350,7 @@ def snapshot_diffs(
             ).alias("_error"),
         )
         changes = ranked.where(F.col("_n") == 1).drop("_n")
-    changes = changes.persist(StorageLevel.MEMORY_AND_DISK)
+    changes = cached(changes, StorageLevel.MEMORY_AND_DISK)
     last_row = changes.agg(F.max("ord_file").alias("m")).collect()[0]
     last = last_row["m"]
     parts = []

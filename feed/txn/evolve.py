@@ -32,6 +32,7 @@ import orjson
 
 from feed.log.info import SchemaVersion
 from feed.log.manifest import Segment
+from feed.sources.cached import cached
 from feed.sources.shapes import Evolve
 from feed.txn.context import TxnContext
 from protocol import SourceError
@@ -95,12 +96,14 @@ def rewrite(
     if ev.defaults:
         rows = rows.crossJoin(F.broadcast(_defaults(ctx, new_type, ev.schema, ev.defaults)))
     old_cols, new_cols = _old_and_new(ev, new_type, set(ctx.record_type.fieldNames()))
-    both = rows.select(
-        F.struct(*old_cols).alias("old"),
-        F.struct(*new_cols).alias("new"),
-        POS_COLUMN,
-        GONE_COLUMN,
-    ).persist()
+    both = cached(
+        rows.select(
+            F.struct(*old_cols).alias("old"),
+            F.struct(*new_cols).alias("new"),
+            POS_COLUMN,
+            GONE_COLUMN,
+        )
+    )
     try:
         changed = both.where(~F.col(GONE_COLUMN) & ~F.col("old").eqNullSafe(F.col("new")))
         updates = changed.select(

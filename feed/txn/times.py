@@ -14,6 +14,7 @@ from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
 from feed.log.info import Granularity
+from feed.sources.cached import cached
 from feed.sources.positions import source_order
 
 __all__ = ["LISTED_TXNS", "assign_units"]
@@ -56,11 +57,11 @@ def assign_units(
     # and the numbering joined below are of the same ranges (computed twice, the optimizer
     # dropped the sort in one plan). An explicit range repartition: the optimizer may drop
     # a sort whose order nothing above asks for, never a repartition asked for by number.
-    ranked = (
+    ranked = cached(
         order.repartitionByRange(ranges, "o")
         .withColumn("_range", F.spark_partition_id())
-        .withColumn("_n", F.row_number().over(Window.partitionBy("_range").orderBy("o")))
-        .persist(StorageLevel.MEMORY_AND_DISK)
+        .withColumn("_n", F.row_number().over(Window.partitionBy("_range").orderBy("o"))),
+        StorageLevel.MEMORY_AND_DISK,
     )
     sizes = sorted(tuple(r) for r in ranked.groupBy("_range").count().collect())
     starts, total = [], 0
