@@ -8,6 +8,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
 from feed.demo.data import generate_bank
@@ -34,10 +35,21 @@ def test_notebook_is_stored_without_outputs(path):
             assert cell.outputs == [] and cell.execution_count is None, path.name
 
 
+@pytest.fixture(scope="module")
+def kernels():
+    """One kernel per notebook for this module's runs of it: the second run of
+    spark_aggregate finds the SparkSession its first run started (~15 s a start)."""
+    started: dict[str, KernelManager] = {}
+    yield lambda name: started.setdefault(name, KernelManager(kernel_name="python3"))
+    for km in started.values():
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
+
+
 @pytest.mark.parametrize("compacted", [False, True], ids=["fresh", "compacted"])
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs_against_a_fresh_and_a_compacted_feed(
-    path, compacted, spark, tmp_path, monkeypatch
+    path, compacted, spark, tmp_path, kernels
 ):
     bank = generate_bank(transactions=30, seed=61)
     src = tmp_path / "in"
@@ -50,12 +62,20 @@ def test_notebook_runs_against_a_fresh_and_a_compacted_feed(
 
         times = FeedReader(str(tmp_path / "log"), "accounts").times()
         compact(str(tmp_path / "log"), "accounts", times[len(times) // 3])
-    monkeypatch.setenv("TIDEFEED_LOG", str(tmp_path / "log"))
-    monkeypatch.setenv("TIDEFEED_FEED", "accounts")
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(
-        nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
-    ).execute()
+    # the feed the notebook reads, as a user names it: in the kernel's environment (set in
+    # a first cell, the kernel being shared by the runs of this module)
+    chosen = {"TIDEFEED_LOG": str(tmp_path / "log"), "TIDEFEED_FEED": "accounts"}
+    nb.cells.insert(0, nbformat.v4.new_code_cell(f"import os\nos.environ.update({chosen!r})"))
+    client = NotebookClient(
+        nb, timeout=180, km=kernels(path.name), resources={"metadata": {"path": str(path.parent)}}
+    )
+    try:
+        client.execute()
+    finally:
+        if client.kc is not None:  # (the kernel stays; this run's connection to it goes)
+            client.kc.stop_channels()
+    del nb.cells[0]
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
