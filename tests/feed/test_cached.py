@@ -61,3 +61,20 @@ def test_a_cached_frame_holds_the_rows_it_first_read(spark, tmp_path):
         assert sorted(r["k"] for r in frame.where(F.col("k") > 0).collect()) == [1, 2]
     finally:
         frame.unpersist()
+
+
+def test_a_session_without_a_jvm_side_gets_the_persisted_frame_itself():
+    """Spark Connect's DataFrames, say: no cached relation to plan on, the same data."""
+
+    class Frame:
+        level = None
+        sparkSession = object()  # (no ``_jsparkSession``)
+
+        def persist(self, level=None):
+            self.level = level or "default"
+            return self
+
+    frame = Frame()
+    assert cached(frame, "MEMORY_AND_DISK") is frame and frame.level == "MEMORY_AND_DISK"
+    other = Frame()
+    assert cached(other) is other and other.level == "default"
