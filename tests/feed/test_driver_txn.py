@@ -228,8 +228,11 @@ def test_the_driver_gives_the_feed_spark_gives(
         cut=metadata == "cut",
         load=load,
     )
+    persisted = spark.sparkContext._jsc.getPersistentRDDs().size()
     on = _run(spark, src, tmp_path / "driver", driver=True, granularity=granularity, key=key)
     off = _run(spark, src, tmp_path / "spark", driver=False, granularity=granularity, key=key)
+    # every cache the transactions made was released with them (feed/sources/cached.py)
+    assert spark.sparkContext._jsc.getPersistentRDDs().size() == persisted
 
     assert [r.progress for r in on] == [r.progress for r in off]
     assert [(r.input_rows, r.redelivered, r.skipped, r.held) for r in on] == [
