@@ -40,7 +40,13 @@ def kernels():
     """One kernel per notebook for this module's runs of it: the second run of
     spark_aggregate finds the SparkSession its first run started (~15 s a start)."""
     started: dict[str, KernelManager] = {}
-    yield lambda name: started.setdefault(name, KernelManager(kernel_name="python3"))
+
+    def kernel(name: str) -> KernelManager:
+        if name not in started:
+            started[name] = KernelManager(kernel_name="python3")
+        return started[name]
+
+    yield kernel
     for km in started.values():
         if km.has_kernel:
             km.shutdown_kernel(now=True)
