@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-fast test-sources test-engines demo lint typecheck pytest bench java-check jvm-archive clean reliability notebook
+.PHONY: test test-first test-fast test-sources test-engines demo lint typecheck pytest bench java-check jvm-archive clean reliability notebook
 
 $(BIN)/python:
 	@echo "creating the virtual environment $(VENV)"
@@ -42,11 +42,24 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy protocol feed
 
-# every test but the real-source ones (make test-sources)
+# every test but the real-source and engine ones (make test-sources, make test-engines),
+# in one run
+SUITE := not realsource and not engines
 pytest: $(STAMP) java-check jvm-archive
-	$(WITH_ARCHIVE) $(BIN)/python -m pytest -m "not realsource and not engines"
+	$(WITH_ARCHIVE) $(BIN)/python -m pytest -m "$(SUITE)"
 
-test: lint typecheck pytest
+# the tests that need neither Spark nor a tidefeed process (make test-fast's)
+FAST := not slow and not spark and not process
+
+# The same tests as lint, typecheck and pytest, in two runs: the JVM archive takes about
+# a minute on one core, and the fast tests (about two minutes on the other) run beside
+# it; then the rest, with the archive. A failure in either stops make test.
+test: $(STAMP) java-check
+	@$(MAKE) --no-print-directory -j2 $(JVM_ARCHIVE) test-first
+	$(WITH_ARCHIVE) $(BIN)/python -m pytest -m "$(SUITE) and not ($(FAST))"
+
+test-first: lint typecheck
+	$(BIN)/python -m pytest -m "$(SUITE) and $(FAST)" --durations=5
 
 # the real-source tests: a throwaway PostgreSQL cluster captured by Debezium's embedded
 # engine (they need PostgreSQL's server programs: apt-get install postgresql; without them
@@ -75,7 +88,7 @@ test-engines: $(STAMP) java-check jvm-archive $(PATHWAY_VENV)/.installed
 # process (the codecs, the consumer state machine, the receiver, the HTTP servers in
 # process, the model checks); `make test` runs everything
 test-fast: lint typecheck
-	$(BIN)/python -m pytest -m "not slow and not spark and not process" -q
+	$(BIN)/python -m pytest -m "$(FAST)" -q
 
 # JupyterLab on the notebooks, from the project's venv (installed on first use); on
 # 127.0.0.1, and as root too (containers, CI machines), which Jupyter refuses by default
