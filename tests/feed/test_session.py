@@ -18,15 +18,22 @@ print(s.conf.get("spark.sql.shuffle.partitions"), s.conf.get("spark.sql.session.
 """
 
 
-def _run(*conf: str, env: dict[str, str]) -> str:
-    p = subprocess.run(
-        [sys.executable, "-c", SHOW, *conf], env=env, capture_output=True, timeout=180
+def _started(*conf: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-c", SHOW, *conf],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
-    assert p.returncode == 0, p.stderr.decode()[-2000:]
-    return p.stdout.decode().strip()
 
 
-@pytest.mark.process  # a tidefeed process with its own JVM
+def _shown(p: subprocess.Popen[bytes]) -> str:
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err.decode()[-2000:]
+    return out.decode().strip()
+
+
+@pytest.mark.process  # tidefeed processes, each with its own JVM
 def test_conf_wins_over_spark_defaults_which_win_over_tidefeeds(tmp_path):
     conf_dir = tmp_path / "conf"
     conf_dir.mkdir()
@@ -34,10 +41,14 @@ def test_conf_wins_over_spark_defaults_which_win_over_tidefeeds(tmp_path):
         "spark.sql.shuffle.partitions 9\nspark.sql.session.timeZone America/New_York\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "SPARK_CONF_DIR"}
-    assert _run(env=env) == "4 UTC"  # tidefeed's own defaults
-    env["SPARK_CONF_DIR"] = str(conf_dir)
-    assert _run(env=env) == "9 America/New_York"  # spark-defaults.conf is not overridden
-    assert _run("spark.sql.session.timeZone=Asia/Tokyo", env=env) == "9 Asia/Tokyo"
+    with_defaults = {**env, "SPARK_CONF_DIR": str(conf_dir)}
+    # (three JVMs at once: their starts overlap)
+    own = _started(env=env)
+    given = _started(env=with_defaults)
+    flag = _started("spark.sql.session.timeZone=Asia/Tokyo", env=with_defaults)
+    assert _shown(own) == "4 UTC"  # tidefeed's own defaults
+    assert _shown(given) == "9 America/New_York"  # spark-defaults.conf is not overridden
+    assert _shown(flag) == "9 Asia/Tokyo"
 
 
 def test_a_malformed_conf_flag_is_a_usage_error():
