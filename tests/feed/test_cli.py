@@ -324,17 +324,29 @@ def test_environment_variables_are_scoped_and_checked(feed_files):
     assert b"--order (from $TIDEFEED_EMIT_ORDER) is an option of upsert sources" in out.stderr
 
 
-@pytest.mark.process  # a tidefeed process with its own JVM
-def test_demo_runs_the_emitter_and_verifies(tmp_path):
+def test_demo_runs_the_emitter_and_verifies(tmp_path, spark):
+    """The demo in this process, on the shared Spark session (its Spark transactions are
+    the point; a JVM of its own would only add its start), then its feed through the
+    commands as a user runs them."""
+    import logging
+
+    from feed.demo.main import run_demo
+
     (tmp_path / "run-001").mkdir()  # an earlier run's folder is kept
     (tmp_path / "run-001" / "mine").write_text("kept")
-    out = run("demo", "--workdir", str(tmp_path))
-    assert out.returncode == 0, out.stdout + out.stderr
+    said = io.StringIO()
+    quieted = ("tidefeed.emit", "tidefeed.receive")  # (the demo says what they would)
+    levels = [logging.getLogger(n).level for n in quieted]
+    try:
+        assert run_demo(workdir=str(tmp_path), out=said) == 0, said.getvalue()
+    finally:
+        for name, level in zip(quieted, levels, strict=True):
+            logging.getLogger(name).setLevel(level)
     assert (tmp_path / "run-001" / "mine").read_text() == "kept"
     assert (tmp_path / "latest").resolve() == (tmp_path / "run-002").resolve()
     tmp_path = tmp_path / "latest"
-    assert b"OK: the receiver's collection equals the bank's final table" in out.stdout
-    assert b"-- commit 2 (epoch 1): progress lower=[0]" in out.stdout
+    assert "OK: the receiver's collection equals the bank's final table" in said.getvalue()
+    assert "-- commit 2 (epoch 1): progress lower=[0]" in said.getvalue()
     inspected = run(
         "inspect", "--log", str(tmp_path / "log"), "--feed", "accounts", "--format", "ndjson"
     )
@@ -358,6 +370,24 @@ def test_demo_runs_the_emitter_and_verifies(tmp_path):
     assert [(f["feed"], f["frontier"]) for f in as_json] == [("accounts", frontier)]
     avro = (tmp_path / "accounts.cdcv2.avro").read_bytes()
     assert run("check", "--key", "id", "-", stdin=avro).returncode == 0
+
+
+def test_the_demo_command_runs_the_demo_in_the_folder_given(tmp_path, monkeypatch):
+    """`tidefeed demo --workdir W` is the demo above in W (run in this process: the demo
+    itself is the test above)."""
+    import logging
+
+    import feed.demo.main
+    from feed.cli.main import main
+
+    calls = []
+    monkeypatch.setattr(feed.demo.main, "run_demo", lambda **kw: calls.append(kw) or 0)
+    level = logging.getLogger("tidefeed").level
+    try:
+        assert main(["demo", "--workdir", str(tmp_path)]) == 0
+    finally:
+        logging.getLogger("tidefeed").setLevel(level)
+    assert calls == [{"workdir": str(tmp_path)}]
 
 
 def test_log_lines_as_json_at_the_chosen_level():
