@@ -46,9 +46,14 @@ def test_conf_wins_over_spark_defaults_which_win_over_tidefeeds(tmp_path):
     own = _started(env=env)
     given = _started(env=with_defaults)
     flag = _started("spark.sql.session.timeZone=Asia/Tokyo", env=with_defaults)
-    assert _shown(own) == "4 UTC"  # tidefeed's own defaults
-    assert _shown(given) == "9 America/New_York"  # spark-defaults.conf is not overridden
-    assert _shown(flag) == "9 Asia/Tokyo"
+    try:
+        assert _shown(own) == "4 UTC"  # tidefeed's own defaults
+        assert _shown(given) == "9 America/New_York"  # spark-defaults.conf is not overridden
+        assert _shown(flag) == "9 Asia/Tokyo"
+    finally:  # (a failed check leaves no JVM behind)
+        for p in (own, given, flag):
+            p.kill()
+            p.wait()
 
 
 def test_a_malformed_conf_flag_is_a_usage_error():
