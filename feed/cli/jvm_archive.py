@@ -21,8 +21,40 @@ __all__ = ["main", "make_archive"]
 
 
 def _step(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
+    """Run a step in a process group of its own, which is killed whole if this process is
+    interrupted (Ctrl-C) or the step times out: the step's JVM is its child, and a JVM
+    told to stop writes the archive's temporary file on its way out, after this process
+    has removed what it made."""
     cmd = [sys.executable, "-m", "feed.cli.jvm_archive", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, timeout=600, check=False)
+    with subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    ) as p:
+        try:
+            out, err = p.communicate(timeout=600)
+        except BaseException:
+            _kill_group(p)
+            raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def _kill_group(p: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``p``'s process group and wait until none of it is left (a JVM killed so
+    writes nothing)."""
+    import signal
+    import time
+
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    p.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
 
 
 def _train(folder: str) -> int:
@@ -113,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
         print(f"no JVM class archive made (Spark starts without one): {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted: no JVM class archive made", file=sys.stderr)
+        return 130
     print(f"JVM class archive: {args[0]} ({size / 2**20:.0f} MB); {ENV}={args[0]} uses it")
     return 0
 

@@ -118,6 +118,63 @@ def test_an_archive_that_cannot_be_made_is_said_and_leaves_nothing(tmp_path):
     assert list((tmp_path / "archive").iterdir()) == []
 
 
+@pytest.mark.process  # a JVM stopped while it trains
+def test_a_ctrl_c_while_the_archive_is_made_leaves_nothing(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while the
+    training JVM runs: one line, exit 130, and once every process of it is gone, no
+    archive, no temporary file of it and no training folder. (A JVM that exits on SIGINT
+    writes the archive as it goes: its step is killed whole.)"""
+    import signal
+    import time
+
+    target = tmp_path / "archive" / "t.jsa"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "feed.cli.jvm_archive", str(target)],
+        # (as make runs it: the tests' JVM options map the archive make made)
+        env={
+            **{k: v for k, v in os.environ.items() if k != "PYSPARK_SUBMIT_ARGS"},
+            "TMPDIR": str(tmp),
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+    def training_jvms() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if f"ArchiveClassesAtExit={target}.".encode() in cmdline:
+                found.append(int(pid))
+        return found
+
+    deadline = time.monotonic() + 120
+    try:
+        while not training_jvms():
+            if p.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the training JVM never started: {p.communicate()[1].decode()}")
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+        p.communicate()
+    assert p.returncode == 130, err.decode()[-2000:]
+    assert err.decode().strip().splitlines()[-1] == "interrupted: no JVM class archive made"
+    while training_jvms():  # (without the group's kill, the JVM writes its archive now)
+        assert time.monotonic() < deadline, "the training JVM outlived its maker"
+        time.sleep(0.1)
+    assert list((tmp_path / "archive").iterdir()) == []
+    assert list(tmp.glob("tidefeed-jsa-*")) == []  # (the training run's folder)
+
+
 @pytest.mark.spark
 def test_the_session_maps_the_archive_make_named(spark):
     """make test names an archive it made (TIDEFEED_JVM_ARCHIVE): the shared session's JVM
