@@ -48,18 +48,21 @@ SUITE := not realsource and not engines
 pytest: $(STAMP) java-check jvm-archive
 	$(WITH_ARCHIVE) $(BIN)/python -m pytest -m "$(SUITE)"
 
-# the tests that need neither Spark nor a tidefeed process (make test-fast's)
+# the tests that need neither Spark nor a tidefeed process (make test-fast's), pure
+# Python: they run in FAST_WORKERS pytest-xdist workers (the rest stays serial: its
+# Spark and JVMs keep both cores busy already, docs/map.md)
 FAST := not slow and not spark and not process
+FAST_WORKERS ?= 2
 
 # The same tests as lint, typecheck and pytest, in two runs: the JVM archive takes about
-# a minute on one core, and the fast tests (about two minutes on the other) run beside
-# it; then the rest, with the archive. A failure in either stops make test.
+# a minute of one core, and the fast tests run beside it; then the rest, with the
+# archive. A failure in either stops make test.
 test: $(STAMP) java-check
 	@$(MAKE) --no-print-directory -j2 $(JVM_ARCHIVE) test-first
 	$(WITH_ARCHIVE) $(BIN)/python -m pytest -m "$(SUITE) and not ($(FAST))"
 
 test-first: lint typecheck
-	$(BIN)/python -m pytest -m "$(SUITE) and $(FAST)" --durations=5
+	$(BIN)/python -m pytest -m "$(SUITE) and $(FAST)" -n $(FAST_WORKERS) --durations=5
 
 # the real-source tests: a throwaway PostgreSQL cluster captured by Debezium's embedded
 # engine (they need PostgreSQL's server programs: apt-get install postgresql; without them
@@ -88,7 +91,7 @@ test-engines: $(STAMP) java-check jvm-archive $(PATHWAY_VENV)/.installed
 # process (the codecs, the consumer state machine, the receiver, the HTTP servers in
 # process, the model checks); `make test` runs everything
 test-fast: lint typecheck
-	$(BIN)/python -m pytest -m "$(FAST)" -q
+	$(BIN)/python -m pytest -m "$(FAST)" -n $(FAST_WORKERS) -q
 
 # JupyterLab on the notebooks, from the project's venv (installed on first use); on
 # 127.0.0.1, and as root too (containers, CI machines), which Jupyter refuses by default
