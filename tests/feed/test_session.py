@@ -132,9 +132,11 @@ def test_a_ctrl_c_while_the_archive_is_made_leaves_nothing(tmp_path):
     tmp.mkdir()
     p = subprocess.Popen(
         [sys.executable, "-m", "feed.cli.jvm_archive", str(target)],
-        # (as make runs it: the tests' JVM options map the archive make made)
         env={
+            # (the tests' JVM options map the archive make made; tidefeed's own Spark
+            # starts put the mapping in SPARK_SUBMIT_OPTS, which the maker drops)
             **{k: v for k, v in os.environ.items() if k != "PYSPARK_SUBMIT_ARGS"},
+            "SPARK_SUBMIT_OPTS": f"-XX:SharedArchiveFile={tmp_path / 'old.jsa'} -Xshare:auto",
             "TMPDIR": str(tmp),
         },
         stdout=subprocess.PIPE,
