@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 
-from feed.emit.jvm_archive import ENV, QUIET
+from feed.emit.jvm_archive import ENV, QUIET, without_archive
 
 __all__ = ["main", "make_archive"]
 
@@ -112,7 +112,8 @@ def make_archive(path: str) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="tidefeed-jsa-") as folder:
             _training_input(folder)
-            given = _without_archive(base.get("SPARK_SUBMIT_OPTS", ""))
+            # (tidefeed's own Spark starts put the mapping of an archive there: see with_archive)
+            given = without_archive(base.get("SPARK_SUBMIT_OPTS", ""))
             opts = f"{given} -XX:ArchiveClassesAtExit={tmp} {QUIET}"
             done = _step(["--train", folder], {**base, "SPARK_SUBMIT_OPTS": opts.strip()})
             if done.returncode != 0 or not os.path.isfile(tmp):
@@ -125,14 +126,6 @@ def make_archive(path: str) -> int:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return os.path.getsize(path)
-
-
-def _without_archive(opts: str) -> str:
-    """JVM options without those that map an archive: a JVM that maps one cannot write
-    one, and a process where tidefeed started Spark has them in ``SPARK_SUBMIT_OPTS``
-    (:func:`feed.emit.jvm_archive.with_archive`)."""
-    mapping = ("-XX:SharedArchiveFile=", "-Xshare:")
-    return " ".join(o for o in opts.split() if not o.startswith(mapping))
 
 
 def _tail(err: bytes) -> str:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ENV", "QUIET", "jvm_options", "with_archive"]
+__all__ = ["ENV", "QUIET", "jvm_options", "with_archive", "without_archive"]
 
 #: the environment variable that names the archive
 ENV = "TIDEFEED_JVM_ARCHIVE"
 #: the JVM's own report of the archive (a line per class it could not keep) stays quiet
 QUIET = "-Xlog:cds=off -Xlog:cds+dynamic=off"
+#: how the options of :func:`jvm_options` that map the archive begin
+_MAPPING = ("-XX:SharedArchiveFile=", "-Xshare:")
 
 
 def jvm_options(path: str | None = None) -> str:
@@ -38,3 +40,9 @@ def with_archive(opts: str) -> str:
     if not extra or "-XX:SharedArchiveFile" in opts:
         return opts
     return f"{opts} {extra}".strip()
+
+
+def without_archive(opts: str) -> str:
+    """``SPARK_SUBMIT_OPTS`` (``opts``) without the options that map an archive: a JVM
+    that maps one cannot write one (:mod:`feed.cli.jvm_archive` makes them)."""
+    return " ".join(o for o in opts.split() if not o.startswith(_MAPPING))

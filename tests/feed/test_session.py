@@ -82,7 +82,7 @@ def test_the_driver_advertises_an_address_a_clusters_executors_can_reach(monkeyp
 
 
 def test_the_jvm_class_archive_is_mapped_only_when_named_and_there(tmp_path, monkeypatch):
-    from feed.emit.jvm_archive import ENV, jvm_options, with_archive
+    from feed.emit.jvm_archive import ENV, QUIET, jvm_options, with_archive, without_archive
 
     monkeypatch.delenv(ENV, raising=False)
     assert jvm_options() == "" and with_archive("-Da=1") == "-Da=1"
@@ -94,6 +94,7 @@ def test_the_jvm_class_archive_is_mapped_only_when_named_and_there(tmp_path, mon
     opts = with_archive("-Da=1")
     assert opts.startswith("-Da=1 ") and f"-XX:SharedArchiveFile={made} " in opts
     assert with_archive(opts) == opts  # added once
+    assert without_archive(opts) == f"-Da=1 {QUIET}"  # (what the archive's maker keeps)
     spaced = tmp_path / "a b.jsa"
     spaced.write_bytes(b"x")
     assert jvm_options(str(spaced)) == ""  # Spark's launcher would split the option
