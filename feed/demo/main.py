@@ -12,13 +12,14 @@ with plain fastavro) and compares the receiver's collection with the bank's fina
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,27 @@ SHOWN_TIMES = 4  # how many times to print in full per commit
 
 def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = None) -> int:
     """Run the demo; 0 when the feed equals the bank's final table."""
+    with narrated():
+        return _demo(workdir, transactions, out)
+
+
+@contextlib.contextmanager
+def narrated() -> Iterator[None]:
+    """The emitter's and the receiver's log lines held back while a demo says what they
+    would, and their levels as they were after it (a demo run inside another program
+    leaves that program's logging as it found it)."""
+    loggers = [logging.getLogger(n) for n in ("tidefeed.emit", "tidefeed.receive")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _demo(workdir: str | None, transactions: int, out: Any) -> int:
     from feed.emit.emitter import Emitter, EmitterConfig
 
     def say(s: str = "") -> None:
@@ -64,8 +86,6 @@ def run_demo(*, workdir: str | None = None, transactions: int = 60, out: Any = N
 
     show = _commit_printer(log, say)
 
-    logging.getLogger("tidefeed.emit").setLevel(logging.WARNING)
-    logging.getLogger("tidefeed.receive").setLevel(logging.WARNING)  # the demo says it itself
     config = EmitterConfig(
         source_kind="debezium",
         source_path=str(src),

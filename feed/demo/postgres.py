@@ -12,7 +12,6 @@ receiver. The demo ends by comparing the receiver's collection and the feed with
 
 from __future__ import annotations
 
-import logging
 import random
 import signal
 import subprocess
@@ -142,6 +141,7 @@ def _run_workload(conn: Any, transactions: int, src: Path, capture: Any) -> list
 
 def _emit_and_push(src: Path, log: Path, push_url: str, say: Callable[..., None]) -> list[Any]:
     """The captured events emitted into the feed, each commit pushed to the receiver."""
+    from feed.demo.main import narrated
     from feed.emit.emitter import Emitter, EmitterConfig
     from feed.serve.publisher import deliver_log
 
@@ -152,8 +152,6 @@ def _emit_and_push(src: Path, log: Path, push_url: str, say: Callable[..., None]
             f"{sum(n for _, n in cp.progress.counts)} updates; receiver ACKed {acked}"
         )
 
-    logging.getLogger("tidefeed.emit").setLevel(logging.WARNING)
-    logging.getLogger("tidefeed.receive").setLevel(logging.WARNING)  # the demo says it
     emitter = Emitter(
         EmitterConfig(
             source_kind="debezium",
@@ -167,9 +165,10 @@ def _emit_and_push(src: Path, log: Path, push_url: str, say: Callable[..., None]
         ),
         on_commit=push,
     )
-    emitter.open()
-    reports = emitter.run()
-    emitter.close()
+    with narrated():
+        emitter.open()
+        reports = emitter.run()
+        emitter.close()
     return reports
 
 
