@@ -18,6 +18,7 @@ import sys, orjson
 from feed.log.store import FeedLog
 log = FeedLog(sys.argv[1], "t")
 payload = "x" * (24 << 20)  # writing takes long enough for kills to land inside
+print("writing", flush=True)
 seq = 1
 while True:
     data = orjson.dumps({"seq": seq, "payload": payload})
@@ -29,10 +30,15 @@ while True:
 def test_a_killed_writer_leaves_only_whole_commit_files(tmp_path):
     rng = random.Random(5)
     for _ in range(10):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path)], stdout=subprocess.PIPE
+        )
+        # (the kill lands among the writes, however long the start took on a busy machine)
+        assert proc.stdout is not None and proc.stdout.readline() == b"writing\n"
         time.sleep(0.3 + rng.random() * 0.7)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        proc.stdout.close()
     commits = tmp_path / "t" / "_commits"
     names = sorted(n for n in os.listdir(commits) if not n.startswith("."))
     assert names, "the writer never committed"
