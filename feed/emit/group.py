@@ -105,7 +105,8 @@ class GroupEmitter:
         self.progress = progress
         self.engines = tuple(engines)  # the driver's run_group is tried first when it is in
         self.members = [
-            Emitter(replace(c, group=feeds), logger=self.log, clock=self._frozen) for c in configs
+            Emitter(replace(c, group=feeds), logger=self.log, clock=self._frozen, engines=engines)
+            for c in configs
         ]
         for m in self.members[1:]:
             m.inputs = self.members[0].inputs  # one listing of the input for all of them
@@ -336,7 +337,7 @@ class GroupEmitter:
                 plans.append(Planned.idle(_cp(m), upper, nxt))
                 writes.append(None)
                 continue
-            versions[i], w, plan = m.version_plan(evolving[i], start, upper, nxt)
+            versions[i], w, plan = m.version_plan(evolving[i], start, upper, nxt, secs)
             plans.append(plan)
             writes.append(w)
         secs["rewrite"] = time.perf_counter() - t0

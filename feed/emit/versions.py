@@ -25,6 +25,7 @@ from feed.log.info import SchemaVersion
 from feed.log.manifest import Segment
 from feed.sources.shapes import Evolve
 from feed.txn.context import TxnContext
+from feed.txn.engine import DRIVER, Engine
 from feed.txn.segments import Written
 from protocol import Progress, SourceError
 
@@ -44,6 +45,7 @@ class SchemaVersions:
     _record_type: Any
     _state: Any
     _shapes: set[int]
+    engines: tuple[Engine, ...]
 
     if TYPE_CHECKING:  # defined by the emitter
 
@@ -71,7 +73,7 @@ class SchemaVersions:
         upper = max(start + 1, cp.frontier)
         nxt = time_after(self.info.clock, self._clock, upper)
         t0 = time.perf_counter()
-        version, w, plan = self.version_plan(ev, start, upper, nxt)
+        version, w, plan = self.version_plan(ev, start, upper, nxt, secs)
         secs["rewrite"] = time.perf_counter() - t0
         maybe_die("before_version_commit")
         t1 = time.perf_counter()
@@ -81,7 +83,7 @@ class SchemaVersions:
         return self.committed(new_cp, [], secs, w)
 
     def version_plan(
-        self, ev: Evolve, start: int, upper: int, nxt: int
+        self, ev: Evolve, start: int, upper: int, nxt: int, secs: dict[str, float]
     ) -> tuple[SchemaVersion, Written, Planned]:
         """The version ``ev`` describes, written from ``start`` (:meth:`new_version`), and
         the commit that makes it the feed's: its updates at ``start``, progress to
@@ -89,7 +91,7 @@ class SchemaVersions:
         from protocol import fingerprint
 
         assert self.cp is not None
-        version, w = self.new_version(ev, start)
+        version, w = self.new_version(ev, start, secs)
         counts = tuple((s.time, s.count) for s in w.segments)
         plan = Planned(
             progress=Progress(self.cp.frontier, upper, counts),
@@ -100,15 +102,25 @@ class SchemaVersions:
         )
         return version, w, plan
 
-    def new_version(self, ev: Evolve, start: int) -> tuple[SchemaVersion, Written]:
+    def new_version(
+        self, ev: Evolve, start: int, secs: dict[str, float]
+    ) -> tuple[SchemaVersion, Written]:
         """The schema version ``ev`` describes, from time ``start``, written with the
         state rewritten into it and the updates that makes at ``start``: all but the
-        commit (feed/txn/evolve.py)."""
+        commit (feed/txn/evolve.py). ``secs`` has ``driver`` when Spark had no part in it."""
         from feed.txn.evolve import rewrite
 
         assert self.cp is not None
         self._stage("rewriting the state into a new schema version")
-        version, segments, state_ref = rewrite(self.context(), ev, self.cp.seq + 1, start)
+        # (on the driver when the emitter offers it transactions and the state is one it
+        # takes: then a feed whose transactions are all the driver's never starts Spark)
+        driver = DRIVER in self.engines and self.config.driver_txn_bytes > 0
+        t0 = time.perf_counter()
+        version, segments, state_ref, alone = rewrite(
+            self.context(), ev, self.cp.seq + 1, start, driver=driver
+        )
+        if driver and alone:
+            secs["driver"] = secs.get("driver", 0.0) + time.perf_counter() - t0
         return version, Written(
             segments=segments,
             state_ref=state_ref,

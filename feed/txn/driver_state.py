@@ -22,7 +22,15 @@ from feed.txn.packs import write_pack
 from feed.txn.segments import install_segments, staging_folder
 from feed.txn.state import LoadedState
 
-__all__ = ["Keyed", "against_state", "write_parquet", "write_segments", "write_state"]
+__all__ = [
+    "Keyed",
+    "against_state",
+    "read_buckets",
+    "write_parquet",
+    "write_segments",
+    "write_state",
+    "write_time_tables",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,20 +150,24 @@ def write_parquet(fs: Any, path: str, table: pa.Table) -> int:
 def write_segments(
     ctx: TxnContext, seq: int, units: dict[int, list[dict[str, Any]]], record: pa.Schema
 ) -> list[Segment]:
-    """Write each unit's updates as its time's segment: staged, then installed under the
-    epoch's names (:func:`feed.txn.segments.install_segments`); in a feed of packs, one
-    pack holding every time (:mod:`feed.txn.packs`)."""
-    fl, cp = ctx.feedlog, ctx.cp
+    """Write each unit's updates as its time's segment (:func:`write_time_tables`)."""
     schema = pa.schema([*record, pa.field("diff", pa.int64())])
+    tables = {ctx.cp.next + u: pa.Table.from_pylist(rows, schema) for u, rows in units.items()}
+    return write_time_tables(ctx, seq, tables)
+
+
+def write_time_tables(ctx: TxnContext, seq: int, tables: dict[int, pa.Table]) -> list[Segment]:
+    """Write each time's updates (record columns and ``diff``) as its segment: staged,
+    then installed under the epoch's names (:func:`feed.txn.segments.install_segments`);
+    in a feed of packs, one pack holding every time (:mod:`feed.txn.packs`)."""
+    fl, cp = ctx.feedlog, ctx.cp
     if ctx.config.layout == "packs":
-        tables = {cp.next + u: pa.Table.from_pylist(rows, schema) for u, rows in units.items()}
         return write_pack(fl, seq, cp.epoch, tables)
     staging = staging_folder(fl, seq)
     staged = []
-    for unit, rows in sorted(units.items()):
-        time = cp.next + unit
+    for time, table in sorted(tables.items()):
         path = f"{staging}/time={time}/part-{uuid.uuid4().hex}.parquet"
-        staged.append((time, path, write_parquet(fl.fs, path, pa.Table.from_pylist(rows, schema))))
+        staged.append((time, path, write_parquet(fl.fs, path, table)))
     segments = install_segments(ctx, staged, cp.epoch)
     fl.delete_dir(staging)
     return segments

@@ -35,6 +35,7 @@ from feed.log.manifest import Segment
 from feed.sources.cached import cached
 from feed.sources.shapes import Evolve
 from feed.txn.context import TxnContext
+from feed.txn.driver_evolve import rewrite_on_driver
 from protocol import SourceError
 
 __all__ = ["rewrite"]
@@ -57,11 +58,12 @@ def _defaults(
 
 
 def rewrite(
-    ctx: TxnContext, ev: Evolve, seq: int, start: int
-) -> tuple[SchemaVersion, list[Segment], str | None]:
+    ctx: TxnContext, ev: Evolve, seq: int, start: int, *, driver: bool = False
+) -> tuple[SchemaVersion, list[Segment], str | None, bool]:
     """Write the version ``ev`` describes (from ``start``), the state rewritten into it and
-    the updates that rewrite makes at ``start``; return the version, the segments and the
-    state reference the commit names."""
+    the updates that rewrite makes at ``start``; return the version, the segments, the
+    state reference the commit names and whether Spark was left alone. With ``driver``,
+    the driver rewrites a state :func:`feed.txn.driver_evolve.rewrite_on_driver` takes."""
     from pyspark.sql import functions as F
 
     from feed.sources.rows import spark_record_type
@@ -87,10 +89,16 @@ def rewrite(
                 "unkeyed feed cannot rewrite them. Nothing after the change was committed; "
                 "start a new feed from a new snapshot of the table."
             )
-        return version, [], cp.state
+        return version, [], cp.state, True
+    if not cp.state:
+        return version, [], cp.state, True
+    if driver:
+        done = rewrite_on_driver(ctx, ev, seq, start)
+        if done is not None:
+            return version, *done, True
     loaded = ctx.state.everything(cp.state)
     if loaded.rows is None:
-        return version, [], cp.state
+        return version, [], cp.state, False
     new_type = spark_record_type(ev.schema)
     rows = loaded.rows
     if ev.defaults:
@@ -123,7 +131,7 @@ def rewrite(
         )
     finally:
         both.unpersist()
-    return version, segments, state_ref
+    return version, segments, state_ref, False
 
 
 def _old_and_new(ev: Evolve, new_type: Any, old_names: set[str]) -> tuple[list[Any], list[Any]]:

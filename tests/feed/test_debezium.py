@@ -15,7 +15,7 @@ import pytest
 from feed.emit.emitter import Emitter, EmitterConfig
 from feed.log.reader import FeedReader
 from feed.txn.engine import ENGINES, SPARK
-from protocol import SourceError, check_messages
+from protocol import SourceError, check_messages, record_key
 
 from .model import as_multiset, collection_of, debezium_truth
 
@@ -681,10 +681,90 @@ def test_a_new_column_is_a_new_schema_version_at_a_time_of_its_own(spark, tmp_pa
     again.close()
 
 
+def write_default_then_drop(src) -> None:
+    """A snapshot and a transaction, then a column ``qty`` added with a default (the rows
+    then in the table take it), then ``doc`` dropped (the rows that held one lose it)."""
+    with_qty = [
+        *CONNECT_COLUMNS,
+        {"field": "qty", "type": "int64", "optional": False, "default": 7},
+    ]
+    no_doc = [c for c in with_qty if c["field"] != "doc"]
+    write(
+        src,
+        "part-0.json",
+        [
+            *[wrapped(e) for e in snapshot(3)],
+            wrapped(event("c", {"id": 10, "owner": "a", "doc": None}, 300, xid=7, order=1)),
+            end(7, 310, {"accounts": 1}),
+        ],
+    )
+    row = {"id": 20, "owner": "b", "doc": "d", "qty": 5}
+    write(
+        src,
+        "part-1.json",
+        [wrapped(event("c", row, 400, xid=8, order=1), with_qty), end(8, 410, {"accounts": 1})],
+    )
+    before = {"id": 1, "owner": "o1", "qty": 7}
+    after = {"id": 1, "owner": "z", "qty": 9}
+    write(
+        src,
+        "part-2.json",
+        [
+            wrapped(event("u", after, 500, xid=9, order=1, before=before), no_doc),
+            end(9, 510, {"accounts": 1}),
+        ],
+    )
+
+
+def test_versions_that_change_rows_rewrite_the_state_alike_on_the_driver_and_in_spark(
+    spark, tmp_path
+):
+    """Two versions that change rows (a default filled into every row, then a column
+    dropped from the rows that held one): the driver rewrites the keyed state itself,
+    without Spark, and the feed equals the one Spark alone makes, time by time, and the
+    table."""
+    feeds = []
+    for name, engines in (("driver", ENGINES), ("spark", (SPARK,))):
+        (tmp_path / name).mkdir()
+        write_default_then_drop(tmp_path / name / "in")
+        e = open_emitter(spark, tmp_path / name, engines=engines, max_files_per_txn=1)
+        reports = e.run()
+        e.close()
+        versions = [r for r in reports if not r.files and r.updates]
+        assert len(versions) == 2, reports
+        assert all(("driver" in r.seconds) == (name == "driver") for r in versions), versions
+        reader = FeedReader(str(tmp_path / name / "log"), "t")
+        feeds.append(
+            (
+                [(v.start, v.added, v.dropped) for v in reader.info.history()],
+                {t: Counter(map(record_key, reader.table(t).to_pylist())) for t in reader.times()},
+            )
+        )
+    assert feeds[0] == feeds[1]
+    history, times = feeds[0]
+    assert [h[1:] for h in history] == [((), ()), (("qty",), ()), ((), ("doc",))]
+    # every row then in the table takes the default: -old +new for each of the four
+    assert sum(times[history[1][0]].values()) == 8
+    # the four rows with a doc lose it (id 10 had none)
+    assert sum(times[history[2][0]].values()) == 8
+    got = {
+        r["id"]: r for r in FeedReader(str(tmp_path / "driver" / "log"), "t").snapshot().to_pylist()
+    }
+    assert {i: (r["owner"], r["doc"], r["qty"]) for i, r in got.items()} == {
+        0: ("o0", None, 7),
+        1: ("z", None, 9),
+        2: ("o2", None, 7),
+        10: ("a", None, 7),
+        20: ("b", None, 5),
+    }
+
+
 @pytest.mark.slow
 def test_a_sigkill_before_a_new_version_commits_leaves_it_unread_then_redone(tmp_path):
     """A real emit killed after writing the version file and the rewritten state, before
-    its commit: no reader takes the version; the next run commits it at the same time."""
+    its commit: no reader takes the version; the next run commits it at the same time.
+    Both runs are the driver's, the version's rewrite too: JAVA_HOME names nothing, so a
+    start of Spark would fail them."""
     import os
     import subprocess
 
@@ -711,7 +791,8 @@ def test_a_sigkill_before_a_new_version_commits_leaves_it_unread_then_redone(tmp
         "--schema",
         str(tmp_path / "schema.avsc"),
     ]
-    env = {**os.environ, "TIDEFEED_TEST_KILL_AT": "before_version_commit:1"}
+    no_java = {**os.environ, "JAVA_HOME": str(tmp_path / "no-java")}
+    env = {**no_java, "TIDEFEED_TEST_KILL_AT": "before_version_commit:1"}
     killed = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert killed.returncode == -9, killed.stderr[-2000:]
     written = sorted((log / "t" / "schemas").glob("*.json"))
@@ -723,6 +804,7 @@ def test_a_sigkill_before_a_new_version_commits_leaves_it_unread_then_redone(tmp
     env.pop("TIDEFEED_TEST_KILL_AT")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "spark 4" not in killed.stderr + done.stderr
     reader = FeedReader(str(log), "t")
     assert reader.frontier == at + 2  # the version's time, then the transaction
     assert [v.start for v in reader.info.history()] == [0, at]
