@@ -229,8 +229,22 @@ class _PullStream:
         committed turns (a batch, or a time's last batch with its progress), each read and
         encoded in a worker thread, then written as the consumer takes it."""
         if self.fmt != "ndjson" and self.reader.info.schema != self.schema:
+            # the times before the first newer version are whole in this stream's schema:
+            # sent through it, then the stream ends where that version begins
+            at = min(
+                (v.start for v in self.reader.info.versions if v.start >= self.lower),
+                default=self.lower,
+            )
+            if at > self.lower:
+                with self.reader.through(at):
+                    await self._send_below(at)
             raise _SchemaMoved(self.lower)
-        frontier = self.reader.frontier  # one checkpoint for the times listed and the closing
+        # (one checkpoint for the times listed and the closing)
+        await self._send_below(self.reader.frontier)
+
+    async def _send_below(self, frontier: int) -> None:
+        """The committed times from the stream's place below ``frontier``, then a progress
+        up to it."""
         if self.reader.since > self.lower:
             raise self.overtaken(self.lower, self.reader.since)
         try:
