@@ -74,18 +74,6 @@ class FeedReader:
             self.info = self._all.at(self.frontier)
         return self.checkpoint
 
-    @contextlib.contextmanager
-    def through(self, frontier: int) -> Iterator[None]:
-        """Within the ``with``, read every time through the schema version of the times
-        below ``frontier`` (``frontier`` at most the reader's): a stream of one schema
-        sends the times before a newer version through its own."""
-        newest = self.info
-        self.info = self._all.at(min(frontier, self.frontier))
-        try:
-            yield
-        finally:
-            self.info = newest
-
     @property
     def name(self) -> str:
         return self.log.feed

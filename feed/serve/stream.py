@@ -235,9 +235,13 @@ class _PullStream:
                 (v.start for v in self.reader.info.versions if v.start >= self.lower),
                 default=self.lower,
             )
-            if at > self.lower:
-                with self.reader.through(at):
+            if at > self.lower:  # (read through the version of the times below ``at``)
+                newest = self.reader.info
+                self.reader.info = newest.at(at)
+                try:
                     await self._send_below(at)
+                finally:
+                    self.reader.info = newest
             raise _SchemaMoved(self.lower)
         # (one checkpoint for the times listed and the closing)
         await self._send_below(self.reader.frontier)
