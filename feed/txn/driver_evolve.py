@@ -53,8 +53,9 @@ def _decline(ctx: TxnContext, why: str) -> None:
     )
 
 
-def _defaults(ev: Evolve, record: pa.Schema) -> dict[str, Any] | str:
-    """Each added column's default, typed as an event's value of it is, or why not here."""
+def _defaults(ev: Evolve, record: pa.Schema) -> dict[str, pa.Scalar] | str:
+    """Each added column's default as a scalar of its column's type, typed as an event's
+    value of it is, or why not here."""
     from feed.sources.connect import connect_names, connect_scales
     from feed.sources.connect_json import Declined, RecordDecoder
 
@@ -65,14 +66,16 @@ def _defaults(ev: Evolve, record: pa.Schema) -> dict[str, Any] | str:
     sub = pa.struct([record.field(n) for n in record.names if n in ev.defaults])
     try:
         typed = RecordDecoder(sub, connect_names(ev.schema)).typed(ev.defaults, "default")
+        assert typed is not None
+        return {n: pa.scalar(v, record.field(n).type) for n, v in typed.items()}
     except Declined as e:
         return str(e)
-    assert typed is not None
-    return typed
+    except (pa.ArrowException, OverflowError, TypeError) as e:
+        return f"a default Arrow does not hold as its column's type: {e}"
 
 
 def _columns(
-    ev: Evolve, rows: pa.Table, record: pa.Schema, defaults: dict[str, Any]
+    ev: Evolve, rows: pa.Table, record: pa.Schema, defaults: dict[str, pa.Scalar]
 ) -> tuple[pa.Table, pa.Table, list[str]]:
     """The bucket's rows as they were and as they are now, in the new ``record``, and the
     columns that may differ between the two."""
@@ -86,7 +89,7 @@ def _columns(
         if f.name in carried:
             v = rows.column(carried[f.name]).cast(f.type)
         elif f.name in defaults:
-            v = pa.repeat(pa.scalar(defaults[f.name], f.type), n)
+            v = pa.repeat(defaults[f.name], n)
         elif f.name in change.dropped:
             v = pa.nulls(n, f.type)
         if v is not w:
@@ -161,7 +164,7 @@ def _write(
     where: tuple[LoadedState, str, str],
     old: pa.Schema,
     new: pa.Schema,
-    defaults: dict[str, Any],
+    defaults: dict[str, pa.Scalar],
 ) -> tuple[list[Segment], str] | None:
     """Rewrite every bucket of the state ``loaded`` into ``attempt``, the updates into
     ``staging`` (or a pack), then install them and publish the state manifest; None
