@@ -80,7 +80,11 @@ def _shape(wrapper: Any) -> int | None:
 
 def shape_sample(files: Sequence[str], shape: int) -> list[dict[str, Any]]:
     """:func:`feed.sources.debezium_schema.shape_sample` without Spark: the columns of the
-    first event in ``files`` whose shape is ``shape``; [] when none is."""
+    first event in ``files`` whose shape is ``shape``; [] when none is. Raises
+    :class:`Declined` when none is among the lines read but a line this parse cannot read
+    (JSON orjson refuses, such as a number past a double's range) may be it: Spark's
+    sample reads that line, and an empty sample would pass the shape as fitting."""
+    unread = 0
     for path in files:
         for line in input_lines(path):
             if b'"schema"' not in line:
@@ -89,10 +93,13 @@ def shape_sample(files: Sequence[str], shape: int) -> list[dict[str, Any]]:
                 obj = orjson.loads(line)
                 found = _shape(obj.get("schema")) if isinstance(obj, dict) else None
             except (orjson.JSONDecodeError, Declined):
+                unread += 1
                 continue
             if found == shape:
                 cols = _columns(obj["schema"]) or []
                 return [c for c in cols if isinstance(c, dict)]
+    if unread:
+        raise Declined(f"the columns of a table shape, in one of {unread} line(s) not read here")
     return []
 
 

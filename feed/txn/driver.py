@@ -52,7 +52,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from feed.sources.debezium_lines import shape_sample
+from feed.sources.debezium_lines import Declined, shape_sample
 from feed.sources.positions import Position, committed_position, snapshot_done
 from feed.sources.rows import CHANGE_COLUMNS
 from feed.sources.snapshots import say_moved
@@ -143,7 +143,7 @@ def _parsed(ctx: TxnContext, files: Sequence[str], start: LoadedState | _Statele
     from pyspark.sql.pandas.types import to_arrow_type
 
     from feed.sources.connect import connect_names
-    from feed.sources.debezium_lines import Declined, parse_lines
+    from feed.sources.debezium_lines import parse_lines
 
     key = tuple(ctx.info.key)
     buckets = start.buckets if isinstance(start, LoadedState) else None
@@ -211,7 +211,10 @@ def _read(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> _Re
     shapes = {
         r["_shape"] for r in rows if r["_shape"] is not None and after_committed(r, committed)
     }
-    unfit = unfit_shape(ctx, files, shapes, sample=lambda h: shape_sample(files, h))
+    try:
+        unfit = unfit_shape(ctx, files, shapes, sample=lambda h: shape_sample(files, h))
+    except Declined as e:
+        return str(e)
     record = pa.schema(list(t.schema.field("after").type))
     cut = shape_cut(t, unfit) if unfit is not None else None
     # (as dictionaries once: a group's hold may release a read several times)

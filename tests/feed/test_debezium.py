@@ -759,6 +759,25 @@ def test_versions_that_change_rows_rewrite_the_state_alike_on_the_driver_and_in_
     }
 
 
+def test_a_new_shape_on_a_line_the_drivers_parse_cannot_read_still_takes_its_version(
+    spark, tmp_path
+):
+    """The line of the new shape holds a number past a double's range (a default of
+    ``1e400``), which orjson refuses and Spark reads: the driver engine must not pass
+    that shape as fitting and drop its column; the version is committed and ``qty`` kept,
+    as Spark alone has it."""
+    write_default_then_drop(tmp_path / "in")
+    (tmp_path / "in" / "part-2.json").unlink()
+    part = tmp_path / "in" / "part-1.json"
+    part.write_bytes(part.read_bytes().replace(b'"default":7', b'"default":1e400'))
+    e = open_emitter(spark, tmp_path, max_files_per_txn=1)
+    e.run()
+    e.close()
+    reader = FeedReader(str(tmp_path / "log"), "t")
+    assert [v.added for v in reader.info.history()] == [(), ("qty",)]
+    assert {r["id"]: r["qty"] for r in reader.snapshot().to_pylist()}[20] == 5
+
+
 @pytest.mark.slow
 def test_a_sigkill_before_a_new_version_commits_leaves_it_unread_then_redone(tmp_path):
     """A real emit killed after writing the version file and the rewritten state, before
