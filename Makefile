@@ -13,10 +13,24 @@ $(BIN)/python:
 
 # compat mode puts the checkout itself on the path, so PySpark's search for pyspark_*
 # modules finds pyspark_tidefeed (format("tidefeed") with no registration)
+# The installer: uv when pip can fetch it (it installs the ~1 GB of wheels in about half
+# of pip's time here, docs/map.md), else pip itself; uv failing for any reason (no network
+# to its index, say) falls back to pip, which reads the machine's pip configuration.
+# INSTALLER=pip skips uv.
+INSTALLER ?= uv
+EXTRAS := spark,postgres,delta,dev,bench
+define install
+	{ [ "$(INSTALLER)" = uv ] && $(1)/python -m pip install --quiet uv \
+		&& $(1)/uv pip install --python $(1)/python -e '$(2)' \
+			--config-settings editable_mode=compat; } \
+	|| { [ "$(INSTALLER)" != uv ] || echo "uv did not install $(2): pip does"; \
+		$(1)/python -m pip install --progress-bar off -e '$(2)' \
+			--config-settings editable_mode=compat; }
+endef
+
 $(STAMP): pyproject.toml | $(BIN)/python
-	@echo "installing tidefeed and its dependencies into $(VENV) (the first time takes a few minutes: pyspark alone is ~400 MB)"
-	$(BIN)/python -m pip install --progress-bar off -e '.[spark,postgres,delta,dev,bench]' \
-		--config-settings editable_mode=compat
+	@echo "installing tidefeed and its dependencies into $(VENV) (the first time takes a minute or more: pyspark alone is ~400 MB)"
+	$(call install,$(BIN),.[$(EXTRAS)])
 	touch $(STAMP)
 	@echo "installed: $(BIN)/tidefeed (or run 'source $(BIN)/activate' to have tidefeed on the PATH)"
 
@@ -49,17 +63,21 @@ pytest: $(STAMP) java-check jvm-archive
 	$(WITH_ARCHIVE) $(BIN)/python -m pytest -m "$(SUITE)"
 
 # the tests that need neither Spark nor a tidefeed process (make test-fast's), pure
-# Python: they run in FAST_WORKERS pytest-xdist workers (the rest stays serial: its
-# Spark and JVMs keep both cores busy already, docs/map.md)
+# Python: they run in FAST_WORKERS pytest-xdist workers
 FAST := not slow and not spark and not process
 FAST_WORKERS ?= 2
+# the rest, in REST_WORKERS workers, each with a Spark session of its own and whole test
+# files (their module fixtures made once): run serially, the rest leaves a third of the
+# two cores idle while processes start and tests wait on them (docs/map.md)
+REST_WORKERS ?= 2
 
 # The same tests as lint, typecheck and pytest, in two runs: the JVM archive takes about
 # a minute of one core, and the fast tests run beside it; then the rest, with the
 # archive. A failure in either stops make test.
 test: $(STAMP) java-check
 	@$(MAKE) --no-print-directory -j2 $(JVM_ARCHIVE) test-first
-	$(WITH_ARCHIVE) $(BIN)/python -m pytest -m "$(SUITE) and not ($(FAST))"
+	$(WITH_ARCHIVE) $(BIN)/python -m pytest -m "$(SUITE) and not ($(FAST))" \
+		-n $(REST_WORKERS) --dist loadfile
 
 test-first: lint typecheck
 	$(BIN)/python -m pytest -m "$(SUITE) and $(FAST)" -n $(FAST_WORKERS) --durations=5
@@ -80,8 +98,7 @@ $(PATHWAY_VENV)/.installed: pyproject.toml
 	@echo "creating $(PATHWAY_VENV) for Pathway (it needs pyarrow<26; a few minutes the first time)"
 	$(PYTHON) -m venv $(PATHWAY_VENV)
 	$(PATHWAY_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(PATHWAY_VENV)/bin/python -m pip install --progress-bar off -e '.[pathway]' \
-		--config-settings editable_mode=compat
+	$(call install,$(PATHWAY_VENV)/bin,.[pathway])
 	touch $@
 
 test-engines: $(STAMP) java-check jvm-archive $(PATHWAY_VENV)/.installed

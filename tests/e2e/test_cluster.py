@@ -55,6 +55,9 @@ def standalone(logs: Path, hide: Path | None = None) -> Iterator[tuple[str, dict
         SPARK_WORKER_DIR=str(logs / "work"),
         SPARK_LOG_DIR=str(logs),
     )
+    # the INFO line awaited below is Spark's own logging: not the quiet configuration a
+    # SparkSession started earlier in this process put in the environment (session.py)
+    env.pop("LOG4J_CONFIGURATION_FILE", None)
     spark_class = str(SPARK_HOME / "bin" / "spark-class")
     port, ui, wui = free_port(), free_port(), free_port()
     master = [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1"]
