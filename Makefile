@@ -16,12 +16,14 @@ $(BIN)/python:
 # The installer: uv when pip can fetch it (it installs the ~1 GB of wheels in about half
 # of pip's time here, docs/map.md), else pip itself; uv failing for any reason (no network
 # to its index, say) falls back to pip, which reads the machine's pip configuration.
-# INSTALLER=pip skips uv.
+# INSTALLER=pip skips uv. Like pip, it compiles the bytecode as it installs: where
+# PYTHONDONTWRITEBYTECODE is set (this machine's images), Python would otherwise compile
+# pyspark and the rest from source in every process, every time.
 INSTALLER ?= uv
 EXTRAS := spark,postgres,delta,dev,bench
 define install
 	{ [ "$(INSTALLER)" = uv ] && $(1)/python -m pip install --quiet uv \
-		&& $(1)/uv pip install --python $(1)/python -e '$(2)' \
+		&& $(1)/uv pip install --python $(1)/python --compile-bytecode -e '$(2)' \
 			--config-settings editable_mode=compat; } \
 	|| { [ "$(INSTALLER)" != uv ] || echo "uv did not install $(2): pip does"; \
 		$(1)/python -m pip install --progress-bar off -e '$(2)' \
