@@ -322,14 +322,30 @@ def first_unfit(
     known: set[int],
     sample: Any,
     gone: Collection[str] = frozenset(),
+    feed: str = "",
+    files: Collection[str] = (),
 ) -> tuple[int, ShapeChange] | None:
     """The first shape hash in ``shapes`` (not ``known``) whose columns do not fit
     ``feed_schema``, with how (``sample(h)`` gives the Connect columns of one event of
-    shape ``h``); the ones that fit are added to ``known``."""
+    shape ``h``); the ones that fit are added to ``known``.
+
+    A shape read in ``files`` whose event ``sample`` does not find again means the input
+    changed under the read (a file removed or rewritten): :class:`SourceError`, nothing
+    committed. Taking the shape as fitting would type its events, already read, with the
+    feed's record and lose the columns it does not have."""
     for h in sorted({s for s in shapes if s is not None} - known):
-        columns = sample(h)
+        try:
+            columns = sample(h)
+        except FileNotFoundError:
+            columns = []
         if not columns:
-            continue  # not found again (a file gone): checked when it is read next
+            names = ", ".join(sorted(f.rsplit("/", 1)[-1] for f in files)) or "the input"
+            raise SourceError(
+                f"feed {feed!r}: the input changed while it was read: no event of a table "
+                f"shape read in {names} is there any more (a file removed or rewritten "
+                "under the emitter?); nothing was committed. Input files must stay as "
+                "written until the feed has consumed them: run the emit again."
+            )
         change = shape_change(feed_schema, columns, gone)
         if change:
             return h, change
@@ -387,4 +403,14 @@ def sample_in(spark: Callable[[], Any], files: Collection[str]) -> Any:
     when one is needed)."""
     from feed.sources.debezium_schema import shape_sample
 
-    return lambda h: shape_sample(spark(), list(files), h)
+    def sample(h: int) -> list[dict[str, Any]]:
+        from pyspark.errors import AnalysisException
+
+        try:
+            return shape_sample(spark(), list(files), h)
+        except AnalysisException as e:
+            if e.getCondition() == "PATH_NOT_FOUND":  # a file removed since it was read
+                raise FileNotFoundError(str(e)) from e
+            raise
+
+    return sample

@@ -32,6 +32,8 @@ def unfit_shape(
         known=ctx.shapes,
         sample=sample or sample_in(lambda: ctx.spark, files),
         gone=ctx.info.dropped,
+        feed=ctx.config.feed,
+        files=files,
     )
 
 
@@ -113,7 +115,12 @@ def assemble_debezium(
     shape_held: frozenset[str] = frozenset()
     shape_stop: Exception | None = None
     touched, tally_rows = assembled.buckets, list(assembled.also)
-    unfit = unfit_shape(ctx, files, (h for r in tally_rows for h in r["shapes"] or ()))
+    try:
+        unfit = unfit_shape(ctx, files, (h for r in tally_rows for h in r["shapes"] or ()))
+    except SourceError:
+        for df in (changes, *assembled.cached):
+            df.unpersist()
+        raise
     if unfit is not None:
         for df in assembled.cached:
             df.unpersist()

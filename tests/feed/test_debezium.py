@@ -778,6 +778,50 @@ def test_a_new_shape_on_a_line_the_drivers_parse_cannot_read_still_takes_its_ver
     assert {r["id"]: r["qty"] for r in reader.snapshot().to_pylist()}[20] == 5
 
 
+@pytest.mark.parametrize("how", ["removed", "rewritten"])
+@pytest.mark.parametrize("engines", [ENGINES, (SPARK,)], ids=["driver", "spark"])
+def test_a_file_changed_while_its_new_shape_is_checked_stops_the_feed_unchanged(
+    spark, tmp_path, monkeypatch, engines, how
+):
+    """The file of a new table shape removed, or rewritten without that shape's event,
+    between the read of its events and the sample of that shape's columns (a retention
+    job or a producer racing the emitter): the feed stops with an error naming the file,
+    nothing of it committed and no schema version taken. Before, a rewritten file let the
+    shape pass as fitting: its events, read already, were committed with the old record
+    (``qty`` lost without a word); a removed one raised Spark's or pyarrow's own error."""
+    import feed.sources.debezium_schema as on_spark
+    import feed.txn.driver as on_driver
+
+    write_default_then_drop(tmp_path / "in")
+    (tmp_path / "in" / "part-2.json").unlink()
+    part = tmp_path / "in" / "part-1.json"
+    ends = part.read_bytes().splitlines(keepends=True)[-1]
+    for module in (on_spark, on_driver):
+
+        def removed_first(*args, _real=module.shape_sample):
+            if str(part) in args[-2] and part.read_bytes() != ends:  # (part-1's read)
+                part.unlink()
+                if how == "rewritten":  # its END record alone
+                    part.write_bytes(ends)
+            return _real(*args)
+
+        monkeypatch.setattr(module, "shape_sample", removed_first)
+    persisted = spark.sparkContext._jsc.getPersistentRDDs().size()
+    e = open_emitter(spark, tmp_path, engines=engines, max_files_per_txn=1)
+    with pytest.raises(SourceError, match=r"changed while it was read.*part-1\.json") as err:
+        e.run()
+    e.close()
+    assert "nothing was committed" in str(err.value)
+    assert part.exists() == (how == "rewritten")  # (the sample ran, after the read)
+    reader = FeedReader(str(tmp_path / "log"), "t")
+    assert len(reader.info.history()) == 1  # no version
+    # part-0 alone: the snapshot and transaction 7
+    assert collection_of(reader) == rows(
+        *[(i, f"o{i}", f"d{i}") for i in range(3)], (10, "a", None)
+    )
+    assert spark.sparkContext._jsc.getPersistentRDDs().size() == persisted
+
+
 @pytest.mark.slow
 def test_a_sigkill_before_a_new_version_commits_leaves_it_unread_then_redone(tmp_path):
     """A real emit killed after writing the version file and the rewritten state, before
