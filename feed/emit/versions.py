@@ -139,7 +139,10 @@ class SchemaVersions:
         self.info = self.info.evolved(version)
         self._record_type = spark_record_type(version.schema)
         self._state.record_type = self._record_type
-        self._shapes.clear()
+        # The shapes found to fit stay known: a version keeps every column (a dropped one
+        # nullable) and only widens types, so each still fits. Judged again, a shape from
+        # before a DROP COLUMN would read as adding the dropped column back; with both
+        # shapes in one held source transaction the versions then took turns for ever.
         self.log.info(
             "feed %s: the source table changed shape at %s (%s): schema version from time "
             "%d committed",

@@ -33,10 +33,10 @@ __all__ = [
     "ShapeChange",
     "evolve",
     "next_version",
-    "first_unfit",
     "sample_in",
     "shape_change",
     "shape_error",
+    "unfit_shapes",
     "with_renames",
 ]
 
@@ -315,7 +315,7 @@ def with_renames(
     return replace(change, renamed=renamed, numbered=True)
 
 
-def first_unfit(
+def unfit_shapes(
     *,
     feed_schema: dict[str, Any],
     shapes: Iterable[int | None],
@@ -324,15 +324,20 @@ def first_unfit(
     gone: Collection[str] = frozenset(),
     feed: str = "",
     files: Collection[str] = (),
-) -> tuple[int, ShapeChange] | None:
-    """The first shape hash in ``shapes`` (not ``known``) whose columns do not fit
+) -> list[tuple[int, ShapeChange]]:
+    """Every shape hash in ``shapes`` (not ``known``) whose columns do not fit
     ``feed_schema``, with how (``sample(h)`` gives the Connect columns of one event of
-    shape ``h``); the ones that fit are added to ``known``.
+    shape ``h``); the ones that fit are added to ``known``. The caller cuts at the one
+    delivered first: two changes in one read (an ``ADD COLUMN``, then a ``DROP COLUMN``)
+    each differ from the feed's schema, and the later one alone may look like a rename
+    (added and dropped) where each step is plain. Cut at the later one, the events of the
+    earlier shape would be committed under the old record, their new columns dropped.
 
     A shape read in ``files`` whose event ``sample`` does not find again means the input
     changed under the read (a file removed or rewritten): :class:`SourceError`, nothing
     committed. Taking the shape as fitting would type its events, already read, with the
     feed's record and lose the columns it does not have."""
+    found = []
     for h in sorted({s for s in shapes if s is not None} - known):
         try:
             columns = sample(h)
@@ -348,9 +353,10 @@ def first_unfit(
             )
         change = shape_change(feed_schema, columns, gone)
         if change:
-            return h, change
-        known.add(h)
-    return None
+            found.append((h, change))
+        else:
+            known.add(h)
+    return found
 
 
 class Evolve(Exception):

@@ -12,21 +12,22 @@ from typing import Any
 from feed.txn.context import GroupHold, TxnContext, base_name, tally, waiting
 from protocol import SourceError
 
-__all__ = ["DebeziumRead", "assemble_debezium", "unfit_shape"]
+__all__ = ["DebeziumRead", "assemble_debezium", "find_unfit_shapes"]
 
 
-def unfit_shape(
+def find_unfit_shapes(
     ctx: TxnContext,
     files: Sequence[str],
     shapes: Iterable[int],
     sample: Callable[[int], list[dict[str, Any]]] | None = None,
-) -> tuple[int, Any] | None:
-    """The first source table shape in ``files`` that does not fit the feed's record
-    schema, and how (:mod:`feed.sources.shapes`); None when all fit. ``sample`` finds a
-    shape's columns (by default a Spark job over ``files``)."""
-    from feed.sources.shapes import first_unfit, sample_in
+) -> list[tuple[int, Any]]:
+    """The source table shapes in ``files`` that do not fit the feed's record schema, and
+    how (:func:`feed.sources.shapes.unfit_shapes`: the caller cuts at the one delivered
+    first); [] when all fit. ``sample`` finds a shape's columns (by default a Spark job
+    over ``files``)."""
+    from feed.sources.shapes import sample_in, unfit_shapes
 
-    return first_unfit(
+    return unfit_shapes(
         feed_schema=ctx.info.schema,
         shapes=shapes,
         known=ctx.shapes,
@@ -37,10 +38,25 @@ def unfit_shape(
     )
 
 
-def _first_of_shape(changes: Any, shape: int) -> tuple[Any, str]:
+def _earliest_cut(changes: Any, unfit: list[tuple[int, Any]]) -> tuple[Any, str, Any]:
+    """Of the ``unfit`` shapes (hash, change), the cut delivered first: where its source
+    transaction begins, the file of its first event and its change (see
+    :func:`_first_of_shape`). Two shapes first met in one source transaction: the one
+    whose first event comes first."""
+    cuts = []
+    for h, change in unfit:
+        start, shape_file, event = _first_of_shape(changes, h)
+        place = (start["ord_file"], start["ord_row"], event["ord_file"], event["ord_row"])
+        cuts.append((place, start, shape_file, change))
+    _, start, shape_file, change = min(cuts, key=lambda c: c[0])
+    return start, shape_file, change
+
+
+def _first_of_shape(changes: Any, shape: int) -> tuple[Any, str, Any]:
     """Where the source transaction of the first event of table shape ``shape`` begins
     (``ord_file``, ``ord_row``, ``_file``): from there on, everything is held back (DDL may
-    sit between two changes of one PostgreSQL transaction); and the file of that event."""
+    sit between two changes of one PostgreSQL transaction); the file of that event, and
+    its own place."""
     from pyspark.sql import functions as F
 
     at = F.struct("ord_file", "ord_row", "_file")
@@ -52,7 +68,7 @@ def _first_of_shape(changes: Any, shape: int) -> tuple[Any, str]:
     start = (
         changes.where(F.col("txn") == F.lit(txn["txn"])).agg(F.min(at).alias("m")).collect()[0]["m"]
     )
-    return start, base_name(txn["at"]["_file"])
+    return start, base_name(txn["at"]["_file"]), txn["at"]
 
 
 @dataclass(frozen=True)
@@ -116,12 +132,12 @@ def assemble_debezium(
     shape_stop: Exception | None = None
     touched, tally_rows = assembled.buckets, list(assembled.also)
     try:
-        unfit = unfit_shape(ctx, files, (h for r in tally_rows for h in r["shapes"] or ()))
+        unfit = find_unfit_shapes(ctx, files, (h for r in tally_rows for h in r["shapes"] or ()))
     except SourceError:
         for df in (changes, *assembled.cached):
             df.unpersist()
         raise
-    if unfit is not None:
+    if unfit:
         for df in assembled.cached:
             df.unpersist()
         assembled, shape_held, shape_stop = _cut_at_shape(
@@ -186,23 +202,23 @@ def version_at_head(ctx: TxnContext, change: Any, where: str, shape_file: str) -
 def _cut_at_shape(
     ctx: TxnContext,
     changes: Any,
-    unfit: Any,
+    unfit: list[tuple[int, Any]],
     group: GroupHold | None,
     assembled_with: Callable[[tuple[int, int] | None], Any],
 ) -> tuple[Any, frozenset[str], Exception | None]:
     """The table changed shape in this read: assemble again holding everything from its
-    first event of the new shape (committed first is what came before), and find the
+    first event of a new shape (committed first is what came before), and find the
     feed's next schema version when that event heads the input. The assembly, the files
     read again, and for a group's feed the change (a lone feed's is raised)."""
     from pyspark.sql import functions as F
 
     cfg = ctx.config
-    first, shape_file = _first_of_shape(changes, unfit[0])
+    first, shape_file, change = _earliest_cut(changes, unfit)
     assembled = assembled_with((first["ord_file"], first["ord_row"]))
     shape_stop: Exception | None = None
     if not assembled.ready:
         # at the head of the input: the feed's next schema version, if any
-        found = version_at_head(ctx, unfit[1], base_name(first["_file"]), shape_file)
+        found = version_at_head(ctx, change, base_name(first["_file"]), shape_file)
         if group is None:
             for df in (changes, *assembled.cached):
                 df.unpersist()
@@ -212,7 +228,7 @@ def _cut_at_shape(
         "feed %s: the source table changed shape in %s (%s): committing what came before it first",
         cfg.feed,
         base_name(first["_file"]),
-        unfit[1].describe(),
+        change.describe(),
     )
     # every file from there on is read again (and none of its rows quarantined: a
     # row of the new shape may not fit the old record, and its transaction's END

@@ -56,7 +56,7 @@ from feed.sources.debezium_lines import Declined, shape_sample
 from feed.sources.positions import Position, committed_position, snapshot_done
 from feed.sources.rows import CHANGE_COLUMNS
 from feed.sources.snapshots import say_moved
-from feed.txn.assembly import unfit_shape, version_at_head
+from feed.txn.assembly import find_unfit_shapes, version_at_head
 from feed.txn.context import (
     DECLINED,
     GroupHold,
@@ -212,11 +212,12 @@ def _read(ctx: TxnContext, files: Sequence[str], tx_files: Sequence[str]) -> _Re
         r["_shape"] for r in rows if r["_shape"] is not None and after_committed(r, committed)
     }
     try:
-        unfit = unfit_shape(ctx, files, shapes, sample=lambda h: shape_sample(files, h))
+        unfit = find_unfit_shapes(ctx, files, shapes, sample=lambda h: shape_sample(files, h))
     except Declined as e:
         return str(e)
     record = pa.schema(list(t.schema.field("after").type))
-    cut = shape_cut(t, unfit) if unfit is not None else None
+    # (the change delivered first: feed/sources/shapes.py:unfit_shapes)
+    cut = min((shape_cut(t, u) for u in unfit), key=lambda c: (c.at, c.first), default=None)
     # (as dictionaries once: a group's hold may release a read several times)
     events = data.to_pylist()
     ends = t.filter(pc.equal(t.column("op"), "E")).select(["txn", "pos_hi", "tx_count"])

@@ -152,6 +152,7 @@ class Cut:
     start_file: str  # the file that transaction begins in
     shape_file: str  # the file of the first event of the new shape
     change: Any  # feed.sources.shapes.ShapeChange
+    first: tuple[int, int] = (0, 0)  # the place of that first event (two cuts at one `at`)
 
 
 def shape_cut(t: pa.Table, unfit: tuple[int, Any]) -> Cut:
@@ -164,7 +165,7 @@ def shape_cut(t: pa.Table, unfit: tuple[int, Any]) -> Cut:
         shaped.column("txn").to_pylist(),
         strict=True,
     )
-    *_, shape_file, txn = min(places, key=lambda p: (p[0], p[1], p[2]))
+    first_file, first_row, shape_file, txn = min(places, key=lambda p: (p[0], p[1], p[2]))
     same = t.filter(pc.equal(t.column("txn"), txn)) if txn is not None else shaped
     ord_file, ord_row, start_file = min(
         zip(
@@ -181,6 +182,7 @@ def shape_cut(t: pa.Table, unfit: tuple[int, Any]) -> Cut:
         start_file,
         shape_file,
         unfit[1],
+        (first_file, first_row),
     )
 
 

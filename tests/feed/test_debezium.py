@@ -778,6 +778,46 @@ def test_a_new_shape_on_a_line_the_drivers_parse_cannot_read_still_takes_its_ver
     assert {r["id"]: r["qty"] for r in reader.snapshot().to_pylist()}[20] == 5
 
 
+def _in_one_transaction(src) -> None:
+    """:func:`write_default_then_drop` with its two changes of shape inside one source
+    transaction: the insert of the ``qty`` shape, then the update of the shape without
+    ``doc``, under one END."""
+    write_default_then_drop(src)
+    a = orjson.loads((src / "part-1.json").read_bytes().splitlines()[0])
+    b = orjson.loads((src / "part-2.json").read_bytes().splitlines()[0])
+    b["payload"]["source"].update(txId=8, lsn=405)
+    b["payload"]["transaction"] = {"id": "8:405", "total_order": 2}
+    write(src, "part-1.json", [a, b, end(8, 410, {"accounts": 2})])
+    (src / "part-2.json").unlink()
+
+
+@pytest.mark.parametrize("layout", ["two transactions", "one transaction"])
+def test_two_changes_of_shape_in_one_read_take_a_version_each_in_delivery_order(
+    spark, tmp_path, layout
+):
+    """A column added, then another dropped, both read at once (in two source
+    transactions, or in one): the read is cut at the first change (the shape delivered
+    first), not at whichever hash sorts first. Cut at the drop, the add's events were
+    committed under the old record (``qty`` 5 lost) and the drop, compared with the feed's
+    schema, looked like a rename and stopped the feed. Both engines, the same feed."""
+    feeds = []
+    for name, engines in (("driver", ENGINES), ("spark", (SPARK,))):
+        (tmp_path / name).mkdir()
+        make = write_default_then_drop if layout == "two transactions" else _in_one_transaction
+        make(tmp_path / name / "in")
+        e = open_emitter(spark, tmp_path / name, engines=engines)
+        e.run()
+        e.close()
+        reader = FeedReader(str(tmp_path / name / "log"), "t")
+        history = [(v.start, v.added, v.dropped) for v in reader.info.history()]
+        assert [h[1:] for h in history] == [((), ()), (("qty",), ()), ((), ("doc",))], name
+        got = {r["id"]: (r["owner"], r["qty"]) for r in reader.snapshot().to_pylist()}
+        assert got == {0: ("o0", 7), 1: ("z", 9), 2: ("o2", 7), 10: ("a", 7), 20: ("b", 5)}
+        times = {t: Counter(map(record_key, reader.table(t).to_pylist())) for t in reader.times()}
+        feeds.append((history, times))
+    assert feeds[0] == feeds[1]
+
+
 @pytest.mark.parametrize("how", ["removed", "rewritten"])
 @pytest.mark.parametrize("engines", [ENGINES, (SPARK,)], ids=["driver", "spark"])
 def test_a_file_changed_while_its_new_shape_is_checked_stops_the_feed_unchanged(

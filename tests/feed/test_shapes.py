@@ -7,7 +7,8 @@ import pytest
 
 from feed.sources.capture import COLUMNS_TABLE
 from feed.sources.connect import DECIMAL, connect_to_avro
-from feed.sources.shapes import evolve, first_unfit, shape_change, with_renames
+from feed.sources.shapes import evolve, shape_change, unfit_shapes, with_renames
+from protocol import SourceError
 
 COLUMNS = [
     {"field": "id", "type": "int32", "optional": False},
@@ -78,8 +79,8 @@ def test_a_feed_with_wider_types_takes_narrower_columns():
     assert shape_change(wide, _with("name", type="int32"))
 
 
-def test_first_unfit_learns_the_shapes_that_fit_and_samples_each_once():
-    samples = {1: COLUMNS, 2: _with("name", optional=False), 3: COLUMNS[:1]}
+def test_unfit_shapes_learns_the_shapes_that_fit_and_samples_each_once():
+    samples = {1: COLUMNS, 2: _with("name", optional=False), 3: COLUMNS[:1], 4: COLUMNS[1:]}
     asked: list[int] = []
 
     def sample(h):
@@ -87,12 +88,35 @@ def test_first_unfit_learns_the_shapes_that_fit_and_samples_each_once():
         return samples[h]
 
     known: set[int] = set()
-    assert first_unfit(feed_schema=FEED, shapes=[1, 2, None], known=known, sample=sample) is None
+    assert unfit_shapes(feed_schema=FEED, shapes=[1, 2, None], known=known, sample=sample) == []
     assert known == {1, 2}
-    found = first_unfit(feed_schema=FEED, shapes=[1, 2, 3], known=known, sample=sample)
-    assert found is not None and found[0] == 3
-    assert found[1].describe() == "dropped name, amount"
-    assert asked == [1, 2, 3] and known == {1, 2}
+    found = unfit_shapes(feed_schema=FEED, shapes=[4, 1, 2, 3], known=known, sample=sample)
+    # every unfit shape, for the caller to cut at the one delivered first
+    assert [(h, c.describe()) for h, c in found] == [
+        (3, "dropped name, amount"),
+        (4, "dropped id"),
+    ]
+    assert asked == [1, 2, 3, 4] and known == {1, 2}
+
+
+def test_a_shape_not_found_again_is_an_error_not_a_fit():
+    """The input changed under the read: nothing is taken as fitting."""
+
+    def gone(h):
+        raise FileNotFoundError("/in/part-9.json")
+
+    for sample in (lambda h: [], gone):
+        known: set[int] = set()
+        with pytest.raises(SourceError, match=r"feed 'f': the input changed .* part-9\.json"):
+            unfit_shapes(
+                feed_schema=FEED,
+                shapes=[5],
+                known=known,
+                sample=sample,
+                feed="f",
+                files=["/in/part-9.json"],
+            )
+        assert known == set()
 
 
 def _fields(schema: dict) -> dict:
