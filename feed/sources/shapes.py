@@ -328,15 +328,11 @@ def unfit_shapes(
     """Every shape hash in ``shapes`` (not ``known``) whose columns do not fit
     ``feed_schema``, with how (``sample(h)`` gives the Connect columns of one event of
     shape ``h``); the ones that fit are added to ``known``. The caller cuts at the one
-    delivered first: two changes in one read (an ``ADD COLUMN``, then a ``DROP COLUMN``)
-    each differ from the feed's schema, and the later one alone may look like a rename
-    (added and dropped) where each step is plain. Cut at the later one, the events of the
-    earlier shape would be committed under the old record, their new columns dropped.
-
-    A shape read in ``files`` whose event ``sample`` does not find again means the input
-    changed under the read (a file removed or rewritten): :class:`SourceError`, nothing
-    committed. Taking the shape as fitting would type its events, already read, with the
-    feed's record and lose the columns it does not have."""
+    delivered first: cut at a later one (an ``ADD COLUMN``, then a ``DROP COLUMN``), the
+    earlier shape's events would be committed under the old record (docs/sources.md).
+    A shape whose event ``sample`` does not find again in ``files`` (a file removed or
+    rewritten under the read) is a :class:`SourceError`: taken as fitting, its events,
+    read already, would lose the columns the feed's record does not have."""
     found = []
     for h in sorted({s for s in shapes if s is not None} - known):
         try:
@@ -344,7 +340,9 @@ def unfit_shapes(
         except FileNotFoundError:
             columns = []
         if not columns:
-            names = ", ".join(sorted(f.rsplit("/", 1)[-1] for f in files)) or "the input"
+            listed = sorted(f.rsplit("/", 1)[-1] for f in files)
+            more = f" and {len(listed) - 5} more" if len(listed) > 5 else ""
+            names = (", ".join(listed[:5]) or "the input") + more
             raise SourceError(
                 f"feed {feed!r}: the input changed while it was read: no event of a table "
                 f"shape read in {names} is there any more (a file removed or rewritten "
