@@ -152,7 +152,7 @@ class Cut:
     start_file: str  # the file that transaction begins in
     shape_file: str  # the file of the first event of the new shape
     change: Any  # feed.sources.shapes.ShapeChange
-    first: tuple[int, int] = (0, 0)  # the place of that first event (two cuts at one `at`)
+    first: tuple[int, int]  # the place of that first event (two cuts at one `at`)
 
 
 def shape_cut(t: pa.Table, unfit: tuple[int, Any]) -> Cut:
