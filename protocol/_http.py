@@ -20,6 +20,7 @@ import pyarrow as pa
 from aiohttp import web
 
 from . import rowhash
+from .defaults import IDLE_TIMEOUT
 from .errors import (
     CheckpointError,
     CodecError,
@@ -91,12 +92,6 @@ def _error(
     extra: dict[str, Any] | None = None,
 ) -> web.Response:
     return json_response({"error": code, "detail": detail, **(extra or {})}, status, headers)
-
-
-#: both servers close a connection that sends no whole request for this many seconds: a
-#: client that never finishes its headers, or stays connected doing nothing between
-#: requests (aiohttp's keep-alive timeout, which runs from the connection's start)
-IDLE_TIMEOUT = 30.0
 
 
 log = logging.getLogger("tidefeed.http")

@@ -217,26 +217,42 @@ class Codec(ABC):
         return list(self.decoder(io.BytesIO(body), schema=schema))
 
 
+# The registry is made on first use, not when this module loads: the codecs' own modules
+# import their base classes from here, so any of them may be imported first.
+CODECS: dict[str, Codec]  # name -> codec (made by _registry: see __getattr__)
+_BY_CONTENT_TYPE: dict[str, Codec]
+
+
 def _registry() -> dict[str, Codec]:
-    from ._arrow import ArrowCodec
-    from ._avro import AvroCodec
-    from ._ndjson import NdjsonCodec
+    global CODECS, _BY_CONTENT_TYPE
+    if "CODECS" not in globals():
+        from ._arrow import ArrowCodec
+        from ._avro import AvroCodec
+        from ._ndjson import NdjsonCodec
 
-    return {c.name: c for c in (NdjsonCodec(), AvroCodec(), ArrowCodec())}
+        made: list[Codec] = [NdjsonCodec(), AvroCodec(), ArrowCodec()]
+        codecs = {c.name: c for c in made}
+        _BY_CONTENT_TYPE = {c.content_type: c for c in codecs.values()}
+        CODECS = codecs
+    return CODECS
 
 
-CODECS: dict[str, Codec] = _registry()
-_BY_CONTENT_TYPE = {c.content_type: c for c in CODECS.values()}
+def __getattr__(name: str) -> Any:
+    if name == "CODECS":
+        return _registry()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_codec(name: str) -> Codec:
     """The codec called ``name``; :class:`CodecError` names the known ones otherwise."""
     try:
-        return CODECS[name]
+        return _registry()[name]
     except KeyError:
-        raise CodecError(f"unknown format {name!r}; known formats: {', '.join(CODECS)}") from None
+        known = ", ".join(_registry())
+        raise CodecError(f"unknown format {name!r}; known formats: {known}") from None
 
 
 def codec_for_content_type(content_type: str) -> Codec | None:
     """The codec for a ``Content-Type`` value (parameters ignored), or ``None``."""
+    _registry()
     return _BY_CONTENT_TYPE.get(content_type.split(";", 1)[0].strip().lower())

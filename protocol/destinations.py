@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
 
+from .defaults import DEFAULT_PUSH_ALLOW
+
 __all__ = ["DEFAULT_PUSH_ALLOW", "AllowedResolver", "Destinations"]
 
-#: where pushes may go unless ``--push-allow`` says otherwise: this machine only
-DEFAULT_PUSH_ALLOW = "127.0.0.0/8,::1,localhost"
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 

@@ -11,7 +11,7 @@ from typing import IO, Any
 
 import orjson
 
-from protocol import CodecError, FeedChecker, get_codec
+from protocol import CodecError
 
 __all__ = ["cmd_check", "cmd_convert", "sniff_format"]
 
@@ -53,6 +53,8 @@ def _load_schema(path: str | None) -> Any:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from protocol import FeedChecker, get_codec  # (pyarrow: only the commands that read)
+
     src = _open_in(args.file)
     fmt = args.format or sniff_format(_peek(src))
     decoder = get_codec(fmt).decoder(src, tables=True)  # (the checker hashes Arrow tables)
@@ -86,6 +88,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from protocol import get_codec
+
     src = _open_in(args.input)
     schema = _load_schema(args.schema)
     decoder = get_codec(args.from_).decoder(src, schema=schema, tables=True)

@@ -19,8 +19,7 @@ from feed.cli.options import (
     scope_env,
     version,
 )
-from feed.emit.session import DEFAULT_MASTER
-from feed.emit.settings import (
+from feed.emit.defaults import (
     DEFAULT_CLOCK,
     DEFAULT_DRIVER_TXN_BYTES,
     DEFAULT_GRANULARITY,
@@ -28,15 +27,13 @@ from feed.emit.settings import (
     DEFAULT_MAX_FILES,
     DEFAULT_TRIGGER,
 )
-from feed.serve.state import COMPACT_SECONDS, MAX_STREAMS, MAX_STREAMS_PER_CLIENT, STALL_SECONDS
+from feed.emit.session import DEFAULT_MASTER
+from feed.serve.limits import COMPACT_SECONDS, MAX_STREAMS, MAX_STREAMS_PER_CLIENT, STALL_SECONDS
 from feed.sources.registry import KINDS
-from protocol import CODECS
-from protocol._http import IDLE_TIMEOUT
-from protocol.destinations import DEFAULT_PUSH_ALLOW
+from protocol.defaults import DEFAULT_PUSH_ALLOW, FORMATS, IDLE_TIMEOUT
 
 __all__ = ["build_parser"]
 
-FORMATS = tuple(CODECS)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_SERVE_PORT = 8080
 DEFAULT_RECEIVE_PORT = 9090

@@ -17,6 +17,14 @@ from typing import Any, Literal
 import orjson
 import pyarrow as pa
 
+from feed.emit.defaults import (
+    DEFAULT_CLOCK,
+    DEFAULT_DRIVER_TXN_BYTES,
+    DEFAULT_GRANULARITY,
+    DEFAULT_LAYOUT,
+    DEFAULT_MAX_FILES,
+    DEFAULT_TRIGGER,
+)
 from feed.log.checkpoint import Checkpoint, fixed
 from feed.log.info import Clock, FeedInfo, Granularity, Layout
 from feed.log.store import FeedLog
@@ -37,16 +45,8 @@ __all__ = [
     "settle",
 ]
 
-DEFAULT_TRIGGER = 5.0
-DEFAULT_MAX_FILES = 1000
-#: keyed Debezium input of at most this many bytes is computed on the driver
-#: (feed/txn/driver.py; ``--driver-txn-bytes``)
-DEFAULT_DRIVER_TXN_BYTES = 4 << 20
 #: a bad input row is quarantined (kept with its reason) or stops the transaction
 BadRecords = Literal["quarantine", "fail"]
-DEFAULT_CLOCK: Clock = "wallclock"  # a new feed's, when --clock is left out
-DEFAULT_GRANULARITY: Granularity = "batch"  # a new feed's, when --granularity is left out
-DEFAULT_LAYOUT: Layout = "times"  # a new feed's, when --layout is left out
 RESERVED = ("time", "diff")
 #: a follow-mode emitter warns once input has been held back this long (incomplete source
 #: transactions: an END record or events not arrived), and again as often while it lasts

@@ -15,6 +15,7 @@ from feed.log.checkpoint import CheckpointStore
 from feed.log.reader import FeedReader
 from feed.log.store import feed_names, valid_feed_name
 from feed.log.subscriptions import SubscriptionStore
+from feed.serve.limits import COMPACT_SECONDS, MAX_STREAMS, MAX_STREAMS_PER_CLIENT, STALL_SECONDS
 from protocol import CheckpointError
 from protocol._http import IDLE_TIMEOUT, HttpError
 from protocol.destinations import DEFAULT_PUSH_ALLOW, Destinations
@@ -33,13 +34,6 @@ __all__ = [
 
 POLL_SECONDS = 0.5
 HEARTBEAT_SECONDS = 5.0
-#: pull streams open at a time in all and from one client address, and how long a
-#: stream's consumer may take nothing of a write before the stream is closed
-MAX_STREAMS = 64
-MAX_STREAMS_PER_CLIENT = 16
-STALL_SECONDS = 60.0
-#: how often the server compacts (``serve --compact-every``)
-COMPACT_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -293,6 +293,39 @@ def test_version_and_help_with_defaults_and_variables():
         assert "§" not in text and "DESIGN" not in text
 
 
+HEAVY = ("pyarrow", "aiohttp", "numpy", "pyspark", "prometheus_client", "fastavro")
+
+
+def test_the_command_line_parses_and_refuses_without_loading_the_heavy_libraries():
+    """Help, the version and a usage error come from the parser alone: a process that
+    only parses its options loads none of the libraries the commands need."""
+    probe = (
+        "import sys\n"
+        "from feed.cli import main\n"
+        "try:\n"
+        "    main.main(sys.argv[1:])\n"
+        "except SystemExit as e:\n"
+        "    print('exit', e.code)\n"
+        f"print('loaded', sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    for args, code in ((["--version"], 0), (["emit", "--help"], 0), (["emit", "--sourc", "x"], 2)):
+        out = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True)
+        lines = out.stdout.decode().splitlines()
+        assert f"exit {code}" in lines, (args, out.stdout, out.stderr)
+        assert lines[-1] == "loaded []", (args, lines[-1])
+    # and the constants the parser reads are those of the modules that use them
+    from feed.emit import defaults as emit_defaults
+    from feed.emit import settings
+    from feed.serve import limits, state
+    from protocol import CODECS, _http, defaults, destinations
+
+    assert tuple(CODECS) == defaults.FORMATS
+    assert _http.IDLE_TIMEOUT is defaults.IDLE_TIMEOUT
+    assert destinations.DEFAULT_PUSH_ALLOW is defaults.DEFAULT_PUSH_ALLOW
+    assert settings.DEFAULT_DRIVER_TXN_BYTES is emit_defaults.DEFAULT_DRIVER_TXN_BYTES
+    assert state.STALL_SECONDS is limits.STALL_SECONDS
+
+
 def test_environment_variables_are_scoped_and_checked(feed_files):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEFEED_")}
     # TIDEFEED_FORMAT is another command's business: check still detects Avro
