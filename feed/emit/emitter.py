@@ -34,10 +34,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from feed._faults import maybe_die
-from feed.emit.eager import EagerPusher
 from feed.emit.plans import Planned, State, now_ms, time_after, widening
 from feed.emit.progress import TxnProgress, TxnReport
 from feed.emit.session import spark_when_asked
@@ -53,6 +52,9 @@ from feed.txn.context import TxnContext
 from feed.txn.engine import ENGINES, Engine, Job, run_job
 from feed.txn.segments import Written
 from protocol import CheckpointError, Progress
+
+if TYPE_CHECKING:  # (its push client needs aiohttp: only an --eager emit loads it)
+    from feed.emit.eager import EagerPusher
 
 __all__ = ["Emitter", "EmitterConfig", "TxnReport", "load_schema_file"]
 
