@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,16 +36,35 @@ def start(*args: str, env: dict[str, str] | None = None, log: Path | None = None
         return subprocess.Popen([*TIDEFEED, *args], stdout=out, stderr=out, env=full_env)
 
 
+def _stopped(proc: subprocess.Popen) -> bool:
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except FileNotFoundError:  # (gone: reaped)
+        return False
+
+
 def wait_stopped(proc: subprocess.Popen, timeout: float = 180) -> None:
     """Wait until ``proc`` is stopped (``TIDEFEED_TEST_PAUSE_AT``: its state is ``T``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with open(f"/proc/{proc.pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
+        if _stopped(proc):
+            return
         assert proc.poll() is None, f"exited with {proc.returncode}"
         time.sleep(0.02)
     raise TimeoutError(f"process {proc.pid} never stopped")
+
+
+def resume(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGCONT to the stopped ``proc``, then wait until it runs again. The kernel may show
+    it stopped a moment after the signal (a loaded machine did, in the CI run of 19d9810):
+    a :func:`wait_stopped` for its next pause would return at once, and a signal sent then
+    would join one still pending, two signals delivered as one."""
+    proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + timeout
+    while _stopped(proc):
+        assert time.monotonic() < deadline, f"process {proc.pid} did not go on"
+        time.sleep(0.005)
 
 
 def write_parts(folder: Path, lines: list[bytes], parts: int, start: int = 0) -> list[Path]:
