@@ -2,8 +2,8 @@
 
 Its names load on first use (PEP 562): ``from protocol import TidefeedError`` reads
 protocol/errors.py alone, not the codecs, the client and the pyarrow and aiohttp they need.
-So a command that only parses its options (``tidefeed --help``, a usage error) starts in a
-tenth of the time.
+So a command that only parses its options (``tidefeed --help``, a usage error) needs
+neither.
 """
 
 from __future__ import annotations

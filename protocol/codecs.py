@@ -14,6 +14,7 @@ progress messages that come before it.
 from __future__ import annotations
 
 import io
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from typing import IO, Any, ClassVar
@@ -221,19 +222,23 @@ class Codec(ABC):
 # import their base classes from here, so any of them may be imported first.
 CODECS: dict[str, Codec]  # name -> codec (made by _registry: see __getattr__)
 _BY_CONTENT_TYPE: dict[str, Codec]
+_MAKING = threading.Lock()  # (one registry, whichever thread asks first)
 
 
 def _registry() -> dict[str, Codec]:
     global CODECS, _BY_CONTENT_TYPE
-    if "CODECS" not in globals():
-        from ._arrow import ArrowCodec
-        from ._avro import AvroCodec
-        from ._ndjson import NdjsonCodec
+    if "CODECS" in globals():
+        return CODECS
+    with _MAKING:
+        if "CODECS" not in globals():
+            from ._arrow import ArrowCodec
+            from ._avro import AvroCodec
+            from ._ndjson import NdjsonCodec
 
-        made: list[Codec] = [NdjsonCodec(), AvroCodec(), ArrowCodec()]
-        codecs = {c.name: c for c in made}
-        _BY_CONTENT_TYPE = {c.content_type: c for c in codecs.values()}
-        CODECS = codecs
+            made: list[Codec] = [NdjsonCodec(), AvroCodec(), ArrowCodec()]
+            codecs = {c.name: c for c in made}
+            _BY_CONTENT_TYPE = {c.content_type: c for c in codecs.values()}
+            CODECS = codecs
     return CODECS
 
 

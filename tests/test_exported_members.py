@@ -51,6 +51,7 @@ EXPECTED_PROTOCOL = {
 
 def test_protocol_exports_exactly_the_curated_api():
     assert set(protocol.__all__) == EXPECTED_PROTOCOL
+    assert set(protocol._WHERE) == EXPECTED_PROTOCOL  # (the names it loads on first use)
     for name in protocol.__all__:
         assert getattr(protocol, name) is not None
 
