@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -55,16 +54,18 @@ def wait_stopped(proc: subprocess.Popen, timeout: float = 180) -> None:
     raise TimeoutError(f"process {proc.pid} never stopped")
 
 
-def resume(proc: subprocess.Popen, timeout: float = 30) -> None:
-    """SIGCONT to the stopped ``proc``, then wait until it runs again. The kernel may show
-    it stopped a moment after the signal (a loaded machine did, in the CI run of 19d9810):
-    a :func:`wait_stopped` for its next pause would return at once, and a signal sent then
-    would join one still pending, two signals delivered as one."""
-    proc.send_signal(signal.SIGCONT)
-    deadline = time.monotonic() + timeout
-    while _stopped(proc):
-        assert time.monotonic() < deadline, f"process {proc.pid} did not go on"
-        time.sleep(0.005)
+def signal_main_thread(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to ``proc``'s main thread (tgkill), not to the process: a signal for
+    the process may be taken by any of its threads, and one that took it then waited for
+    a core (a loaded machine) while the main thread ran on to its next pause point. The
+    next signal then joined it (signals do not queue): two Ctrl-Cs delivered as one, in
+    the CI run of 19d9810. The main thread takes its own signal as it goes on, before it
+    runs another line of Python."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.tgkill(proc.pid, proc.pid, sig) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill {proc.pid}")
 
 
 def write_parts(folder: Path, lines: list[bytes], parts: int, start: int = 0) -> list[Path]:

@@ -26,7 +26,7 @@ from ..feed.model import as_multiset, collection_of
 from .helpers import (
     bank_emit_args,
     free_port,
-    resume,
+    signal_main_thread,
     start,
     tidefeed,
     wait_stopped,
@@ -74,7 +74,7 @@ def test_a_signal_during_emit_finishes_the_transaction_and_the_feed_restarts_who
     try:
         wait_stopped(proc)
         proc.send_signal(sig)
-        resume(proc)
+        proc.send_signal(signal.SIGCONT)
         code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -99,8 +99,8 @@ def test_a_second_ctrl_c_abandons_the_transaction_at_once(tmp_path):
     try:
         for _ in range(2):
             wait_stopped(proc)
-            proc.send_signal(signal.SIGINT)
-            resume(proc)
+            signal_main_thread(proc, signal.SIGINT)
+            proc.send_signal(signal.SIGCONT)
         code = proc.wait(timeout=30)
     finally:
         if proc.poll() is None:

@@ -9,7 +9,7 @@ import sys
 
 from feed import _faults
 
-from ..e2e.helpers import resume, wait_stopped
+from ..e2e.helpers import wait_stopped
 
 
 def test_a_fault_point_calls_the_installed_hook_and_nothing_else(monkeypatch):
@@ -54,7 +54,7 @@ def test_pause_at_stops_at_each_step_and_a_signal_sent_meanwhile_is_handled_firs
         for _ in range(2):  # at the second after_read, then at after_write
             wait_stopped(proc)
             proc.send_signal(signal.SIGUSR1)
-            resume(proc)
+            proc.send_signal(signal.SIGCONT)
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
