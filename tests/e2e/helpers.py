@@ -35,20 +35,13 @@ def start(*args: str, env: dict[str, str] | None = None, log: Path | None = None
         return subprocess.Popen([*TIDEFEED, *args], stdout=out, stderr=out, env=full_env)
 
 
-def _stopped(proc: subprocess.Popen) -> bool:
-    try:
-        with open(f"/proc/{proc.pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    except FileNotFoundError:  # (gone: reaped)
-        return False
-
-
 def wait_stopped(proc: subprocess.Popen, timeout: float = 180) -> None:
     """Wait until ``proc`` is stopped (``TIDEFEED_TEST_PAUSE_AT``: its state is ``T``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if _stopped(proc):
-            return
+        with open(f"/proc/{proc.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
         assert proc.poll() is None, f"exited with {proc.returncode}"
         time.sleep(0.02)
     raise TimeoutError(f"process {proc.pid} never stopped")
