@@ -42,8 +42,11 @@ def get_spark(
     from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
+    from feed.emit.lookups import keep_lookups
+
     active = SparkSession.getActiveSession()
     if active is not None:
+        keep_lookups(active.sparkContext._jvm)
         return active
     conf = dict(conf or {})
     if master:
@@ -96,6 +99,8 @@ def get_spark(
         _made_aside(builder)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
+    # (a plan's functions cost one py4j round trip each, not three: feed/emit/lookups.py)
+    keep_lookups(spark.sparkContext._jvm)
     _say_started(spark, conf)
     return spark
 

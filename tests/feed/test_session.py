@@ -264,3 +264,30 @@ def test_a_small_transaction_runs_with_the_small_input_settings_then_restores_th
     with sized_for_input(spark, {"spark.sql.adaptive.enabled": "true"}, [str(small)]):
         assert settings() == ["1", before[1], "false", "NO_CODEGEN"]
     assert settings() == before
+
+
+@pytest.mark.spark
+def test_sql_functions_are_looked_up_in_the_jvm_once_then_only_called(spark, monkeypatch):
+    """After a session is made (feed/emit/lookups.py), a function PySpark has met before
+    costs one py4j round trip, the call, and no reflection; the columns are the same."""
+    from pyspark.sql import functions as F
+
+    client = spark.sparkContext._gateway._gateway_client
+    sent: list[str] = []
+    send = client.send_command
+
+    def counted(command: str, *args, **kwargs):
+        sent.append(command[:1])
+        return send(command, *args, **kwargs)
+
+    def make():
+        return F.when(F.col("x") > F.lit(1), F.coalesce("y", F.lit("z"))).alias("w")
+
+    first = str(make())  # (each function met once: looked up now if never before)
+    monkeypatch.setattr(client, "send_command", counted)
+    again = str(make())
+    monkeypatch.undo()
+    assert again == first == "Column<'CASE WHEN >(x, 1) THEN coalesce(y, 'z') END AS w'>"
+    assert "r" not in sent, sent  # no reflection command: every member was kept
+    df = spark.createDataFrame([(0, None), (2, None), (3, "q")], "x int, y string")
+    assert [r["w"] for r in df.select(make()).orderBy("x").collect()] == [None, "z", "q"]
