@@ -1,4 +1,4 @@
-"""The JVM classes PySpark builds plans with, looked up once per process, not per call.
+"""The JVM classes PySpark builds plans with, looked up once per JVM, not once per call.
 
 Each ``F.col``, ``F.lit``, ``F.when``… of classic PySpark (not Connect) first asks the
 JVM what ``org.apache.spark.sql.functions`` is, then whether it has that member, by two
@@ -11,7 +11,7 @@ lives. A small Spark-path transaction makes some 1 600 such lookups, 0.2-0.4 ms 
 whose attribute lookup asks the JVM only for names it does not hold), each as a class
 that keeps the methods it has found. A function PySpark has used once is then one round
 trip: the call. Only methods are kept, never a field's value, so nothing read through
-them can go stale; a name the JVM resolves differently is simply not kept.
+them can go stale; a name that is not a class in this JVM is left to py4j as before.
 """
 
 from __future__ import annotations
