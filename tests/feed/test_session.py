@@ -291,3 +291,19 @@ def test_sql_functions_are_looked_up_in_the_jvm_once_then_only_called(spark, mon
     assert "r" not in sent, sent  # no reflection command: every member was kept
     df = spark.createDataFrame([(0, None), (2, None), (3, "q")], "x int, y string")
     assert [r["w"] for r in df.select(make()).orderBy("x").collect()] == [None, "z", "q"]
+
+
+@pytest.mark.spark
+def test_a_class_this_jvm_lacks_is_left_to_py4j(spark, monkeypatch):
+    """A name of feed/emit/lookups.py's list that is not a class in this JVM (another
+    PySpark) is not held: py4j answers for it as before, with a package."""
+    from py4j.java_gateway import JavaPackage
+
+    from feed.emit import lookups
+
+    jvm = spark.sparkContext._jvm
+    monkeypatch.setattr(lookups, "KEPT", (*lookups.KEPT, "NoSuchTidefeedClass"))
+    lookups.keep_lookups(jvm)
+    assert "NoSuchTidefeedClass" not in vars(jvm)
+    assert all(name in vars(jvm) for name in lookups.KEPT[:-1])
+    assert type(jvm.NoSuchTidefeedClass) is JavaPackage
