@@ -149,6 +149,10 @@ class Emitter(SchemaVersions):
         from feed.sources.rows import spark_record_type
 
         self._record_type = spark_record_type(self.info.schema)
+        # the shapes an emitter before this one found to fit (each version's file lists
+        # them): judged again, a shape from before a DROP COLUMN reads as adding it back
+        for version in self.info.versions:
+            self._shapes.update(version.shapes)
         if latest is None:
             start = self._clock() if self.info.clock == "wallclock" else 1
             latest = Checkpoint.first(cfg.feed, next=start, schema=self.info.fingerprint)

@@ -38,6 +38,10 @@ class SchemaVersion:
     #: (old name, new name): a column renamed (also listed as dropped and added: the old
     #: column is null from ``start`` on, the new one holds its values)
     renamed: tuple[tuple[str, str], ...] = ()
+    #: the source table shapes (feed/sources/shapes.py) found to fit the feed before this
+    #: version was committed: each fits this one too (a version keeps every column and
+    #: only widens types), and an emitter started later must not judge them again
+    shapes: tuple[int, ...] = ()
 
     def changes(self) -> dict[str, Any]:
         """The columns this version added, dropped, widened and renamed (old: new)."""
@@ -61,6 +65,7 @@ class SchemaVersion:
                 "schema": self.schema,
                 "fingerprint": fingerprint(self.schema),
                 **self.changes(),
+                "shapes": list(self.shapes),
             },
             option=orjson.OPT_INDENT_2,
         )
@@ -75,6 +80,7 @@ class SchemaVersion:
             dropped=tuple(d.get("dropped") or ()),
             widened=tuple(d.get("widened") or ()),
             renamed=tuple((str(k), str(v)) for k, v in (d.get("renamed") or {}).items()),
+            shapes=tuple(int(h) for h in d.get("shapes") or ()),
         )
 
 

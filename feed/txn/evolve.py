@@ -78,6 +78,7 @@ def rewrite(
         dropped=change.dropped,
         widened=ev.widened,
         renamed=change.renamed,
+        shapes=tuple(sorted(ctx.shapes)),
     )
     fl, cp = ctx.feedlog, ctx.cp
     fl.write_schema_version(version)

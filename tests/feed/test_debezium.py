@@ -818,6 +818,31 @@ def test_two_changes_of_shape_in_one_read_take_a_version_each_in_delivery_order(
     assert feeds[0] == feeds[1]
 
 
+def test_an_emitter_restarted_between_two_versions_and_their_transaction_adds_none(spark, tmp_path):
+    """The two changes of shape in one source transaction: both versions committed, then
+    the emitter stops (a new process) before the transaction is. The new emitter knows the
+    shapes found to fit before (each version's file lists them), so it takes the
+    transaction through the last version. Before, it judged the shape from before the
+    ``DROP COLUMN`` again, read it as adding ``doc`` back and committed a third version."""
+    _in_one_transaction(tmp_path / "in")
+    e = open_emitter(spark, tmp_path)
+    while len(FeedReader(str(tmp_path / "log"), "t").info.history()) < 3:
+        assert e.step() is not None
+    e.close()
+    reader = FeedReader(str(tmp_path / "log"), "t")
+    assert reader.info.versions[-1].shapes  # (what the new emitter reads)
+    stopped_at = reader.frontier
+    e = open_emitter(spark, tmp_path)
+    e.run()
+    e.close()
+    reader = FeedReader(str(tmp_path / "log"), "t")
+    assert reader.frontier > stopped_at  # the transaction, taken by the new emitter
+    history = [(v.added, v.dropped) for v in reader.info.history()]
+    assert history == [((), ()), (("qty",), ()), ((), ("doc",))]
+    got = {r["id"]: (r["owner"], r["qty"]) for r in reader.snapshot().to_pylist()}
+    assert got == {0: ("o0", 7), 1: ("z", 9), 2: ("o2", 7), 10: ("a", 7), 20: ("b", 5)}
+
+
 @pytest.mark.parametrize("how", ["removed", "rewritten"])
 @pytest.mark.parametrize("engines", [ENGINES, (SPARK,)], ids=["driver", "spark"])
 def test_a_file_changed_while_its_new_shape_is_checked_stops_the_feed_unchanged(
