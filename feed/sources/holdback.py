@@ -191,34 +191,49 @@ class SecondPass:
         if self.dropped:
             held = held & ~F.col("txn").isin(sorted(self.dropped))
         held = F.coalesce(held, F.lit(False))
-        held_rows = self.per_txn.where(held).select("txn", "first_at").collect()
+        ready = (self.events > 0) & ~held
+        if self.dropped:
+            ready = ready & ~F.col("txn").isin(sorted(self.dropped))
+        # the held transactions and the count of the released ones, in one job
+        found = (
+            self.per_txn.where(held)
+            .select("txn", "first_at", F.lit("held").alias("_kind"))
+            .unionByName(
+                self.per_txn.agg(F.count(F.when(ready, 1)).alias("ready")).withColumn(
+                    "_kind", F.lit("ready")
+                ),
+                allowMissingColumns=True,
+            )
+            .collect()
+        )
+        held_rows = [r for r in found if r["_kind"] == "held"]
+        self.ready = next(r["ready"] for r in found if r["_kind"] == "ready")
         self.held_txns = held_txns = {r["txn"] for r in held_rows}
         firsts = [p for r in held_rows if (p := unplace(r["first_at"])) is not None]
         if hold_at is not None:
             firsts.append((hold_at[0], hold_at[1]))
         self.held_at = min(firsts) if firsts else None
-        if held_txns:
-            # the files holding their events and END records (asked for only here: a set
-            # of files per source transaction would cost every read a second or more)
-            theirs = self.changes.where(
-                F.col("op").isin(*DATA_OPS, "E") & F.col("txn").isin(sorted(held_txns))
-            )
-            self.held_files.update(r["_file"] for r in theirs.select("_file").distinct().collect())
         if self.held_from is not None:  # a held snapshot's files, its end marker's too
             for sn in self.snaps:
                 if tuple(sn["s_first"]) >= self.held_from:
                     self.held_files.update(sn["s_files"] or ())
-        ready_txns = self.per_txn.where(self.events > 0).where(~held)
-        if self.dropped:
-            ready_txns = ready_txns.where(~F.col("txn").isin(sorted(self.dropped)))
-        self.ready = ready_txns.count()
         spark = self.changes.sparkSession
         out = spark.createDataFrame([(t,) for t in held_txns | self.dropped], "txn string")
         self.data = data = self.data.join(F.broadcast(out), "txn", "left_anti")
-        # the highest position released (a scan, no shuffle)
-        self.last = data.agg(F.max(F.struct("pos_hi", "pos_lo", "pos_n")).alias("m")).collect()[0][
-            "m"
-        ]
+        # the highest position released (a scan, no shuffle), and the files holding the
+        # held transactions' events and END records (asked for only here: a set of files
+        # per source transaction would cost every read a second or more), in one job
+        last = data.agg(F.max(F.struct("pos_hi", "pos_lo", "pos_n")).alias("m"))
+        last = last.withColumn("_kind", F.lit("last"))
+        if held_txns:
+            theirs = self.changes.where(
+                F.col("op").isin(*DATA_OPS, "E") & F.col("txn").isin(sorted(held_txns))
+            )
+            files = theirs.select("_file").distinct().withColumn("_kind", F.lit("file"))
+            last = last.unionByName(files, allowMissingColumns=True)
+        found = last.collect()
+        self.held_files.update(r["_file"] for r in found if r["_kind"] == "file")
+        self.last = next(r["m"] for r in found if r["_kind"] == "last")
         if held_txns:
             self.log.info(
                 "feed %s: %d source transaction(s) incomplete or behind an incomplete one "
