@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["cached"]
+__all__ = ["cached", "released"]
 
 
 def cached(df: Any, level: Any = None) -> Any:
@@ -41,6 +41,12 @@ def cached(df: Any, level: Any = None) -> Any:
     except (AttributeError, Py4JError):  # (a session without that JVM side)
         return kept
     return _cache_frame()(jdf, session, kept)
+
+
+def released(*frames: Any) -> None:
+    """Unpersist every one of ``frames`` (what a transaction cached, when it stops)."""
+    for df in frames:
+        df.unpersist()
 
 
 @functools.cache

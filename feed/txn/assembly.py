@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from feed.sources.cached import released
 from feed.txn.context import GroupHold, TxnContext, base_name, tally, waiting
 from protocol import SourceError
 
@@ -134,12 +135,10 @@ def assemble_debezium(
     try:
         unfit = find_unfit_shapes(ctx, files, (h for r in tally_rows for h in r["shapes"] or ()))
     except SourceError:
-        for df in (changes, *assembled.cached):
-            df.unpersist()
+        released(changes, *assembled.cached)
         raise
     if unfit:
-        for df in assembled.cached:
-            df.unpersist()
+        released(*assembled.cached)
         assembled, shape_held, shape_stop = _cut_at_shape(
             ctx, changes, unfit, group, assembled_with
         )
@@ -147,14 +146,12 @@ def assemble_debezium(
     txn_cached = assembled.cached
     why = _refusal(ctx, assembled, keyed=keyed, more=more)
     if why is not None:
-        for df in (changes, *txn_cached):
-            df.unpersist()
+        released(changes, *txn_cached)
         raise SourceError(why)
     if assembled.replaces is not None and buckets:
         touched = frozenset(range(buckets))  # every key may have gone
     if assembled.held and not assembled.ready and group is None:
-        for df in (changes, *txn_cached):
-            df.unpersist()
+        released(changes, *txn_cached)
         return waiting(ctx.log, f"feed {cfg.feed}", assembled.held, more=more)
     return DebeziumRead(assembled, touched, tally_rows, shape_held, shape_stop)
 
@@ -220,8 +217,7 @@ def _cut_at_shape(
         # at the head of the input: the feed's next schema version, if any
         found = version_at_head(ctx, change, base_name(first["_file"]), shape_file)
         if group is None:
-            for df in (changes, *assembled.cached):
-                df.unpersist()
+            released(changes, *assembled.cached)
             raise found
         shape_stop = found  # the group commits it with its other feeds
     ctx.log.info(

@@ -13,6 +13,7 @@ from typing import Any
 
 from feed.log.checkpoint import Checkpoint
 from feed.log.store import FeedLog
+from feed.sources.cached import released
 
 __all__ = [
     "DECLINED",
@@ -64,8 +65,7 @@ def bad_sample(bad: Any, cached: Sequence[Any]) -> str:
     """The first bad rows' files and reasons, for the error of a transaction that stops
     (``bad`` and ``cached``, of no more use, are released)."""
     sample = bad.limit(3).collect()
-    for df in (bad, *cached):
-        df.unpersist()
+    released(bad, *cached)
     return "; ".join(f"{base_name(r['_file'])}: {r['_error']}" for r in sample)
 
 
@@ -144,8 +144,7 @@ class ReadChanges:
     shape_error: Exception | None = None
 
     def release(self) -> None:
-        for df in (self.changes, *self.cached):
-            df.unpersist()
+        released(self.changes, *self.cached)
 
 
 @dataclass(frozen=True, slots=True)
