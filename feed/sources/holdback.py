@@ -217,9 +217,7 @@ class SecondPass:
             for sn in self.snaps:
                 if tuple(sn["s_first"]) >= self.held_from:
                     self.held_files.update(sn["s_files"] or ())
-        spark = self.changes.sparkSession
-        out = spark.createDataFrame([(t,) for t in held_txns | self.dropped], "txn string")
-        self.data = data = self.data.join(F.broadcast(out), "txn", "left_anti")
+        self.data = data = _without(self.data, held_txns | self.dropped)
         # the highest position released (a scan, no shuffle), and the files holding the
         # held transactions' events and END records (asked for only here: a set of files
         # per source transaction would cost every read a second or more), in one job
@@ -241,3 +239,19 @@ class SecondPass:
                 self.feed,
                 len(held_txns),
             )
+
+
+#: up to this many source transactions are left out by a filter naming them, more by a
+#: broadcast join (a filter's values are literals in the plan; a join of a list made on
+#: the driver takes a Spark job of its own to broadcast it)
+LISTED_OUT = 256
+
+
+def _without(data: DataFrame, txns: set[str]) -> DataFrame:
+    """``data`` without the rows of the source transactions ``txns``."""
+    if not txns:
+        return data
+    if len(txns) <= LISTED_OUT:
+        return data.where(F.col("txn").isNull() | ~F.col("txn").isin(sorted(txns)))
+    out = data.sparkSession.createDataFrame([(t,) for t in sorted(txns)], "txn string")
+    return data.join(F.broadcast(out), "txn", "left_anti")

@@ -19,6 +19,14 @@ from feed.sources.positions import source_order
 
 __all__ = ["LISTED_TXNS", "assign_units"]
 
+#: up to this many source transactions are numbered by their place in one literal of the
+#: plan; more by a broadcast join with their list (which takes a Spark job of its own to
+#: broadcast: a tenth of a second of each small transaction's time)
+INLINE_TXNS = 64
+#: what joins the names of the inlined transactions into that literal (one py4j call
+#: instead of one per name); names that hold it take the join
+_SEP = "\x00"
+
 
 #: up to this many source transactions are numbered from a list on the driver (one small
 #: job, as a follow-mode transaction needs); beyond it they are numbered in Spark
@@ -45,10 +53,7 @@ def assign_units(
     if len(head) <= LISTED_TXNS:
         if not head:
             return changes.withColumn("unit", F.lit(0).cast("long")), 0, None
-        listed = spark.createDataFrame(
-            [(r["txn"], i) for i, r in enumerate(head)], "txn string, unit long"
-        )
-        return changes.join(F.broadcast(listed), "txn"), len(head), None
+        return _listed(changes, [r["txn"] for r in head]), len(head), None
     try:
         ranges = max(1, int(spark.conf.get("spark.sql.shuffle.partitions") or 8))
     except ValueError:
@@ -73,3 +78,20 @@ def assign_units(
         "txn", (F.col("_start") + F.col("_n") - 1).cast("long").alias("unit")
     )
     return changes.join(units, "txn"), total, ranked
+
+
+def _listed(changes: DataFrame, txns: list[str | None]) -> DataFrame:
+    """``changes`` with ``unit``, the place of each row's source transaction in ``txns``
+    (distinct, in source order), its columns as a join on ``txn`` gives them (``txn``
+    first); a row of no transaction listed is left out."""
+    named = [t for t in txns if t is not None and _SEP not in t]
+    if len(txns) <= INLINE_TXNS and len(named) == len(txns):
+        names = F.split(F.lit(_SEP.join(named)), _SEP)
+        unit = F.array_position(names, F.col("txn")) - 1
+        rest = [c for c in changes.columns if c != "txn"]
+        with_unit = changes.select("txn", *rest, unit.cast("long").alias("unit"))
+        return with_unit.where(F.col("unit") >= 0)
+    listed = changes.sparkSession.createDataFrame(
+        [(t, i) for i, t in enumerate(txns)], "txn string, unit long"
+    )
+    return changes.join(F.broadcast(listed), "txn")

@@ -54,14 +54,16 @@ def cdf_rows():
 
 
 @pytest.mark.parametrize(
-    ("key", "listed"),
-    [(("id",), True), ((), True), (("id",), False)],
-    ids=["keyed", "unkeyed", "ranked"],
+    ("key", "numbered"),
+    [(("id",), "inline"), ((), "inline"), (("id",), "joined"), (("id",), "ranked")],
+    ids=["keyed", "unkeyed", "joined", "ranked"],
 )
 def test_cdf_per_version_equals_the_table_after_each_transaction(
-    spark, tmp_path, key, listed, monkeypatch
+    spark, tmp_path, key, numbered, monkeypatch
 ):
-    if not listed:  # the numbering of batches with too many transactions to list
+    if numbered == "joined":  # numbered by a join with their list, not inline
+        monkeypatch.setattr("feed.txn.times.INLINE_TXNS", 0)
+    if numbered == "ranked":  # the numbering of batches with too many transactions to list
         monkeypatch.setattr("feed.txn.times.LISTED_TXNS", 3)
     src = tmp_path / "in"
     src.mkdir()
@@ -76,6 +78,26 @@ def test_cdf_per_version_equals_the_table_after_each_transaction(
     _, states = debezium_truth(BANK.events)
     for i, state in enumerate(states):
         assert collection_of(reader, at=1 + i) == as_multiset(state.values()), i
+
+
+def test_transactions_are_numbered_alike_inline_and_by_a_join(spark):
+    """Source transactions take their place in the list as ``unit`` whether the list is a
+    literal of the plan or a broadcast join; a name holding the literal's separator, and
+    a null one, take the join; a row of no listed transaction is left out either way."""
+    from feed.txn import times
+
+    df = spark.createDataFrame(
+        [("b", 1), ("a", 2), ("x\x00y", 3), (None, 4), ("gone", 5), ("a", 6)], "txn string, v int"
+    )
+
+    def numbered(txns):
+        return sorted(tuple(r) for r in times._listed(df, txns).collect())
+
+    want = [("a", 2, 1), ("a", 6, 1), ("b", 1, 0), ("x\x00y", 3, 2)]
+    assert times._listed(df, ["b", "a"]).columns == ["txn", "v", "unit"]
+    assert numbered(["b", "a", "x\x00y"]) == want  # (the join: the separator)
+    assert numbered(["b", "a"]) == want[:3]  # inline
+    assert numbered(["b", None, "a"]) == [("a", 2, 2), ("a", 6, 2), ("b", 1, 0)]
 
 
 def test_upsert_with_order_and_delete_flag(spark, tmp_path):
