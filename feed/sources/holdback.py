@@ -223,10 +223,8 @@ class SecondPass:
         # per source transaction would cost every read a second or more), in one job
         last = data.agg(F.max(F.struct("pos_hi", "pos_lo", "pos_n")).alias("m"))
         last = last.withColumn("_kind", F.lit("last"))
-        if held_txns:
-            theirs = self.changes.where(
-                F.col("op").isin(*DATA_OPS, "E") & F.col("txn").isin(sorted(held_txns))
-            )
+        if named := sorted(t for t in held_txns if t is not None):
+            theirs = self.changes.where(F.col("op").isin(*DATA_OPS, "E") & F.col("txn").isin(named))
             files = theirs.select("_file").distinct().withColumn("_kind", F.lit("file"))
             last = last.unionByName(files, allowMissingColumns=True)
         found = last.collect()
@@ -247,11 +245,14 @@ class SecondPass:
 LISTED_OUT = 256
 
 
-def _without(data: DataFrame, txns: set[str]) -> DataFrame:
-    """``data`` without the rows of the source transactions ``txns``."""
-    if not txns:
+def _without(data: DataFrame, txns: set[str | None]) -> DataFrame:
+    """``data`` without the rows of the source transactions ``txns``; rows of no
+    transaction (a null ``txn``) stay, as a join on ``txn`` keeps them (a null among the
+    values of ``NOT IN`` would leave out every other row instead)."""
+    named = sorted(t for t in txns if t is not None)
+    if not named:
         return data
-    if len(txns) <= LISTED_OUT:
-        return data.where(F.col("txn").isNull() | ~F.col("txn").isin(sorted(txns)))
-    out = data.sparkSession.createDataFrame([(t,) for t in sorted(txns)], "txn string")
+    if len(named) <= LISTED_OUT:
+        return data.where(F.col("txn").isNull() | ~F.col("txn").isin(named))
+    out = data.sparkSession.createDataFrame([(t,) for t in named], "txn string")
     return data.join(F.broadcast(out), "txn", "left_anti")

@@ -100,6 +100,27 @@ def test_transactions_are_numbered_alike_inline_and_by_a_join(spark):
     assert numbered(["b", None, "a"]) == [("a", 2, 2), ("a", 6, 2), ("b", 1, 0)]
 
 
+@pytest.mark.parametrize("listed_out", [256, 0], ids=["filter", "join"])
+def test_held_transactions_are_left_out_and_rows_of_none_stay(spark, monkeypatch, listed_out):
+    """The rows of held source transactions are left out, by a filter naming them or by a
+    join with their list; rows of no transaction stay either way, a null among the held
+    names included (in ``NOT IN`` it would leave out every other row)."""
+    from feed.sources import holdback
+
+    monkeypatch.setattr(holdback, "LISTED_OUT", listed_out)
+    df = spark.createDataFrame(
+        [("a", 1), ("b", 2), (None, 3), ("c", 4), ("a", 5)], "txn string, v int"
+    )
+
+    def kept(txns):
+        return sorted(r["v"] for r in holdback._without(df, txns).collect())
+
+    assert kept({"a", "c"}) == [2, 3]
+    assert kept({"a", None}) == [2, 3, 4]
+    assert kept({None}) == [1, 2, 3, 4, 5]
+    assert kept(set()) == [1, 2, 3, 4, 5]
+
+
 def test_upsert_with_order_and_delete_flag(spark, tmp_path):
     src = tmp_path / "in"
     src.mkdir()
