@@ -179,6 +179,12 @@ def main() -> None:
         help="the events carry transaction metadata, with an END record after each "
         "source transaction (the peers skip END records as lines without an op)",
     )
+    ap.add_argument(
+        "--spark-parse-too",
+        action="store_true",
+        help="also run both tidefeed emits with --parse spark (Spark's JSON reader), the "
+        "baseline of the parse in Spark's tasks",
+    )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(args.work)
@@ -189,6 +195,7 @@ def main() -> None:
     walls: dict[str, list[float]] = {
         "tidefeed emit": [],
         "tidefeed --key id": [],
+        **({"--parse spark": [], "--parse spark --key id": []} if args.spark_parse_too else {}),
         "pyspark groupBy": [],
         "duckdb": [],
     }
@@ -205,8 +212,12 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         written: dict[str, int] = {}
-        for what, extra in (("tidefeed emit", []), ("tidefeed --key id", ["--key", "id"])):
-            log = out / ("log-keyed" if extra else "log")
+        runs = [("tidefeed emit", []), ("tidefeed --key id", ["--key", "id"])]
+        if args.spark_parse_too:
+            runs += [("--parse spark", ["--parse", "spark"])]
+            runs += [("--parse spark --key id", ["--parse", "spark", "--key", "id"])]
+        for what, extra in runs:
+            log = out / ("log-" + "-".join(x.strip("-") for x in extra))
             emit = [
                 *(py, "-m", "feed.cli.main", "emit", "--source", f"debezium:{src}"),
                 *("--feed", "bank", "--log", str(log), "--schema", str(schema)),
@@ -241,7 +252,7 @@ def main() -> None:
     print(f"\nmarginal rate, {sizes[0]:,} -> {sizes[-1]:,} events (start-up cancels):")
     for k, r in rates.items():
         print(f"  {k:18s} {r:12,.0f} events/s")
-    for what in ("tidefeed emit", "tidefeed --key id"):
+    for what in [k for k in walls if k.startswith(("tidefeed", "--parse"))]:
         ours = rates[what]
         print(
             f"  {what}: {ours / rates['pyspark groupBy']:.2f}x the pyspark groupBy; "

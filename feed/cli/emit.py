@@ -109,6 +109,7 @@ def _emitter_config(args: argparse.Namespace, kind: SourceKind, path: str) -> An
         tx_metadata=args.tx_metadata or None,
         conf=tuple(parse_conf(args.conf).items()),
         driver_txn_bytes=args.driver_txn_bytes,
+        parse=args.parse,
         take_over=args.take_over,
     )
 

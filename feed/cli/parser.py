@@ -230,6 +230,15 @@ def _emit_spark(p: OptionParser) -> None:
         "computed on the driver, without Spark (which then starts only when a transaction "
         "needs it), when its input is plain (0: always in Spark; docs/emitter.md)",
     )
+    p.option(
+        "--parse",
+        choices=("auto", "spark"),
+        default="auto",
+        help="how a transaction in Spark parses debezium lines: auto (the default) by "
+        "pyarrow in Spark's tasks where that reads them exactly as Spark's JSON reader "
+        "does (flat lines of plain columns), else by that reader; spark: always by "
+        "Spark's reader (docs/operations.md)",
+    )
 
 
 def _emit_source_options(p: OptionParser) -> None:

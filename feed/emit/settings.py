@@ -47,6 +47,8 @@ __all__ = [
 
 #: a bad input row is quarantined (kept with its reason) or stops the transaction
 BadRecords = Literal["quarantine", "fail"]
+#: how a Spark transaction parses Debezium's lines (EmitterConfig.parse)
+Parse = Literal["auto", "spark"]
 RESERVED = ("time", "diff")
 #: a follow-mode emitter warns once input has been held back this long (incomplete source
 #: transactions: an END record or events not arrived), and again as often while it lasts
@@ -76,6 +78,10 @@ class EmitterConfig:
     conf: tuple[tuple[str, str], ...] = ()  # Spark settings (--conf), over everything else
     #: keyed Debezium input of at most this many bytes is computed on the driver (0: never)
     driver_txn_bytes: int = DEFAULT_DRIVER_TXN_BYTES
+    #: how Spark parses Debezium's lines: "auto" by pyarrow in its tasks where that reads
+    #: them as Spark's own parse does (feed/sources/debezium_arrow.py), else Spark's;
+    #: "spark" always Spark's
+    parse: Parse = "auto"
     #: follow: warn when input has been held back this long (seconds)
     held_warning: float = HELD_WARNING_SECONDS
     #: the feeds of the group this feed is emitted in (feed/emit/group.py); () alone

@@ -50,6 +50,8 @@ class SourceKind:
     #: ``source.txId``; ``commit_version``, the row's ``_commit_version``); the input
     #: window of a transaction then never ends between two files of one source transaction
     line_txn: str | None = None
+    #: its flat lines may be parsed by pyarrow in Spark's tasks (feed/sources/columnar.py)
+    columnar: bool = False
     #: the ``tidefeed emit`` options only this kind takes (EmitterConfig field names)
     options: tuple[str, ...] = ()
     #: the options this kind cannot go without, each with what its value says
@@ -65,6 +67,7 @@ KINDS: dict[str, SourceKind] = {
             events=True,
             infer_files=None,
             line_txn="debezium",
+            columnar=True,
             options=("table", "tx_metadata"),
         ),
         SourceKind("cdf", "cdf", versions=True, per_key=True, line_txn="commit_version"),

@@ -173,19 +173,46 @@ def _cached_changes(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, Any, An
     rows found while reading."""
     from pyspark.sql import functions as F
 
-    changes = read_source(ctx, files)
-    # keep the raw text only where a bad row may need it (parse errors; deletes and
-    # snapshot rows, which the keyed checks may still find bad): the cache stays small
-    keep_raw = F.col("_error").isNotNull() | (F.col("op") == "d") | F.col("_toast").isNotNull()
-    if ctx.config.kind.whole_table:
-        keep_raw = F.lit(True)
-    changes = cached(changes.withColumn("_raw", F.when(keep_raw, F.col("_raw"))), spillable())
+    changes = _columnar_changes(ctx, files)
+    if changes is None:
+        changes = read_source(ctx, files)
+        # keep the raw text only where a bad row may need it (parse errors; deletes and
+        # snapshot rows, which the keyed checks may still find bad): the cache stays small
+        keep_raw = F.col("_error").isNotNull() | (F.col("op") == "d") | F.col("_toast").isNotNull()
+        if ctx.config.kind.whole_table:
+            keep_raw = F.lit(True)
+        changes = cached(changes.withColumn("_raw", F.when(keep_raw, F.col("_raw"))), spillable())
     bad = changes.where(F.col("_error").isNotNull()).select("_file", "_raw", "_error")
     # (another table's last snapshot read stays: it says where a snapshot ends)
     good = changes.where(
         F.col("_error").isNull() & ((F.col("op") != "x") | (F.col("_snap") == "last"))
     )
     return changes, good, bad
+
+
+def _columnar_changes(ctx: TxnContext, files: Sequence[str]) -> Any | None:
+    """The changes of Debezium ``files`` parsed by pyarrow in Spark's tasks
+    (:mod:`feed.sources.debezium_arrow`), cached: None where that parse does not apply, or
+    declined a file (then Spark's reader parses them all)."""
+    from feed.sources.columnar import declined, read_debezium_columnar, why_not_columnar
+    from feed.sources.connect import connect_names
+
+    cfg = ctx.config
+    if cfg.parse == "spark" or not cfg.kind.columnar:
+        return None
+    why = why_not_columnar(files, ctx.record_type, connect_names(ctx.info.schema or {}))
+    if why is None:
+        found = read_debezium_columnar(
+            ctx.spark, files, ctx.record_type, ctx.info.key, ctx.info.table
+        )
+        changes = cached(found, spillable())
+        why = declined(changes)  # (the job that builds the cache)
+        if why is None:
+            ctx.log.debug("feed %s: input parsed by pyarrow in Spark's tasks", cfg.feed)
+            return changes
+        changes.unpersist()
+    ctx.log.debug("feed %s: input parsed by Spark's JSON reader: %s", cfg.feed, why)
+    return None
 
 
 def _figures(tally_rows: list[Any]) -> tuple[int, int, int, int, dict[str, int]]:

@@ -1,0 +1,190 @@
+"""The parse of flat Debezium lines in Spark's tasks (feed/sources/columnar.py and
+feed/sources/debezium_arrow.py) against Spark's own (feed/sources/debezium.py), row for
+row; what it declines, and a transaction whose file declines read by Spark's reader."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+import pyarrow as pa
+import pytest
+from pyspark.sql.pandas.types import to_arrow_type
+
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
+from feed.log.reader import FeedReader
+from feed.sources.columnar import read_debezium_columnar, why_not_columnar
+from feed.sources.connect_json import Declined
+from feed.sources.debezium_arrow import parse_flat
+from feed.sources.kinds import read_changes
+from feed.sources.rows import spark_record_type
+from feed.txn.engine import SPARK
+
+from .model import as_multiset, collection_of, debezium_truth
+from .test_debezium import SCHEMA, TOAST, end, event, open_emitter, write
+
+
+def _rows(t: pa.Table) -> list[dict]:
+    """A parse's rows in file and line order, as the dataflow keeps them: the line's
+    number left out (Spark's is an id of its own), a skipped line's images too (null in
+    the columnar parse), and the text only of a delete or a row with a placeholder."""
+    out = sorted(t.to_pylist(), key=lambda r: (r["ord_file"], r["ord_row"]))
+    for r in out:
+        del r["ord_row"]
+        if r["op"] == "x":
+            r.pop("before")
+            r.pop("after")
+        if r["op"] != "d" and r["_toast"] is None:
+            r["_raw"] = None
+    return out
+
+
+def _both(spark, files, schema, key, table):
+    files = [str(f) for f in files]
+    record = spark_record_type(schema)
+    assert why_not_columnar(files, record, {}) is None
+    ours = read_debezium_columnar(spark, files, record, key, table).toArrow()
+    options = {"table": table, "schema": schema}
+    theirs = read_changes(spark, "debezium", files, record, key, options).toArrow()
+    assert ours.schema == theirs.schema
+    return _rows(ours), _rows(theirs)
+
+
+def test_flat_lines_of_every_kind_parse_as_spark_parses_them(spark, tmp_path):
+    src = tmp_path / "in"
+    row = {"id": 1, "owner": "a", "doc": "d"}
+    write(
+        src,
+        "a.json",
+        [
+            event("r", row, 100, xid=1, snap="first"),
+            event("r", {**row, "id": 2}, 100, xid=1, snap="last"),
+            {"status": "BEGIN", "id": "7:200", "event_count": None, "data_collections": None},
+            event("c", {**row, "id": 3}, 190, xid=7, order=1, commit=200),
+            event("u", {**row, "doc": TOAST}, 195, xid=7, order=2, commit=200, before=row),
+            event("c", {"id": 9}, 196, xid=7, order=1, commit=200, table="other"),
+            end(7, 200, {"accounts": 2, "other": 1}),
+            {"ts_ms": 5},
+            None,
+            event("d", {**row, "id": 3}, 300, xid=8),
+            {**event("c", {**row, "id": 4}, 310, xid=9), "source": {"lsn": 310}},
+        ],
+    )
+    lines = [orjson.dumps(event("c", {**row, "id": i}, 400 + i, xid=9)) for i in (5, 6)]
+    (src / "b.json").write_bytes(b"\n".join(lines) + b"\n\n   \n")
+    files = sorted(src.glob("*.json"))
+    for key, table in ((["id"], "public.accounts"), ([], "public.accounts"), (["id"], None)):
+        ours, theirs = _both(spark, files, SCHEMA, key, table)
+        assert ours == theirs
+        assert len(ours) == 13
+        assert {r["op"] for r in ours} == {"r", "c", "u", "d", "x", "E"}
+
+
+def test_a_generated_history_with_metadata_parses_as_spark_parses_it(spark, tmp_path):
+    """The demo's bank, flat, with a ``transaction`` block on each event and an END
+    record after each source transaction, in three files."""
+    bank = generate_bank(transactions=60, seed=5, wrapped_every=0)
+    lines, txn, n, last = [], None, 0, 0
+    for raw in bank.events:
+        e = orjson.loads(raw)
+        xid, lsn = e["source"]["txId"], e["source"]["lsn"]
+        if xid != txn and txn is not None:
+            lines.append(end(txn, last, {"accounts": n}))
+        n = 1 if xid != txn else n + 1
+        txn, last = xid, lsn
+        lines.append({**e, "transaction": {"id": f"{xid}:{lsn}", "total_order": n}})
+    lines.append(end(txn, last, {"accounts": n}))
+    src = tmp_path / "in"
+    third = len(lines) // 3
+    for i in range(3):
+        write(src, f"part-{i}.json", lines[i * third : (i + 1) * third if i < 2 else None])
+    files = sorted(src.glob("*.json"))
+    ours, theirs = _both(spark, files, ACCOUNTS_SCHEMA, ["id"], "public.accounts")
+    assert ours == theirs
+    assert sum(r["op"] == "E" for r in ours) == bank.transactions
+    assert all(r["tx_meta"] for r in ours)
+
+
+_RECORD = to_arrow_type(spark_record_type(SCHEMA), timezone="UTC")
+_GOOD = orjson.dumps(event("c", {"id": 1, "owner": "a"}, 5, xid=1))
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (_GOOD + b"\r\n", "carriage return"),
+        (_GOOD.replace(b'"a"', b'"\xff"'), "UTF-8"),
+        (_GOOD.replace(b'"a"', b"'a'"), "pyarrow"),  # (Spark takes single quotes)
+        (_GOOD.replace(b'"id":1', b'"id":"1"'), "pyarrow"),  # (Spark casts the text)
+        (_GOOD + _GOOD, "more than one"),
+        (orjson.dumps({"schema": None, "payload": orjson.loads(_GOOD)}), "wrapped"),
+        (_GOOD.replace(b'"op":"c"', b'"op":"t"'), "bad row"),
+        (_GOOD.replace(b'"op":"c"', b'"op":null'), "bad row"),
+        (_GOOD.replace(b'"lsn":5', b'"lsn":null'), "bad row"),
+        (_GOOD.replace(b'"id":1', b'"id":null'), "bad row"),
+        (_GOOD.replace(b'\\"5\\"', b'\\" 5\\"'), "sequence"),
+        (orjson.dumps({"status": "END", "event_count": 1}), "'id'"),
+        (orjson.dumps({**end(1, 5, {"accounts": 1}), "id": "1:5x"}), "END record's id"),
+    ],
+)
+def test_input_the_parsers_may_read_differently_is_declined(body, why):
+    with pytest.raises(Declined, match=why):
+        parse_flat(body + b"\n", _RECORD, ["id"], "public.accounts", 0, "f")
+
+
+def _quarantined(tmp_path) -> list[dict]:
+    return [
+        orjson.loads(line)
+        for p in (tmp_path / "log/t/quarantine").rglob("*.json")
+        for line in p.read_bytes().splitlines()
+    ]
+
+
+def test_a_read_that_declines_is_parsed_by_spark_with_its_bad_rows(spark, tmp_path, caplog):
+    """A transaction in Spark over a file the columnar parse reads and one it declines (a
+    bad row): Spark's reader reads both, the bad row is quarantined with Spark's reason,
+    and the feed holds the rest."""
+    src = tmp_path / "in"
+    good = [event("c", {"id": i, "owner": "a"}, 100 + i, xid=i) for i in range(1, 4)]
+    write(src, "part-0.json", good)
+    update = event("u", {"id": 2, "owner": "b"}, 150, xid=5, before={"id": 2, "owner": "a"})
+    write(src, "part-1.json", [update, {**event("c", {"id": 9}, 200, xid=9), "op": "t"}])
+    e = open_emitter(spark, tmp_path, engines=(SPARK,))
+    with caplog.at_level(logging.DEBUG, logger="tidefeed.emit"):
+        reports = e.run()
+    e.close()
+    assert "parsed by Spark's JSON reader: file:" in caplog.text
+    assert "part-1.json: a bad row" in caplog.text
+    assert sum(r.bad_rows for r in reports) == 1
+    reader = FeedReader(str(tmp_path / "log"), "t")
+    final, _ = debezium_truth([orjson.dumps(x) for x in [*good, update]])
+    assert collection_of(reader) == as_multiset(final.values())
+    assert [b["reason"] for b in _quarantined(tmp_path)] == [
+        "truncate events are not supported: re-snapshot the table into a new feed"
+    ]
+
+
+@pytest.mark.parametrize("key", [("id",), ()], ids=["keyed", "unkeyed"])
+def test_a_spark_transaction_takes_the_columnar_parse_where_it_applies(
+    spark, tmp_path, key, caplog
+):
+    """The same flat history (deletes among them) emitted in Spark with ``parse="auto"``
+    and ``parse="spark"`` gives the same feed, the truth; only the first parses in the
+    tasks."""
+    bank = generate_bank(transactions=40, seed=9, wrapped_every=0)
+    found = {}
+    for parse in ("auto", "spark"):
+        work = tmp_path / parse
+        (work / "in").mkdir(parents=True)
+        (work / "in" / "part-0.json").write_bytes(b"\n".join(bank.events) + b"\n")
+        e = open_emitter(
+            spark, work, key=key, engines=(SPARK,), schema=ACCOUNTS_SCHEMA, table=None, parse=parse
+        )
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="tidefeed.emit"):
+            reports = e.run()
+        e.close()
+        assert sum(r.bad_rows for r in reports) == 0
+        assert ("parsed by pyarrow in Spark's tasks" in caplog.text) == (parse == "auto")
+        found[parse] = collection_of(FeedReader(str(work / "log"), "t"))
+    assert found["auto"] == found["spark"] == as_multiset(bank.final.values())
