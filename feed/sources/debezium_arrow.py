@@ -20,6 +20,7 @@ skipped line's images are null.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 
 import pyarrow as pa
@@ -45,6 +46,8 @@ OUT = (
     "_shape",
 )  # fmt: skip
 NOT_NULL = ("weight", "pos_n", "ord_row", "_file")
+#: where a line may begin blank or with ``null`` (one pass over the file)
+_ODD_LINE = re.compile(rb"\n(?:[\n ]|null)")
 _BLOCK = 1 << 24  # pyarrow's JSON block: a longer line declines
 _LONG = r"-?[0-9]{1,18}"  # a number text every reader takes as a long alike
 
@@ -92,17 +95,24 @@ def _line_type(record: pa.StructType) -> pa.Schema:
     )
 
 
-def _objects(data: bytes) -> tuple[list[bytes], list[int], list[int]]:
-    """``data``'s lines, the numbers of those holding a JSON value other than ``null``,
-    and those of the tombstones (``null``); blank lines are neither, as in Spark. (A line
-    of ``null`` must never reach pyarrow's reader, which crashes on it.)"""
+def _lines(data: bytes) -> list[bytes]:
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # (no empty line after the last break)
-    if not data.startswith((b"\n", b" ", b"null")) and not any(
-        s in data for s in (b"\n\n", b"\n ", b"\nnull")
-    ):  # (no blank line, none that may be null: every line is one to parse)
-        return lines, list(range(len(lines))), []
+    return lines
+
+
+def _objects(data: bytes) -> tuple[list[bytes] | None, list[int] | range, list[int]]:
+    """``data``'s lines (None when every one is to parse: not split), the numbers of those
+    holding a JSON value other than ``null``, and those of the tombstones (``null``);
+    blank lines are neither, as in Spark. (A line of ``null`` must never reach pyarrow's
+    reader, which crashes on it.)"""
+    if not data:
+        return [], [], []
+    if not data.startswith((b"\n", b" ", b"null")) and not _ODD_LINE.search(data):
+        # (no blank line, none that may be null: every line is one to parse)
+        return None, range(data.count(b"\n") + (0 if data.endswith(b"\n") else 1)), []
+    lines = _lines(data)
     objs, tombs = [], []
     for n, line in enumerate(lines):
         s = line.strip(b" ")
@@ -138,7 +148,7 @@ def parse_flat(
         except pa.ArrowInvalid:
             raise Declined("bytes that are not UTF-8") from None
     lines, objs, tombs = _objects(data)
-    text = data if len(objs) == len(lines) else b"\n".join(lines[n] for n in objs)
+    text = data if lines is None else b"\n".join(lines[n] for n in objs)
     options = pj.ParseOptions(
         explicit_schema=_line_type(record), unexpected_field_behavior="ignore"
     )
@@ -156,7 +166,14 @@ def parse_flat(
     if t.column("payload").null_count != t.num_rows or t.column("schema").null_count != t.num_rows:
         raise Declined("wrapped lines (a Connect schema and payload)")
     rows = pa.array(objs, pa.int64())
-    out = _columns(t, record, key, table, lambda i: lines[objs[i]])
+    split: list[list[bytes]] = [] if lines is None else [lines]
+
+    def line(i: int) -> bytes:  # (the file split into lines only if a row needs its text)
+        if not split:
+            split.append(_lines(data))
+        return split[0][objs[i]]
+
+    out = _columns(t, record, key, table, line)
     out = out.append_column("ord_row", rows)
     cols = _order(out, ord_file, name)
     if not tombs:

@@ -5,10 +5,14 @@ row; what it declines, and a transaction whose file declines read by Spark's rea
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 
 import orjson
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pyspark.sql.pandas.types import to_arrow_type
 
 from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
@@ -188,3 +192,59 @@ def test_a_spark_transaction_takes_the_columnar_parse_where_it_applies(
         assert ("parsed by pyarrow in Spark's tasks" in caplog.text) == (parse == "auto")
         found[parse] = collection_of(FeedReader(str(work / "log"), "t"))
     assert found["auto"] == found["spark"] == as_multiset(bank.final.values())
+
+
+_texts = st.one_of(st.none(), st.text(max_size=6), st.just(TOAST))
+_rows_of = st.fixed_dictionaries({"id": st.integers(-(2**63), 2**63 - 1), "owner": _texts})
+
+
+@st.composite
+def _lines(draw) -> list:
+    """Flat lines a connector could write: events of the feed's table and another's, with
+    and without transaction blocks, sequences and snapshot marks; END and BEGIN records,
+    heartbeats, tombstones."""
+    out: list = []
+    for n in range(draw(st.integers(1, 12))):
+        kind = draw(st.sampled_from(["event"] * 6 + ["end", "begin", "heartbeat", "tombstone"]))
+        lsn = draw(st.integers(0, 10**15))
+        xid = draw(st.integers(1, 9))
+        if kind == "event":
+            op = draw(st.sampled_from("cudr"))
+            row = draw(_rows_of)
+            before = draw(st.one_of(st.none(), _rows_of)) if op == "u" else None
+            e = event(
+                op,
+                row,
+                lsn,
+                xid=xid,
+                order=draw(st.one_of(st.none(), st.integers(1, 5))),
+                commit=draw(st.one_of(st.none(), st.integers(0, 10**15))),
+                table=draw(st.sampled_from(["accounts", "accounts", "ledger"])),
+                before=before if before is not None else (row if op == "u" else None),
+                snap=draw(st.sampled_from([None, "first", "last", "incremental", "true"])),
+            )
+            if draw(st.booleans()):
+                del e["source"]["sequence"]
+            out.append(e)
+        elif kind == "end":
+            out.append(end(xid, lsn, {"accounts": n % 3, "ledger": 1}))
+        elif kind == "begin":
+            out.append({"status": "BEGIN", "id": f"{xid}:{lsn}", "event_count": None})
+        elif kind == "heartbeat":
+            out.append({"ts_ms": lsn})
+        else:
+            out.append(None)
+    return out
+
+
+@settings(max_examples=12, deadline=None)
+@given(files=st.lists(_lines(), min_size=1, max_size=3), keyed=st.booleans())
+def test_generated_flat_lines_parse_as_spark_parses_them(spark, files, keyed):
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp)
+        for i, lines in enumerate(files):
+            write(src, f"part-{i}.json", lines)
+        paths = sorted(src.glob("*.json"))
+        ours, theirs = _both(spark, paths, SCHEMA, ["id"] if keyed else [], "public.accounts")
+    assert ours == theirs
+    assert len(ours) == sum(len(lines) for lines in files)
