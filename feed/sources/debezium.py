@@ -85,6 +85,8 @@ def read_debezium(
     tx_xid = F.substring_index(F.col("tx.id"), ":", 1)
     end_xid = F.substring_index(F.col("tx_id"), ":", 1)
     end_lsn = F.substring_index(F.col("tx_id"), ":", -1).try_cast("long")
+    # (never null on a good row: an event without source.lsn is bad, and so is an END
+    # record without an id: every source transaction held back or released has a name)
     txn = F.coalesce(tx_xid, F.col("src.txId"), F.concat(F.lit("lsn:"), F.col("src.lsn")))
     # Debezium/Postgres puts ["<last commit LSN>", "<LSN>"] in source.sequence; the commit
     # LSN orders changes across concurrent transactions, so it is the major position.

@@ -26,6 +26,7 @@ from feed.txn.engine import SPARK
 
 from .model import as_multiset, collection_of, debezium_truth
 from .test_debezium import SCHEMA, TOAST, end, event, open_emitter, write
+from .test_debezium_lines import every_kind
 
 
 def _rows(t: pa.Table) -> list[dict]:
@@ -57,23 +58,9 @@ def _both(spark, files, schema, key, table):
 def test_flat_lines_of_every_kind_parse_as_spark_parses_them(spark, tmp_path):
     src = tmp_path / "in"
     row = {"id": 1, "owner": "a", "doc": "d"}
-    write(
-        src,
-        "a.json",
-        [
-            event("r", row, 100, xid=1, snap="first"),
-            event("r", {**row, "id": 2}, 100, xid=1, snap="last"),
-            {"status": "BEGIN", "id": "7:200", "event_count": None, "data_collections": None},
-            event("c", {**row, "id": 3}, 190, xid=7, order=1, commit=200),
-            event("u", {**row, "doc": TOAST}, 195, xid=7, order=2, commit=200, before=row),
-            event("c", {"id": 9}, 196, xid=7, order=1, commit=200, table="other"),
-            end(7, 200, {"accounts": 2, "other": 1}),
-            {"ts_ms": 5},
-            None,
-            event("d", {**row, "id": 3}, 300, xid=8),
-            {**event("c", {**row, "id": 4}, 310, xid=9), "source": {"lsn": 310}},
-        ],
-    )
+    # (and an event whose source names no table: the feed's)
+    no_table = {**event("c", {**row, "id": 4}, 310, xid=9), "source": {"lsn": 310}}
+    write(src, "a.json", [*every_kind(row), no_table])
     lines = [orjson.dumps(event("c", {**row, "id": i}, 400 + i, xid=9)) for i in (5, 6)]
     (src / "b.json").write_bytes(b"\n".join(lines) + b"\n\n   \n")
     files = sorted(src.glob("*.json"))

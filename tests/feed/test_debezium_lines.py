@@ -68,25 +68,28 @@ def test_the_shipped_samples_parse_as_spark_parses_them(spark):
     assert any(r["_shape"] is not None for r in ours)  # (some are wrapped)
 
 
+def every_kind(row: dict) -> list:
+    """Flat lines of every kind a connector writes: a snapshot's reads with their marks,
+    BEGIN and END records, a transaction's events (one with a TOAST placeholder, one of
+    another table), a heartbeat, a tombstone and a delete."""
+    return [
+        event("r", row, 100, xid=1, snap="first"),
+        event("r", {**row, "id": 2}, 100, xid=1, snap="last"),
+        {"status": "BEGIN", "id": "7:200", "event_count": None, "data_collections": None},
+        event("c", {**row, "id": 3}, 190, xid=7, order=1, commit=200),
+        event("u", {**row, "doc": TOAST}, 195, xid=7, order=2, commit=200, before=row),
+        event("c", {"id": 9}, 196, xid=7, order=1, commit=200, table="other"),
+        end(7, 200, {"accounts": 2, "other": 1}),
+        {"ts_ms": 5},
+        None,
+        event("d", {**row, "id": 3}, 300, xid=8),
+    ]
+
+
 def test_hand_written_lines_of_every_kind_parse_as_spark_parses_them(spark, tmp_path):
     src = tmp_path / "in"
     row = {"id": 1, "owner": "a", "doc": "d"}
-    write(
-        src,
-        "a.json",
-        [
-            event("r", row, 100, xid=1, snap="first"),
-            event("r", {**row, "id": 2}, 100, xid=1, snap="last"),
-            {"status": "BEGIN", "id": "7:200", "event_count": None, "data_collections": None},
-            event("c", {**row, "id": 3}, 190, xid=7, order=1, commit=200),
-            event("u", {**row, "doc": TOAST}, 195, xid=7, order=2, commit=200, before=row),
-            event("c", {"id": 9}, 196, xid=7, order=1, commit=200, table="other"),
-            end(7, 200, {"accounts": 2, "other": 1}),
-            {"ts_ms": 5},
-            None,
-            event("d", {**row, "id": 3}, 300, xid=8),
-        ],
-    )
+    write(src, "a.json", every_kind(row))
     (src / "b.json").write_bytes(
         b"\r\n".join(orjson.dumps(event("c", {**row, "id": i}, 400 + i, xid=9)) for i in (5, 6))
         + b"\r\n\n   \n"
