@@ -15,6 +15,7 @@ input with Spark's reader.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -26,9 +27,12 @@ from feed.sources.file_text import codec_of
 from feed.sources.inputs import spark_metadata_path
 from feed.sources.stores import is_remote
 
-__all__ = ["declined", "read_debezium_columnar", "why_not_columnar"]
+__all__ = ["MAX_FILE_BYTES", "declined", "read_debezium_columnar", "why_not_columnar"]
 
 _BATCH = 65_536  # rows per Arrow batch handed to Spark
+#: a larger file is read by Spark's reader, which streams it: a task here holds its file
+#: and the parse of it in memory
+MAX_FILE_BYTES = 256 << 20
 
 
 def why_not_columnar(files: Sequence[str], record: Any, encodings: dict[str, str]) -> str | None:
@@ -46,6 +50,8 @@ def why_not_columnar(files: Sequence[str], record: Any, encodings: dict[str, str
             return f"input in a store ({path})"
         if codec_of(path) is not None:
             return f"a compressed file ({path})"
+        if os.path.getsize(path) > MAX_FILE_BYTES:  # (a task holds its file whole)
+            return f"a file over {MAX_FILE_BYTES >> 20} MiB ({path})"
         if _wrapped(path):  # (the parse would decline it: not worth a job)
             return f"wrapped lines, a Connect schema with each event ({path})"
     return None

@@ -35,7 +35,7 @@ from feed.sources.debezium import (
     SKIP_TX_METADATA,
 )
 
-__all__ = ["DECLINED_OP", "NOT_NULL", "OUT", "declined_batch", "parse_flat"]
+__all__ = ["DECLINED_OP", "MAX_DEPTH", "NOT_NULL", "OUT", "declined_batch", "parse_flat"]
 
 #: the ``op`` of the one row a task gives for a file that declines, with why in ``_error``
 DECLINED_OP = "!"
@@ -48,6 +48,9 @@ OUT = (
 NOT_NULL = ("weight", "pos_n", "ord_row", "_file")
 #: where a line may begin blank or with ``null`` (one pass over the file)
 _ODD_LINE = re.compile(rb"\n(?:[\n ]|null)")
+#: nesting Spark's JSON reader finds malformed (Jackson's limit; 999 levels read, 1 001
+#: are malformed): a line with this many brackets declines
+MAX_DEPTH = 1000
 _BLOCK = 1 << 24  # pyarrow's JSON block: a longer line declines
 _LONG = r"-?[0-9]{1,18}"  # a number text every reader takes as a long alike
 
@@ -102,17 +105,12 @@ def _lines(data: bytes) -> list[bytes]:
     return lines
 
 
-def _objects(data: bytes) -> tuple[list[bytes] | None, list[int] | range, list[int]]:
-    """``data``'s lines (None when every one is to parse: not split), the numbers of those
-    holding a JSON value other than ``null``, and those of the tombstones (``null``);
-    blank lines are neither, as in Spark. (A line of ``null`` must never reach pyarrow's
-    reader, which crashes on it.)"""
-    if not data:
-        return [], [], []
+def _objects(data: bytes, lines: list[bytes]) -> tuple[list[int] | range, list[int]]:
+    """The numbers of ``data``'s ``lines`` holding a JSON value other than ``null``, and
+    those of the tombstones (``null``); blank lines are neither, as in Spark. (A line of
+    ``null`` must never reach pyarrow's reader, which crashes on it.)"""
     if not data.startswith((b"\n", b" ", b"null")) and not _ODD_LINE.search(data):
-        # (no blank line, none that may be null: every line is one to parse)
-        return None, range(data.count(b"\n") + (0 if data.endswith(b"\n") else 1)), []
-    lines = _lines(data)
+        return range(len(lines)), []  # (no blank line, none that may be null)
     objs, tombs = [], []
     for n, line in enumerate(lines):
         s = line.strip(b" ")
@@ -120,7 +118,7 @@ def _objects(data: bytes) -> tuple[list[bytes] | None, list[int] | range, list[i
             tombs.append(n)
         elif s:
             objs.append(n)
-    return lines, objs, tombs
+    return objs, tombs
 
 
 def parse_flat(
@@ -147,8 +145,14 @@ def parse_flat(
             text.validate(full=True)
         except pa.ArrowInvalid:
             raise Declined("bytes that are not UTF-8") from None
-    lines, objs, tombs = _objects(data)
-    text = data if lines is None else b"\n".join(lines[n] for n in objs)
+    lines = _lines(data)
+    if any(
+        len(line) >= 2 * MAX_DEPTH and line.count(b"{") + line.count(b"[") >= MAX_DEPTH
+        for line in lines
+    ):  # (Spark finds a line nested that deep malformed; pyarrow reads it)
+        raise Declined(f"a line that may nest {MAX_DEPTH} levels deep or more")
+    objs, tombs = _objects(data, lines)
+    text = data if len(objs) == len(lines) else b"\n".join(lines[n] for n in objs)
     options = pj.ParseOptions(
         explicit_schema=_line_type(record), unexpected_field_behavior="ignore"
     )
@@ -166,14 +170,7 @@ def parse_flat(
     if t.column("payload").null_count != t.num_rows or t.column("schema").null_count != t.num_rows:
         raise Declined("wrapped lines (a Connect schema and payload)")
     rows = pa.array(objs, pa.int64())
-    split: list[list[bytes]] = [] if lines is None else [lines]
-
-    def line(i: int) -> bytes:  # (the file split into lines only if a row needs its text)
-        if not split:
-            split.append(_lines(data))
-        return split[0][objs[i]]
-
-    out = _columns(t, record, key, table, line)
+    out = _columns(t, record, key, table, lambda i: lines[objs[i]])
     out = out.append_column("ord_row", rows)
     cols = _order(out, ord_file, name)
     if not tombs:

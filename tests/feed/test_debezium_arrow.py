@@ -17,7 +17,7 @@ from pyspark.sql.pandas.types import to_arrow_type
 
 from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 from feed.log.reader import FeedReader
-from feed.sources.columnar import read_debezium_columnar, why_not_columnar
+from feed.sources.columnar import MAX_FILE_BYTES, read_debezium_columnar, why_not_columnar
 from feed.sources.connect_json import Declined
 from feed.sources.debezium_arrow import parse_flat
 from feed.sources.kinds import read_changes
@@ -115,10 +115,13 @@ _GOOD = orjson.dumps(event("c", {"id": 1, "owner": "a"}, 5, xid=1))
         (_GOOD.replace(b'"id":1', b'"id":null'), "bad row"),
         (_GOOD.replace(b'\\"5\\"', b'\\" 5\\"'), "sequence"),
         (orjson.dumps({"status": "END", "event_count": 1}), "'id'"),
+        # (in a field the feed ignores, nested as deep as Spark's reader refuses)
+        (_GOOD[:-1] + b',"x":' + b"[" * 1000 + b"]" * 1000 + b"}", "1000 levels deep"),
         (orjson.dumps({**end(1, 5, {"accounts": 1}), "id": "1:5x"}), "END record's id"),
     ],
 )
 def test_input_the_parsers_may_read_differently_is_declined(body, why):
+    assert parse_flat(_GOOD + b"\n", _RECORD, ["id"], "public.accounts", 0, "f").num_rows == 1
     with pytest.raises(Declined, match=why):
         parse_flat(body + b"\n", _RECORD, ["id"], "public.accounts", 0, "f")
 
@@ -235,3 +238,13 @@ def test_generated_flat_lines_parse_as_spark_parses_them(spark, files, keyed):
         ours, theirs = _both(spark, paths, SCHEMA, ["id"] if keyed else [], "public.accounts")
     assert ours == theirs
     assert len(ours) == sum(len(lines) for lines in files)
+
+
+def test_a_file_too_large_to_hold_whole_goes_to_spark_s_reader(tmp_path):
+    big = tmp_path / "part-0.json"
+    big.write_bytes(_GOOD + b"\n")
+    record = spark_record_type(SCHEMA)
+    assert why_not_columnar([str(big)], record, {}) is None
+    with open(big, "r+b") as f:  # (sparse: no disk used)
+        f.truncate(MAX_FILE_BYTES + 1)
+    assert why_not_columnar([str(big)], record, {}) == f"a file over 256 MiB ({big})"
