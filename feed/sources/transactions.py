@@ -131,6 +131,7 @@ def assemble(
     also: DataFrame | None = None,
     hold_at: tuple[int, int] | None = None,
     hold_txns: frozenset[str] = frozenset(),
+    distinct: bool = False,
 ) -> Assembled:
     """Decide which of ``changes`` (good Debezium rows: data events and END records) can
     become updates, given the committed position ``pos``. See the module docstring.
@@ -150,8 +151,11 @@ def assemble(
     ``hold_at`` (``ord_file``, ``ord_row``) holds back every source transaction
     delivered from that place on, as an incomplete one does (a table that changed shape
     there: feed/sources/shapes.py); ``hold_txns`` holds those source transactions (and what is
-    delivered after them) too (held in another feed of a group: feed/emit/group.py)."""
+    delivered after them) too (held in another feed of a group: feed/emit/group.py).
+    ``distinct``: the caller has shown that no two data events share a position
+    (feed/sources/columnar.py), so none is there twice and the first job does not look."""
     run = _Assembly(changes, pos, (snapshot_lsn, snapshot_txn), logger, feed)
+    run.distinct = distinct
     run.first_job(bucket, also)
     moves = run.find_snapshots(new_feed)
     if moves:
@@ -193,6 +197,7 @@ class _Assembly(SecondPass):
         self.held_files: set[str] = set()
         self.held_at: tuple[int, int] | None = None
         self.persisted: tuple[DataFrame, ...] = ()
+        self.distinct = False  # no two data events at one position: none is repeated
 
     def first_job(self, bucket: Column | None, also: DataFrame | None) -> None:
         """Figures over every event, none per source transaction (grouping 1 M
@@ -219,7 +224,7 @@ class _Assembly(SecondPass):
         )
         kept = is_data & keep
         delivered = F.struct("ord_file", "ord_row")  # the place in delivery order
-        parts = [
+        parts: list[DataFrame] = [
             joined.agg(
                 F.count(F.when(is_data, 1)).alias("total"),
                 F.count(F.when(kept, 1)).alias("kept_rows"),
@@ -229,18 +234,21 @@ class _Assembly(SecondPass):
                 F.count(F.when(is_data & behind, 1)).alias("behind"),
                 F.count(F.when(F.col("op") == "E", 1)).alias("ends"),
                 F.count(F.when(snapshot_row(), 1)).alias("snapshot_rows"),
-            ).withColumn("_kind", F.lit("summary")),
+            ).withColumn("_kind", F.lit("summary"))
+        ]
+        if not self.distinct:
             # an event read twice: its rows share the hash of what makes it one event (see
             # EVENT). Two different events with one hash (about one in 10^7 reads of 2 M
             # events) only send the read down the exact path below, which drops repeats by
             # the event itself; a long key is cheaper to group than the event's columns.
-            flagged.where(F.col("_keep"))
-            .groupBy(F.xxhash64(*EVENT).alias("h"))
-            .agg(F.count(F.lit(1)).alias("copies"))
-            .where(F.col("copies") > 1)
-            .limit(1)
-            .select("copies", F.lit("repeat").alias("_kind")),
-        ]
+            parts.append(
+                flagged.where(F.col("_keep"))
+                .groupBy(F.xxhash64(*EVENT).alias("h"))
+                .agg(F.count(F.lit(1)).alias("copies"))
+                .where(F.col("copies") > 1)
+                .limit(1)
+                .select("copies", F.lit("repeat").alias("_kind"))
+            )
         if bucket is not None:
             parts.append(
                 flagged.select(bucket.alias("bucket"))
@@ -291,6 +299,7 @@ class _Assembly(SecondPass):
         self.ends.unpersist()
         hi, lo = moved_reads(moves)
         moved = {"pos_hi": hi, "pos_lo": lo}
+        self.distinct = False  # (the positions shown distinct were those read)
         self.changes = self.changes.select(
             *[moved[c].alias(c) if c in moved else F.col(c) for c in self.changes.columns]
         )

@@ -93,10 +93,12 @@ def assemble_debezium(
     group: GroupHold | None,
     keyed: bool,
     image: Any,
+    distinct: bool = False,
 ) -> DebeziumRead | object | None:
     """Debezium's source transactions decided (feed/sources/transactions.py), cut before
     a change of the table's shape; ``None`` or :data:`NEED_MORE` as for
-    :func:`read_input` when nothing is released. Refusals raise, with the cache let go."""
+    :func:`read_input` when nothing is released. Refusals raise, with the cache let go.
+    ``distinct``: the read showed that no two data events share a position."""
     from pyspark.sql import functions as F
 
     from feed.sources.positions import committed_position, position_filter
@@ -126,6 +128,7 @@ def assemble_debezium(
             also=tally(changes.groupBy("_file", "_skip"), F.lit(False), fresh),
             hold_at=hold_at,
             hold_txns=group.txns if group is not None else frozenset(),
+            distinct=distinct,
         )
 
     assembled = assembled_with()

@@ -52,7 +52,7 @@ def read_input(
     from pyspark.sql import functions as F
 
     cfg = ctx.config
-    changes, good, bad = _cached_changes(ctx, [*files, *tx_files])
+    changes, good, bad, distinct = _cached_changes(ctx, [*files, *tx_files])
     r = ReadChanges(changes=changes, good=good, bad=bad)  # (figures: _count below)
     tally_rows: list[Any] | None = None
     behind = 0  # snapshot reads of a new snapshot behind the committed position
@@ -60,7 +60,15 @@ def read_input(
         keyed = bool(ctx.info.key) and not cfg.kind.whole_table
         image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
         found = assemble_debezium(
-            ctx, changes, good, files, more=more, group=group, keyed=keyed, image=image
+            ctx,
+            changes,
+            good,
+            files,
+            more=more,
+            group=group,
+            keyed=keyed,
+            image=image,
+            distinct=distinct,
         )
         if not isinstance(found, DebeziumRead):
             return found
@@ -168,12 +176,13 @@ def numbered_once(reads: Sequence[ReadChanges]) -> Iterator[None]:
         order.unpersist()
 
 
-def _cached_changes(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, Any, Any]:
-    """The changes of ``files``, cached, with those that may turn into updates and the bad
-    rows found while reading."""
+def _cached_changes(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, Any, Any, bool]:
+    """The changes of ``files``, cached, with those that may turn into updates, the bad
+    rows found while reading, and whether the read proved that no two data events share a
+    position (:class:`~feed.sources.columnar.Positions`)."""
     from pyspark.sql import functions as F
 
-    changes = _columnar_changes(ctx, files)
+    changes, distinct = _columnar_changes(ctx, files)
     if changes is None:
         changes = read_source(ctx, files)
         # keep the raw text only where a bad row may need it (parse errors; deletes and
@@ -187,32 +196,40 @@ def _cached_changes(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, Any, An
     good = changes.where(
         F.col("_error").isNull() & ((F.col("op") != "x") | (F.col("_snap") == "last"))
     )
-    return changes, good, bad
+    return changes, good, bad, distinct
 
 
-def _columnar_changes(ctx: TxnContext, files: Sequence[str]) -> Any | None:
+def _columnar_changes(ctx: TxnContext, files: Sequence[str]) -> tuple[Any | None, bool]:
     """The changes of Debezium ``files`` parsed by pyarrow in Spark's tasks
-    (:mod:`feed.sources.debezium_arrow`), cached: None where that parse does not apply, or
-    declined a file (then Spark's reader parses them all)."""
-    from feed.sources.columnar import declined, read_debezium_columnar, why_not_columnar
+    (:mod:`feed.sources.debezium_arrow`), cached, and whether their data events are at
+    distinct positions: None where that parse does not apply, or declined a file (then
+    Spark's reader parses them all)."""
+    from feed.sources.columnar import Positions, declined, read_debezium_columnar, why_not_columnar
     from feed.sources.connect import connect_names
 
     cfg = ctx.config
     if cfg.parse == "spark" or not cfg.kind.columnar:
-        return None
+        return None, False
     why = why_not_columnar(files, ctx.record_type, connect_names(ctx.info.schema or {}))
     if why is None:
+        seen = Positions(ctx.spark, len(files))
         found = read_debezium_columnar(
-            ctx.spark, files, ctx.record_type, ctx.info.key, ctx.info.table
+            ctx.spark, files, ctx.record_type, ctx.info.key, ctx.info.table, seen
         )
         changes = cached(found, spillable())
         why = declined(changes)  # (the job that builds the cache)
+        distinct = seen.distinct()
         if why is None:
-            ctx.log.debug("feed %s: input parsed by pyarrow in Spark's tasks", cfg.feed)
-            return changes
+            ctx.log.debug(
+                "feed %s: input parsed by pyarrow in Spark's tasks (events at distinct "
+                "positions: %s)",
+                cfg.feed,
+                "yes" if distinct else "not shown",
+            )
+            return changes, distinct
         changes.unpersist()
     ctx.log.debug("feed %s: input parsed by Spark's JSON reader: %s", cfg.feed, why)
-    return None
+    return None, False
 
 
 def _figures(tally_rows: list[Any]) -> tuple[int, int, int, int, dict[str, int]]:

@@ -17,7 +17,13 @@ from pyspark.sql.pandas.types import to_arrow_type
 
 from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 from feed.log.reader import FeedReader
-from feed.sources.columnar import MAX_FILE_BYTES, read_debezium_columnar, why_not_columnar
+from feed.sources.columnar import (
+    MAX_FILE_BYTES,
+    all_distinct,
+    read_debezium_columnar,
+    seen_positions,
+    why_not_columnar,
+)
 from feed.sources.connect_json import Declined
 from feed.sources.debezium_arrow import parse_flat
 from feed.sources.kinds import read_changes
@@ -158,6 +164,48 @@ def test_a_read_that_declines_is_parsed_by_spark_with_its_bad_rows(spark, tmp_pa
     ]
 
 
+def _seen(lines: list, ord_file: int = 0):
+    record = to_arrow_type(spark_record_type(SCHEMA), timezone="UTC")
+    data = b"\n".join(orjson.dumps(x) for x in lines) + b"\n"
+    return seen_positions(7, ord_file, parse_flat(data, record, ["id"], None, ord_file, "f"))
+
+
+def test_the_tasks_show_positions_distinct_only_where_they_are():
+    """A file's entry has its range only where no two of its data events share a
+    position; a read is shown distinct only with an entry for every file and ranges apart
+    (END records and tombstones are no data events)."""
+    a = [event("c", {"id": i}, 100 + i, xid=i) for i in range(3)]
+    b = [event("c", {"id": 9}, 200, xid=9), end(9, 200, {"accounts": 1}), None]
+    assert _seen(a) == (7, 0, 3, (100, 0), (102, 0))
+    assert _seen(b, 1)[2:] == (1, (200, 0), (200, 0))
+    assert all_distinct([_seen(a), _seen(b, 1)], 2)
+    assert not all_distinct([_seen(a)], 2)  # (a file's task said nothing)
+    assert _seen([*a, a[1]])[3:] == (None, None)  # an event twice in one file
+    assert not all_distinct([_seen([*a, a[1]]), _seen(b, 1)], 2)
+    assert not all_distinct([_seen(a), _seen([a[2], *b], 1)], 2)  # in two files: ranges meet
+    assert _seen([end(9, 200, {"accounts": 0})])[2:] == (0, None, None)
+    assert all_distinct([_seen([end(9, 200, {"accounts": 0})]), _seen(a, 1)], 2)
+
+
+def test_an_event_delivered_in_two_files_is_released_once(spark, tmp_path, caplog):
+    """Debezium delivering an event again in a later file (after a connector restart):
+    the ranges of the files' positions meet, so the figures look for repeats, and the
+    feed holds the event once."""
+    src = tmp_path / "in"
+    first = [event("c", {"id": i, "owner": "a"}, 100 + i, xid=i) for i in range(1, 4)]
+    write(src, "part-0.json", first)
+    later = [first[2], event("u", {"id": 1, "owner": "b"}, 150, xid=5, before=first[0]["after"])]
+    write(src, "part-1.json", later)
+    e = open_emitter(spark, tmp_path, engines=(SPARK,))
+    with caplog.at_level(logging.DEBUG, logger="tidefeed.emit"):
+        reports = e.run()
+    e.close()
+    assert "events at distinct positions: not shown" in caplog.text
+    assert sum(r.bad_rows for r in reports) == 0
+    final, _ = debezium_truth([orjson.dumps(x) for x in [*first, later[1]]])
+    assert collection_of(FeedReader(str(tmp_path / "log"), "t")) == as_multiset(final.values())
+
+
 @pytest.mark.parametrize("key", [("id",), ()], ids=["keyed", "unkeyed"])
 def test_a_spark_transaction_takes_the_columnar_parse_where_it_applies(
     spark, tmp_path, key, caplog
@@ -180,6 +228,8 @@ def test_a_spark_transaction_takes_the_columnar_parse_where_it_applies(
         e.close()
         assert sum(r.bad_rows for r in reports) == 0
         assert ("parsed by pyarrow in Spark's tasks" in caplog.text) == (parse == "auto")
+        if parse == "auto":  # (so the figures skip the check for repeated events)
+            assert "events at distinct positions: yes" in caplog.text
         found[parse] = collection_of(FeedReader(str(work / "log"), "t"))
     assert found["auto"] == found["spark"] == as_multiset(bank.final.values())
 
