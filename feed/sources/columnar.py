@@ -33,6 +33,7 @@ from feed.sources.connect_json import Declined
 from feed.sources.debezium_arrow import DECLINED_OP, NOT_NULL, OUT, declined_batch, parse_flat
 from feed.sources.file_text import codec_of
 from feed.sources.inputs import spark_metadata_path
+from feed.sources.positions import DATA_OPS
 from feed.sources.stores import is_remote
 
 __all__ = [
@@ -163,7 +164,7 @@ def _union() -> Any:
 
 def seen_positions(read: int, ord_file: int, t: pa.Table) -> _Seen:
     """File ``ord_file``'s entry for :class:`Positions`, from its parsed table ``t``."""
-    data = t.filter(pc.is_in(t["op"], pa.array(["c", "u", "d", "r"])))
+    data = t.filter(pc.is_in(t["op"], pa.array(DATA_OPS)))
     n = data.num_rows
     if n == 0:
         return (read, ord_file, 0, None, None)
