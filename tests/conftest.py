@@ -32,7 +32,11 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 # What the tests check does not depend on the JIT or the archive; users' JVMs keep the
 # JVM's defaults. A PYSPARK_SUBMIT_ARGS of one's own wins.
 SHORT_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
-SHORT_JVM = f"--driver-java-options {SHORT_JVM_OPTIONS} pyspark-shell"
+# The same holds for the executor JVMs a standalone cluster starts for those processes
+# (tests/e2e/test_cluster.py): one per emit, living seconds (46 of the file's ~150 core-seconds
+# with C2). In local mode the executor is the driver's JVM and this setting is unused.
+SHORT_EXECUTORS = f"--conf spark.executor.extraJavaOptions={SHORT_JVM_OPTIONS}"
+SHORT_JVM = f"--driver-java-options {SHORT_JVM_OPTIONS} {SHORT_EXECUTORS} pyspark-shell"
 _OWN_SUBMIT_ARGS = "PYSPARK_SUBMIT_ARGS" in os.environ
 os.environ.setdefault("PYSPARK_SUBMIT_ARGS", SHORT_JVM)
 
@@ -80,7 +84,9 @@ def pytest_collection_finish(session):
             reporter.write_line("tests: no class archive for the test JVMs; they load classes")
         return
     options = f"{SHORT_JVM_OPTIONS} -XX:SharedArchiveFile={archive} {jvm_archive.QUIET}"
-    os.environ["PYSPARK_SUBMIT_ARGS"] = f"--driver-java-options '{options}' pyspark-shell"
+    os.environ["PYSPARK_SUBMIT_ARGS"] = (
+        f"--driver-java-options '{options}' {SHORT_EXECUTORS} pyspark-shell"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
