@@ -59,6 +59,8 @@ def _both(spark, files, schema, key, table, buckets=None):
 
 def test_the_shipped_samples_parse_as_spark_parses_them(spark):
     files = sorted(SAMPLES.glob("*.json"))
+    if not files:  # (as test_debezium.py: a clone without shared/ beside it)
+        pytest.skip(f"no samples at {SAMPLES}")
     schema = connect_to_avro(
         orjson.loads(files[0].read_bytes().split(b"\n")[0])["schema"]["fields"][1]["fields"], "r"
     )
