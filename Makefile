@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-first test-fast test-sources test-engines demo lint typecheck pytest bench java-check jvm-archive clean reliability notebook
+.PHONY: test test-first test-fast test-sources test-engines demo lint typecheck pytest bench java-check bytecode jvm-archive clean reliability notebook
 
 $(BIN)/python:
 	@echo "creating the virtual environment $(VENV)"
@@ -39,6 +39,15 @@ $(STAMP): pyproject.toml | $(BIN)/python
 java-check:
 	@$(BIN)/python -m feed._java
 
+# The checkout's own modules compiled to bytecode. The install is editable, so they are
+# not compiled by it, and where PYTHONDONTWRITEBYTECODE is set (this machine's images)
+# Python never writes their .pyc itself: every tidefeed process a test starts, and every
+# Python worker of Spark's tasks, would compile them from source again. Python still
+# checks each .pyc against its source, so a stale one is only slower, never wrong. Quick
+# when nothing changed.
+bytecode: $(STAMP)
+	@$(BIN)/python -m compileall -q -j0 feed protocol tests benchmarks pyspark_tidefeed.py >/dev/null
+
 # The classes Spark's start loads, in an archive the JVM maps instead of parsing them
 # again (feed/emit/jvm_archive.py; feed/cli/jvm_archive.py makes it): each tidefeed
 # process of the tests starts Spark about 3 s sooner. Made once per environment (about
@@ -61,7 +70,7 @@ typecheck: $(STAMP)
 # every test but the real-source and engine ones (make test-sources, make test-engines),
 # in one run
 SUITE := not realsource and not engines
-pytest: $(STAMP) java-check jvm-archive
+pytest: $(STAMP) java-check bytecode jvm-archive
 	$(WITH_ARCHIVE) $(BIN)/python -m pytest -m "$(SUITE)"
 
 # the tests that need neither Spark nor a tidefeed process (make test-fast's), pure
@@ -76,7 +85,7 @@ REST_WORKERS ?= 2
 # The same tests as lint, typecheck and pytest, in two runs: the JVM archive takes about
 # a minute of one core, and the fast tests run beside it; then the rest, with the
 # archive. A failure in either stops make test.
-test: $(STAMP) java-check
+test: $(STAMP) java-check bytecode
 	@$(MAKE) --no-print-directory -j2 $(JVM_ARCHIVE) test-first
 	$(WITH_ARCHIVE) $(BIN)/python -m pytest -m "$(SUITE) and not ($(FAST))" \
 		-n $(REST_WORKERS) --dist loadfile
@@ -87,7 +96,7 @@ test-first: lint typecheck
 # the real-source tests: a throwaway PostgreSQL cluster captured by Debezium's embedded
 # engine (they need PostgreSQL's server programs: apt-get install postgresql; without them
 # they skip). .ci/run runs them after make test and makes a skip a failure.
-test-sources: $(STAMP) java-check jvm-archive
+test-sources: $(STAMP) java-check bytecode jvm-archive
 	$(WITH_ARCHIVE) $(BIN)/python -m pytest -m realsource
 
 # real downstream engines as users: a Pathway program reading a growing feed
@@ -103,13 +112,13 @@ $(PATHWAY_VENV)/.installed: pyproject.toml
 	$(call install,$(PATHWAY_VENV)/bin,.[pathway])
 	touch $@
 
-test-engines: $(STAMP) java-check jvm-archive $(PATHWAY_VENV)/.installed
+test-engines: $(STAMP) java-check bytecode jvm-archive $(PATHWAY_VENV)/.installed
 	$(WITH_ARCHIVE) TIDEFEED_PATHWAY_PYTHON=$(PATHWAY_VENV)/bin/python $(BIN)/python -m pytest -m engines
 
 # the inner loop: lint, types and every test that needs neither Spark nor a tidefeed
 # process (the codecs, the consumer state machine, the receiver, the HTTP servers in
 # process, the model checks); `make test` runs everything
-test-fast: lint typecheck
+test-fast: lint typecheck bytecode
 	$(BIN)/python -m pytest -m "$(FAST)" -n $(FAST_WORKERS) -q
 
 # JupyterLab on the notebooks, from the project's venv (installed on first use); on
@@ -120,11 +129,11 @@ notebook: $(STAMP) java-check
 	$(BIN)/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --no-browser \
 		$$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
-demo: $(STAMP) java-check
+demo: $(STAMP) java-check bytecode
 	$(BIN)/tidefeed demo --workdir demo-output
 
 # RELIABILITY=quick (default, CI) or long (the figures in docs/reliability.md)
-reliability: $(STAMP) java-check jvm-archive
+reliability: $(STAMP) java-check bytecode jvm-archive
 	$(WITH_ARCHIVE) $(BIN)/python -m tests.reliability.harness
 
 bench: $(STAMP)
