@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -58,6 +59,32 @@ def _local_path_exists(path: str, what: str) -> None:
         raise SystemExit(f"tidefeed emit: {what} {path!r} does not exist")
 
 
+#: how long each master of a ``spark://`` URL is given to accept a connection
+MASTER_CONNECT_SECONDS = 5.0
+
+
+def _master_answers(master: str | None) -> None:
+    """Fail at once, before Spark starts, when no master of a ``spark://HOST:PORT[,…]``
+    URL accepts a connection: Spark's own client retries an unreachable standalone master
+    for about a minute before it gives up. Other masters are left to Spark."""
+    if not master or not master.startswith("spark://"):
+        return
+    tried = []
+    for where in master.removeprefix("spark://").split(","):
+        host, _, port = where.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), MASTER_CONNECT_SECONDS):
+                return
+        except ValueError:
+            tried.append(f"{where}: not HOST:PORT")
+        except OSError as e:
+            tried.append(f"{where}: {e.strerror or e}")
+    raise SystemExit(
+        f"tidefeed emit: no Spark master answers at {master} ({'; '.join(tried)}); "
+        "check --master, or start the master first; nothing was started"
+    )
+
+
 def cmd_emit(args: argparse.Namespace) -> int:
     kind, path = _parse_source(args.source, args)
     checked_token(args.token, "emit")
@@ -74,6 +101,7 @@ def cmd_emit(args: argparse.Namespace) -> int:
     if args.tx_metadata and not args.follow:  # a follower waits for it to appear
         _local_path_exists(args.tx_metadata, "--tx-metadata path")
     config = _emitter_config(args, kind, path)
+    _master_answers(config.master or dict(config.conf).get("spark.master"))
     stopping = _stop_on_signals()
     if grouped:
         configs = [

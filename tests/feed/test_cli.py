@@ -245,6 +245,27 @@ def test_a_schema_spark_cannot_hold_is_refused_before_spark_starts(tmp_path, col
     assert not (tmp_path / "log").exists()
 
 
+@pytest.mark.parametrize("how", ["--master", "--conf"])
+def test_a_master_that_does_not_answer_is_refused_before_spark_starts(tmp_path, how):
+    """Spark's client retries an unreachable standalone master for about a minute before
+    it gives up; the emitter tries the master's port first and says so at once, naming
+    the URL and why, with nothing written. (As --master or as --conf spark.master.)"""
+    from tests.e2e.helpers import free_port
+
+    (tmp_path / "in").mkdir()
+    line = {"before": None, "after": {"id": 1}, "op": "c", "source": {"lsn": 1}}
+    (tmp_path / "in" / "part-0000.json").write_bytes(orjson.dumps(line))
+    master = f"spark://127.0.0.1:{free_port()}"
+    given = [how, master if how == "--master" else f"spark.master={master}"]
+    out = _emit_from(tmp_path, "--driver-txn-bytes", "0", *given)
+    assert out.returncode == 1, out.stderr
+    port = master.rsplit(":", 1)[1]
+    says = f"no Spark master answers at {master} (127.0.0.1:{port}: Connection refused)"
+    assert says.encode() in out.stderr and b"Traceback" not in out.stderr
+    assert b"spark 4" not in out.stderr  # (Spark's start-up line: it never started)
+    assert not (tmp_path / "log").exists()
+
+
 def test_a_key_missing_from_a_connect_schema_is_refused_before_spark_starts(tmp_path):
     """Wrapped Debezium events carry the table's Connect schema: a new feed's record
     schema is read from it without Spark, so a wrong --key fails at once."""
