@@ -214,7 +214,9 @@ def _spark_reason(e: BaseException) -> str:
     """The root cause of a Spark/py4j error, as one line (the JVM's innermost message:
     'No space left on device', not 'An error occurred while calling o123.parquet')."""
     reason = None
-    java = getattr(e, "java_exception", None)
+    # (py4j's error holds the JVM's exception; PySpark's own, converted from it, such as
+    # IllegalArgumentException for a bad --conf value, keeps it as _origin)
+    java = getattr(e, "java_exception", None) or getattr(e, "_origin", None)
     with contextlib.suppress(Exception):  # the JVM may be gone already
         while java is not None:
             message = java.getMessage()

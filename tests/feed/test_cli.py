@@ -492,3 +492,21 @@ def test_a_small_debezium_emit_computes_its_feed_without_starting_spark(tmp_path
         env=no_java,
     )
     assert forced.returncode == 1 and b"Spark failed" in forced.stderr, forced.stderr
+
+
+@pytest.mark.process
+def test_a_spark_setting_spark_refuses_is_named_in_the_one_line_error(tmp_path):
+    """A --conf value Spark refuses fails when the session is made. The emitter's one
+    line carries Spark's innermost reason (the setting and what it must be), not the
+    wrapper's "Error while instantiating '…SessionStateBuilder':", and no time is
+    written."""
+    (tmp_path / "in").mkdir()
+    line = {"before": None, "after": {"id": 1}, "op": "c", "source": {"lsn": 1}}
+    (tmp_path / "in" / "part-0000.json").write_bytes(orjson.dumps(line))
+    bad = ("--conf", "spark.sql.shuffle.partitions=abc")
+    out = _emit_from(tmp_path, "--driver-txn-bytes", "0", *bad)
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(b"tidefeed emit: Spark failed: "), out.stderr
+    assert b"spark.sql.shuffle.partitions" in last and b"SessionStateBuilder" not in last, last
+    assert not list((tmp_path / "log").rglob("*.parquet"))
