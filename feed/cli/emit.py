@@ -67,16 +67,19 @@ def _master_answers(master: str | None) -> None:
     """Fail at once, before Spark starts, when no master of a ``spark://HOST:PORT[,…]``
     URL accepts a connection: Spark's own client retries an unreachable standalone master
     for about a minute before it gives up. Other masters are left to Spark."""
-    if not master or not master.startswith("spark://"):
+    from feed.emit.session import master_addresses
+
+    if not master or not (addresses := master_addresses(master)):
         return
     tried = []
-    for where in master.removeprefix("spark://").split(","):
-        host, _, port = where.rpartition(":")
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), MASTER_CONNECT_SECONDS):
-                return
-        except ValueError:
+    entries = master.removeprefix("spark://").split(",")
+    for where, address in zip(entries, addresses, strict=True):
+        if address is None or address[1] is None:
             tried.append(f"{where}: not HOST:PORT")
+            continue
+        try:
+            with socket.create_connection(address, MASTER_CONNECT_SECONDS):
+                return
         except OSError as e:
             tried.append(f"{where}: {e.strerror or e}")
     raise SystemExit(

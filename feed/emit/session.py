@@ -13,7 +13,14 @@ from typing import Any
 
 from feed.emit.jvm_archive import with_archive
 
-__all__ = ["DEFAULT_MASTER", "driver_address", "get_spark", "parse_conf", "sized_for_input"]
+__all__ = [
+    "DEFAULT_MASTER",
+    "driver_address",
+    "get_spark",
+    "master_addresses",
+    "parse_conf",
+    "sized_for_input",
+]
 
 log = logging.getLogger("tidefeed.spark")
 #: settings the start-up log line shows
@@ -198,9 +205,9 @@ def driver_address(master: str) -> str:
     given = os.environ.get("SPARK_LOCAL_IP", "")
     if given and given not in ("0.0.0.0", "::"):
         return given
-    m = re.match(r"spark://(\[[^\]]+\]|[^,:/]+)(?::(\d+))?", master)
-    if m:
-        target = (m.group(1).strip("[]"), int(m.group(2) or 7077))
+    first = next(iter(master_addresses(master)), None)
+    if first is not None:
+        target = (first[0], first[1] or 7077)
         try:
             family = socket.AF_INET6 if ":" in target[0] else socket.AF_INET
             with socket.socket(family, socket.SOCK_DGRAM) as s:
@@ -213,6 +220,23 @@ def driver_address(master: str) -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+#: one master of a ``spark://`` URL: a host (an IPv6 one in brackets), then a port or none
+_MASTER = re.compile(r"(\[[^\]]+\]|[^,:/\[\]]+)(?::(\d+))?/?")
+
+
+def master_addresses(master: str) -> list[tuple[str, int | None] | None]:
+    """Each master of a ``spark://HOST:PORT[,HOST:PORT…]`` URL as (host, port): an IPv6
+    host without its brackets, the port None where the URL names none, and None for an
+    entry that is not HOST[:PORT]. Empty for any other kind of master."""
+    if not master.startswith("spark://"):
+        return []
+    out: list[tuple[str, int | None] | None] = []
+    for entry in master.removeprefix("spark://").split(","):
+        m = _MASTER.fullmatch(entry)
+        out.append(None if m is None else (m[1].strip("[]"), int(m[2]) if m[2] else None))
+    return out
 
 
 def parse_conf(pairs: list[str] | None, *, command: str = "emit") -> dict[str, str]:
