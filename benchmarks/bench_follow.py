@@ -86,7 +86,14 @@ def wait_for_file(log: Path, name: str, timeout: float = 900) -> float:
 
 
 def bench_tidefeed(
-    work: Path, size: int, files: int, conf: list[str], *, keyed: bool = True, spark: bool = False
+    work: Path,
+    size: int,
+    files: int,
+    conf: list[str],
+    *,
+    keyed: bool = True,
+    spark: bool = False,
+    pause: float = 1.0,
 ) -> list[float]:
     src, log = work / f"in-{size}", work / f"log-{size}"
     for d in (src, log):
@@ -134,7 +141,7 @@ def bench_tidefeed(
         print(f"  loaded {size} rows in {time.monotonic() - t0:.1f}s (incl. JVM start)")
         latencies = []
         for k in range(files):
-            time.sleep(1.0)
+            time.sleep(pause)
             lines = [
                 event("u", (k * 7919 + j * 104729) % size, k + 1, lsn + j, 100 + k)
                 if keyed
@@ -223,6 +230,7 @@ def main() -> None:
     ap.add_argument("--no-floor", action="store_true", help="skip the floor's measurement")
     ap.add_argument("--unkeyed", action="store_true", help="an unkeyed feed of inserts")
     ap.add_argument("--spark-path", action="store_true", help="every transaction in Spark")
+    ap.add_argument("--pause", type=float, default=1.0, help="seconds between files")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -232,7 +240,13 @@ def main() -> None:
     for size in (int(s) for s in args.sizes.split(",")):
         print(f"table of {size:,} rows:")
         lat = bench_tidefeed(
-            work, size, args.files, args.conf, keyed=not args.unkeyed, spark=args.spark_path
+            work,
+            size,
+            args.files,
+            args.conf,
+            keyed=not args.unkeyed,
+            spark=args.spark_path,
+            pause=args.pause,
         )
         results[size] = lat
         print(f"  tidefeed emit --follow, a 10-update file -> its commit: {summary(lat)}")

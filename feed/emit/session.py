@@ -78,6 +78,9 @@ def get_spark(
         # builds (a few JVM round trips each): ~5 000 calls, about a second, per emitter
         # transaction. Spark's error messages then name no Python line; tidefeed's own do.
         "spark.python.sql.dataFrameDebugging.enabled": "false",
+        # the Python workers of the tasks forked with pyarrow and tidefeed's task modules
+        # imported, instead of each worker importing them (feed/emit/task_daemon.py)
+        "spark.python.daemon.module": "feed.emit.task_daemon",
     }
     builder = SparkSession.builder
     for k, v in defaults.items():
