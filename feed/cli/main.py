@@ -219,7 +219,7 @@ def _spark_reason(e: BaseException) -> str:
     java = getattr(e, "java_exception", None) or getattr(e, "_origin", None)
     with contextlib.suppress(Exception):  # the JVM may be gone already
         while java is not None:
-            message = java.getMessage()
+            message = _first_words(java.getMessage() or "")
             if message:
                 reason = f"{java.getClass().getSimpleName()}: {message}"
             java = java.getCause()
@@ -231,6 +231,15 @@ def _spark_reason(e: BaseException) -> str:
             "docs/operations.md)"
         )
     return line
+
+
+def _first_words(message: str) -> str:
+    """A JVM message's first line with text in it, and the line after a heading that ends
+    in a colon (Spark's "Error from python worker:" puts the error on the next line)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[1]}"
+    return lines[0] if lines else ""
 
 
 def _is_py4j(e: BaseException) -> bool:

@@ -510,3 +510,42 @@ def test_a_spark_setting_spark_refuses_is_named_in_the_one_line_error(tmp_path):
     assert last.startswith(b"tidefeed emit: Spark failed: "), out.stderr
     assert b"spark.sql.shuffle.partitions" in last and b"SessionStateBuilder" not in last, last
     assert not list((tmp_path / "log").rglob("*.parquet"))
+
+
+class _JavaError:
+    """The few methods of a JVM exception that the one-line error reads, as py4j offers
+    them."""
+
+    def __init__(self, name: str, message: str | None, cause: _JavaError | None = None):
+        self.name, self.message, self.cause = name, message, cause
+
+    def getMessage(self):
+        return self.message
+
+    def getClass(self):
+        return type("Class", (), {"getSimpleName": lambda _: self.name})()
+
+    def getCause(self):
+        return self.cause
+
+
+def test_a_python_workers_error_is_named_from_the_line_after_sparks_heading():
+    """Spark's error from a Python worker that could not start (its daemon module missing
+    on the executors, say) begins with an empty line and a heading; the one line names the
+    error itself, from the innermost exception that says anything."""
+    from feed.cli.main import _spark_reason
+
+    worker = (
+        "\nError from python worker:\n  /usr/bin/python3: No module named feed.emit.task_daemon\n"
+        "PYTHONPATH was:\n  /opt/spark/python/lib/pyspark.zip\n"
+    )
+    error = Exception("An error occurred while calling o87.collectToPython.")
+    error.java_exception = _JavaError(  # type: ignore[attr-defined]
+        "SparkException", "Job aborted", _JavaError("SparkException", worker)
+    )
+    assert _spark_reason(error) == (
+        "SparkException: Error from python worker: /usr/bin/python3: No module named "
+        "feed.emit.task_daemon"
+    )
+    error.java_exception = _JavaError("SparkException", "Job aborted", _JavaError("EOF", ""))
+    assert _spark_reason(error) == "SparkException: Job aborted"  # (the cause said nothing)
