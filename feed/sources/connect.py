@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pandas as pd
 from pyspark.sql import Column
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -236,14 +237,37 @@ def _micros(r: Column, enc: str) -> Column:
     return F.floor(n / 1000).cast("long") if enc in NANO_UNITS else n * TIME_UNITS[enc]
 
 
+def _wide_text(unscaled: pd.Series, scale: pd.Series) -> pd.Series:
+    """Exact decimal text of big-endian two's-complement integers at a scale: Spark's
+    decimals stop at 38 digits, Python's integers do not."""
+
+    def one(b: bytes | None, s: int) -> str | None:
+        if b is None:
+            return None
+        u = int.from_bytes(b, "big", signed=True)
+        digits = str(abs(u)).rjust(s + 1, "0")
+        text = f"{digits[:-s]}.{digits[-s:]}" if s > 0 else digits
+        return "-" + text if u < 0 else text
+
+    return pd.Series([one(b, int(s)) for b, s in zip(unscaled, scale, strict=True)])
+
+
+def _wide_decimal_text(raw: Column, scale: Column) -> Column:
+    """:func:`_wide_text` as a column (a vectorized UDF: only decimals wider than 38
+    digits, which no Spark expression can hold, take this path)."""
+    from pyspark.sql.pandas.functions import pandas_udf
+
+    udf: Any = pandas_udf(_wide_text, T.StringType())  # type: ignore[call-overload]
+    out: Column = udf(raw, scale)
+    return out
+
+
 def _decode(r: Column, t: T.DataType, enc: str | None, scale: int = 0) -> Column:
     """A raw JSON value (as text) read as type ``t``; ``enc`` is the field's Connect logical
     type when the value is encoded (base64 decimals, epoch numbers), else plain text."""
     if isinstance(t, T.StringType):
         if enc == DECIMAL:  # wider than 38 digits: keep the exact text
-            from feed.sources.wide_decimals import wide_decimal_text
-
-            return wide_decimal_text(F.unbase64(r), F.lit(scale))
+            return _wide_decimal_text(F.unbase64(r), F.lit(scale))
         return r
     if isinstance(t, T.DecimalType):
         if enc == DECIMAL:
