@@ -31,6 +31,7 @@ def test_preloading_keeps_the_daemon_to_one_thread_and_says_when_it_cannot(runni
     assert p.returncode == 0, p.stderr[-2000:]
     one, n, worker, task = p.stdout.split()
     assert (worker, task) == ("True", "True")  # (what a forked worker would import)
+    assert "not preloaded" not in p.stderr, p.stderr  # (every module named is there)
     if running == "alone":  # pyarrow's, numpy's and pandas' libraries started no thread
         assert (one, n) == ("True", "1"), p.stderr
     else:
