@@ -119,8 +119,26 @@ def infer_record_schema(
         fields = _in_first_row_order(fields, files)
     if not fields:
         raise SourceError(f"no record columns in {kind} input {files[0]}")
+    _not_change_events(kind, files[0], [f.name for f in fields])
     schema = arrow_to_avro(to_arrow_type(T.StructType(fields), timezone="UTC"), name="record")
     return schema
+
+
+def _not_change_events(kind: str, first: str, names: Sequence[str]) -> None:
+    """Refuse a table-shaped kind's first input when its columns are those of Debezium's
+    change events (``op`` and ``source`` beside ``before`` or ``after``, or Kafka Connect's
+    ``schema`` and ``payload``): read as rows, each event would become a row of the feed."""
+    have = set(names)
+    if {"op", "source"} <= have and have & {"before", "after"}:
+        what = "Debezium change events (columns " + ", ".join(sorted(have)) + ")"
+    elif have == {"schema", "payload"}:
+        what = "Kafka Connect's wrapped events (columns payload, schema)"
+    else:
+        return
+    raise SourceError(
+        f"the {kind} input {first} holds {what}, not rows of a table: read them with "
+        f"--source debezium:PATH (for a table that has these columns, give its --schema)"
+    )
 
 
 def _in_first_row_order(fields: list[T.StructField], files: Sequence[str]) -> list[T.StructField]:

@@ -246,3 +246,32 @@ def test_cdf_versions_already_committed_are_dropped_when_delivered_again(spark, 
         assert len(reports) == 2
         assert reports[1].redelivered == sum(1 for r in again if r["_commit_version"] <= cut)
         assert collection_of(reader) == as_multiset(BANK.final.values()), key
+
+
+EVENT = {"before": None, "after": {"id": 1}, "op": "c", "source": {"lsn": 1}}
+
+
+@pytest.mark.parametrize(
+    "lines,refused",
+    [
+        ([EVENT], "Debezium change events (columns after, before, op, source)"),
+        ([{"schema": {"type": "struct"}, "payload": EVENT}], "Kafka Connect's wrapped events"),
+        ([{"id": 1, "op": "x", "source": "web"}], None),  # (a table's own columns)
+    ],
+    ids=["events", "wrapped", "rows"],
+)
+def test_a_table_kind_refuses_change_events_for_rows_of_a_new_feed(spark, tmp_path, lines, refused):
+    """Debezium's events read by a table-shaped kind (upsert, snapshot, cdf) would each
+    become a row: the new feed's schema is refused, naming the kind to read them with."""
+    from feed.sources.kinds import infer_record_schema
+    from protocol import SourceError
+
+    f = tmp_path / "part-0000.json"
+    f.write_bytes(b"\n".join(orjson.dumps(line) for line in lines))
+    if refused is None:
+        schema = infer_record_schema(lambda: spark, "snapshot", [str(f)])
+        assert [c["name"] for c in schema["fields"]] == ["id", "op", "source"]
+        return
+    with pytest.raises(SourceError, match="--source debezium:PATH") as e:
+        infer_record_schema(lambda: spark, "upsert", [str(f)])
+    assert refused in str(e.value) and str(f) in str(e.value)
