@@ -12,10 +12,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._consolidate import consolidate
     from .checker import FeedChecker, Violation, check_messages
     from .client import ClientError, CompleteTime, FeedClient
     from .codecs import CODECS, Codec, Decoder, Encoder, codec_for_content_type, get_codec
-    from .consolidate import consolidate
     from .errors import (
         CheckpointError,
         CodecError,
@@ -91,7 +91,7 @@ _WHERE = {
     "Encoder": "codecs",
     "codec_for_content_type": "codecs",
     "get_codec": "codecs",
-    "consolidate": "consolidate",
+    "consolidate": "_consolidate",
     "CheckpointError": "errors",
     "CodecError": "errors",
     "CommitConflict": "errors",

@@ -45,8 +45,8 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
+from ._consolidate import by_time
 from .codecs import get_codec
-from .consolidate import by_time
 from .errors import CodecError, Compacted, TidefeedError
 from .messages import Message, Updates
 from .state import Consumer

@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .consolidate import by_time
+from ._consolidate import by_time
 from .errors import Conflict, CountMismatch, Gap, ProtocolError, StaleEpoch
 from .messages import UPDATE_COLUMNS, Message, Progress, Updates, WireRow, record_key
 from .rowhash import in_sorted, merge_runs, row_hashes

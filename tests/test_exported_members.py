@@ -2,6 +2,8 @@
 
 import importlib
 import pkgutil
+import subprocess
+import sys
 
 import protocol
 
@@ -54,6 +56,24 @@ def test_protocol_exports_exactly_the_curated_api():
     assert set(protocol._WHERE) == EXPECTED_PROTOCOL  # (the names it loads on first use)
     for name in protocol.__all__:
         assert getattr(protocol, name) is not None
+
+
+def test_each_public_name_is_its_definition_whatever_was_imported_before():
+    """A package attribute named like a submodule is replaced by that submodule when it is
+    imported (``from protocol import consolidate`` gave the module once ``protocol.state``
+    had loaded it): in a fresh interpreter, every submodule first, then every name."""
+    script = (
+        "import importlib, pkgutil, types, protocol\n"
+        "for info in pkgutil.walk_packages(protocol.__path__, 'protocol.'):\n"
+        "    importlib.import_module(info.name)\n"
+        "for name in protocol.__all__:\n"
+        "    home = importlib.import_module('protocol.' + protocol._WHERE[name])\n"
+        "    got = getattr(protocol, name)\n"
+        "    assert got is getattr(home, name), (name, got)\n"
+        "    assert not isinstance(got, types.ModuleType), name\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
 
 
 def test_every_module_declares_all():

@@ -90,7 +90,7 @@ def test_big_batch_goes_columnar_and_cancels():
 def test_by_time_splits_an_update_table_into_times_in_order():
     import pyarrow as pa
 
-    from protocol.consolidate import by_time
+    from protocol._consolidate import by_time
 
     table = pa.table({"data": ["a", "b", "c", "d"], "time": [5, 2, 5, 3], "diff": [1, 1, -1, 2]})
     got = [(t, part.column("data").to_pylist()) for t, part in by_time(table)]
