@@ -20,7 +20,7 @@ would leave it out of the record type) sends it to inference too.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import numpy as np
@@ -270,13 +270,21 @@ def _read_hinted(body: bytes, options: pa_json.ReadOptions, record: pa.DataType)
 
 
 def _has_timestamp(t: pa.DataType) -> bool:
-    if pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_time(t):
-        return True
+    return _holds(
+        t,
+        lambda leaf: (
+            pa.types.is_timestamp(leaf) or pa.types.is_date(leaf) or pa.types.is_time(leaf)
+        ),
+    )
+
+
+def _holds(t: pa.DataType, leaf: Callable[[pa.DataType], bool]) -> bool:
+    """Whether ``t`` is, or nests in its structs and lists, a type ``leaf`` picks."""
     if pa.types.is_struct(t):
-        return any(_has_timestamp(f.type) for f in t)
+        return any(_holds(f.type, leaf) for f in t)
     if pa.types.is_list(t) or pa.types.is_large_list(t):
-        return _has_timestamp(t.value_type)
-    return False
+        return _holds(t.value_type, leaf)
+    return leaf(t)
 
 
 def _imprecise(data: pa.Array) -> bool:
@@ -349,16 +357,18 @@ def _decode_columnar(
     longest = int(np.max(np.diff(ends, prepend=-1)))
     options = pa_json.ReadOptions(block_size=max(longest + 1, _MIN_BLOCK), use_threads=True)
     table = None if record is None else _read_hinted(body, options, record)
-    if table is None:
-        # (a typed read of integers, strings and booleans fails on NaN, Infinity and
-        # integers beyond 64 bits; inference would make floats of them)
-        number_check(body)
+    inferred = table is None
     try:
         if table is None:
             table = pa_json.read_json(pa.BufferReader(body), read_options=options)
         check_field_names(table.schema)  # pyarrow takes keys that are not UTF-8
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, ValueError):
         return None  # the line decoder says exactly what is wrong
+    if inferred and any(_holds(f.type, pa.types.is_floating) for f in table.schema):
+        # inference makes floats of NaN, Infinity and integers beyond 64 bits (and a
+        # typed read of integers, strings and booleans fails on them): a body read
+        # without a float anywhere holds none of them, else the scan says where
+        number_check(body)
     if not set(table.column_names) <= {"updates", "progress"} or not table.num_rows:
         return None
     n = table.num_rows

@@ -239,6 +239,25 @@ def test_ndjson_values_no_reader_may_change_are_refused(value, says, typed):
     assert next(iter(updates)).record == {"a": 8, "s": value.decode()}
 
 
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        (b'{"updates": [{"data": {"a": 1}, "time": NaN, "diff": 1}]}', "NaN is not JSON"),
+        (b'{"updates": [{"data": {"a": 1}, "time": 1, "diff": 99999999999999999999}]}', "64 bits"),
+        (b'{"progress": {"lower": [0], "upper": [Infinity], "counts": []}}', "Infinity is not"),
+        (b'{"updates": [{"data": {"a": [1, NaN]}, "time": 1, "diff": 1}]}', "NaN is not JSON"),
+    ],
+)
+def test_ndjson_such_values_outside_the_records_are_refused_too(line, says):
+    """The scan for them runs when a read with inferred types found a float anywhere (a
+    record's column, a time, a diff, a progress): those values are refused wherever they
+    are, naming the line."""
+    ok = b'{"progress": {"lower": [0], "upper": [0], "counts": []}}\n'
+    with pytest.raises(CodecError, match=says) as e:
+        get_codec("ndjson").decode(ok + line + b"\n")
+    assert "line 2" in str(e.value)
+
+
 def test_ndjson_invalid_utf8_is_refused_naming_the_line():
     body = b'{"progress": {"lower": [0], "upper": [0], "counts": []}}\n'
     body += b'{"updates": [{"data": {"a": "\xff\xfe"}, "time": 1, "diff": 1}]}\n'
