@@ -42,8 +42,9 @@ def number_check(body: bytes) -> None:
     beyond 64 bits (both readers make them floats). Bodies that can hold none of these (no
     such word, no run of 19 digits) pass after a few scans at C speed; the others are read
     line by line with Python's own JSON reader, which says exactly. A body that pyarrow
-    read whole with a given type of integers, strings and booleans needs no such scan:
-    that read fails on any of them."""
+    read whole with a given type of integers, strings and booleans needs no such scan
+    (that read fails on any of them), nor one whose inferred types hold no float (that
+    read makes a double of each of them)."""
     words = b"NaN" in body or b"Infinity" in body
     if not words and _LONG_DIGITS not in body.translate(_DIGITS):
         return
