@@ -89,19 +89,28 @@ def nesting_check(body: bytes) -> None:
         # no escapes: only brackets and quotes matter, and deleting every other byte (at C
         # speed) leaves a far shorter text to scan; a body found too deep is scanned again
         # whole, to name the line
-        # (two quotes side by side, an empty string's or a string's end and the next
-        # one's start, change no bracket's side of a string: dropped too)
-        brackets = body.translate(None, _NOT_STRUCTURAL).replace(b'""', b"")
-        if b'"' not in brackets:  # the usual case: no bracket inside a string
-            steps = _STEP[np.frombuffer(brackets, dtype=np.uint8)]
-            if not len(steps) or int(np.cumsum(steps, dtype=np.int64).max()) <= MAX_DEPTH:
-                return
+        marks = body.translate(None, _NOT_STRUCTURAL)
+        if _shallow(marks):  # the usual case
+            return
         try:
-            _scan(brackets)
+            _scan(marks)
             return
         except CodecError:
             pass
     _scan(body)
+
+
+def _shallow(marks: bytes) -> bool:
+    """Whether ``marks`` (the brackets and quotes of a body without escapes) has no bracket
+    inside a string and nests at most :data:`MAX_DEPTH` deep. Every mark before a bracket
+    that is not a bracket is a quote: a bracket is outside every string when the number of
+    marks before it, less the brackets before it, is even."""
+    m = np.frombuffer(marks, dtype=np.uint8)
+    at = np.flatnonzero(m != 0x22)
+    if np.any((at - np.arange(len(at))) & 1):
+        return False
+    steps = _STEP[m[at]]
+    return not len(steps) or int(np.cumsum(steps, dtype=np.int64).max()) <= MAX_DEPTH
 
 
 #: every byte but brackets and quotes (deleted before a scan of a body without escapes)

@@ -9,6 +9,8 @@ import fastavro
 import orjson
 import pyarrow as pa
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from protocol import CodecError, Progress, Update, Updates, cdcv2_schema, get_codec
 
@@ -206,6 +208,40 @@ def test_ndjson_without_escapes_brackets_in_strings_do_not_count():
     deep = b'{"s": "]]]]", "a": ' + b"[" * 65 + b"]" * 65 + b"}\n"
     with pytest.raises(CodecError, match="line 2"):
         _text_checks.nesting_check(body + deep)
+
+
+@given(
+    st.lists(
+        st.sampled_from(
+            [b"{", b"}", b"[", b"]", b'"', b'""', b'"]]"', b'"}"', b'"[{"', b"a", b"\n"]
+        ),
+        max_size=300,
+    ),
+    st.integers(1, 4),
+)
+def test_ndjson_nesting_fast_path_agrees_with_the_full_scan(tokens, depth):
+    """Bodies without escapes take a shortcut over their brackets and quotes; it must
+    refuse exactly what the byte-by-byte scan refuses (with the limit lowered, so that
+    short bodies reach it)."""
+    from protocol import _text_checks
+
+    body = b"".join(tokens)
+    limit = _text_checks.MAX_DEPTH
+    _text_checks.MAX_DEPTH = depth
+    try:
+        try:
+            _text_checks._scan(body)
+            scanned = None
+        except CodecError as e:
+            scanned = str(e)
+        try:
+            _text_checks.nesting_check(body)
+            checked = None
+        except CodecError as e:
+            checked = str(e)
+    finally:
+        _text_checks.MAX_DEPTH = limit
+    assert checked == scanned
 
 
 @pytest.mark.parametrize(
