@@ -104,13 +104,23 @@ def _shallow(marks: bytes) -> bool:
     """Whether ``marks`` (the brackets and quotes of a body without escapes) has no bracket
     inside a string and nests at most :data:`MAX_DEPTH` deep. Every mark before a bracket
     that is not a bracket is a quote: a bracket is outside every string when the number of
-    marks before it, less the brackets before it, is even."""
+    marks before it, less the brackets before it, is even. In chunks of :data:`_CHUNK`
+    marks, so that a body of brackets alone needs no more memory than the scan."""
     m = np.frombuffer(marks, dtype=np.uint8)
-    at = np.flatnonzero(m != 0x22)
-    if np.any((at - np.arange(len(at))) & 1):
-        return False
-    steps = _STEP[m[at]]
-    return not len(steps) or int(np.cumsum(steps, dtype=np.int64).max()) <= MAX_DEPTH
+    brackets, depth = 0, 0  # carried from chunk to chunk
+    for at in range(0, len(m), _CHUNK):
+        chunk = m[at : at + _CHUNK]
+        found = np.flatnonzero(chunk != 0x22)
+        quotes_before = found + (at - brackets) - np.arange(len(found))
+        if np.any(quotes_before & 1):
+            return False
+        if len(found):
+            levels = np.cumsum(_STEP[chunk[found]], dtype=np.int64)
+            if depth + int(levels.max()) > MAX_DEPTH:
+                return False
+            depth += int(levels[-1])
+        brackets += len(found)
+    return True
 
 
 #: every byte but brackets and quotes (deleted before a scan of a body without escapes)

@@ -218,15 +218,16 @@ def test_ndjson_without_escapes_brackets_in_strings_do_not_count():
         max_size=300,
     ),
     st.integers(1, 4),
+    st.sampled_from([1, 2, 3, 7, 1 << 22]),
 )
-def test_ndjson_nesting_fast_path_agrees_with_the_full_scan(tokens, depth):
-    """Bodies without escapes take a shortcut over their brackets and quotes; it must
-    refuse exactly what the byte-by-byte scan refuses (with the limit lowered, so that
-    short bodies reach it)."""
+def test_ndjson_nesting_fast_path_agrees_with_the_full_scan(tokens, depth, chunk):
+    """Bodies without escapes take a shortcut over their brackets and quotes, in chunks;
+    it must refuse exactly what the byte-by-byte scan refuses (with the limit lowered, so
+    that short bodies reach it, and chunks of a few bytes, so that they cross)."""
     from protocol import _text_checks
 
     body = b"".join(tokens)
-    limit = _text_checks.MAX_DEPTH
+    limit, size = _text_checks.MAX_DEPTH, _text_checks._CHUNK
     _text_checks.MAX_DEPTH = depth
     try:
         try:
@@ -234,14 +235,46 @@ def test_ndjson_nesting_fast_path_agrees_with_the_full_scan(tokens, depth):
             scanned = None
         except CodecError as e:
             scanned = str(e)
+        _text_checks._CHUNK = chunk
         try:
             _text_checks.nesting_check(body)
             checked = None
         except CodecError as e:
             checked = str(e)
     finally:
-        _text_checks.MAX_DEPTH = limit
+        _text_checks.MAX_DEPTH, _text_checks._CHUNK = limit, size
     assert checked == scanned
+
+
+@given(
+    st.lists(st.sampled_from([b"{", b"}", b"[", b"]", b'"']), max_size=200),
+    st.integers(1, 4),
+    st.sampled_from([1, 2, 3, 7, 1 << 22]),
+)
+def test_ndjson_nesting_shortcut_is_exact_on_brackets_and_quotes(tokens, depth, chunk):
+    """The shortcut itself, against a walk one mark at a time: yes exactly when no
+    bracket is inside a string and no bracket opens deeper than the limit."""
+    from protocol import _text_checks
+
+    marks = b"".join(tokens)
+    inside, level, expected = False, 0, True
+    for c in marks:
+        if c == 0x22:
+            inside = not inside
+        elif inside:
+            expected = False
+            break
+        else:
+            level += 1 if c in b"[{" else -1
+            if level > depth:
+                expected = False
+                break
+    limit, size = _text_checks.MAX_DEPTH, _text_checks._CHUNK
+    _text_checks.MAX_DEPTH, _text_checks._CHUNK = depth, chunk
+    try:
+        assert _text_checks._shallow(marks) is expected
+    finally:
+        _text_checks.MAX_DEPTH, _text_checks._CHUNK = limit, size
 
 
 @pytest.mark.parametrize(
