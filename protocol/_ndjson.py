@@ -349,7 +349,8 @@ def _decode_columnar(
     """Decode a whole body with pyarrow's JSON reader (with the record type ``record`` if
     it reads the body as inference would): its messages and its record type, or ``None``
     to use the line decoder. Raises :class:`CodecError` for a number no reader may take
-    (:func:`number_check`), unless the typed read already ruled them out."""
+    (:func:`number_check`), when a read with inferred types found a float (a typed read,
+    or one that found none, rules them out)."""
     raw = np.frombuffer(body, dtype=np.uint8)
     ends = np.flatnonzero(raw == 10)
     if not len(ends) or ends[-1] != len(raw) - 1:
