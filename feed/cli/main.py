@@ -223,7 +223,7 @@ def _spark_reason(e: BaseException) -> str:
             if message:
                 reason = f"{java.getClass().getSimpleName()}: {message}"
             java = java.getCause()
-    line = (reason or _one_line(e)).strip().splitlines()[0]
+    line = (reason or _one_line(e)).strip()  # (both are one line already)
     if "S3AFileSystem" in line:
         line += (
             " (Spark's own readers read Parquet and Delta input, and an --eager push's "
