@@ -87,14 +87,16 @@ def _wrapped(path: str) -> bool:
     return isinstance(first, dict) and ("payload" in first or "schema" in first)
 
 
-def declined(changes: Any) -> str | None:
-    """Why a file of a columnar read declined, or None when none did: one job over every
-    row of ``changes`` (cached, it is built by this job)."""
+def declined(changes: Any) -> tuple[str | None, bool]:
+    """Why a file of a columnar read declined (None when none did), and whether any
+    transaction END record was read: one job over every row of ``changes`` (cached, it
+    is built by this job)."""
     from pyspark.sql import functions as F
 
     why = F.max(F.when(F.col("op") == DECLINED_OP, F.col("_error")))
-    found: str | None = changes.agg(why.alias("why")).collect()[0]["why"]
-    return found
+    ends = F.max(F.col("op") == "E")
+    found = changes.agg(why.alias("why"), ends.alias("ends")).collect()[0]
+    return found["why"], bool(found["ends"])
 
 
 #: a file's data events, seen by its task: (read, file, count, first, last), where first and

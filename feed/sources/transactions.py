@@ -40,6 +40,7 @@ updates now:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -68,7 +69,11 @@ from feed.sources.snapshots import (
     snapshot_row,
 )
 
-__all__ = ["Assembled", "assemble"]
+__all__ = ["ENDS_SCAN_BYTES", "Assembled", "assemble", "may_hold_ends"]
+
+#: input up to this size in all is looked through on the driver for END records
+#: (:func:`may_hold_ends`); larger input is not read twice for it
+ENDS_SCAN_BYTES = 32 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,12 +112,45 @@ class Assembled:
     held_at: tuple[int, int] | None = None
 
 
-def _at_commit_lsn(changes: DataFrame, ends: DataFrame) -> DataFrame:
+def may_hold_ends(files: Sequence[str]) -> bool:
+    """Whether a transaction END record may be among the lines of ``files``. False only
+    when every file is local and uncompressed, ``ENDS_SCAN_BYTES`` at most in all, and
+    none holds the bytes ``END`` (an END record's status is that text) nor a ``\\u``
+    escape (which could spell it). Without END records the figures need no list of them:
+    a Spark job and a cache less in each transaction read without transaction metadata."""
+    from feed.sources.file_text import codec_of
+    from feed.sources.stores import is_remote
+    from protocol import SourceError
+
+    total = 0
+    try:
+        for path in files:
+            if is_remote(path) or codec_of(path) is not None:
+                return True
+            total += os.path.getsize(path)
+            if total > ENDS_SCAN_BYTES:
+                return True
+        for path in files:
+            with open(path, "rb") as f:
+                text = f.read()
+            if b"END" in text or b"\\u" in text:
+                return True
+    except (OSError, SourceError):  # (the read itself says what is wrong with a file)
+        return True
+    return False
+
+
+def _at_commit_lsn(changes: DataFrame, ends: DataFrame | None) -> DataFrame:
     """``changes`` with each data event of a transaction with metadata at the commit LSN
-    of its END record (``ends``: ``txn``, ``commit_lsn``) as ``pos_hi``."""
+    of its END record (``ends``: ``txn``, ``commit_lsn``) as ``pos_hi``; ``ends`` None:
+    there is no END record, so no such event has a commit LSN (null, as the join gives)."""
     is_data = F.col("op").isin(*DATA_OPS)
-    joined = changes.join(F.broadcast(ends.select("txn", "commit_lsn")), "txn", "left")
-    at_commit = F.when(F.col("tx_meta") & is_data, F.col("commit_lsn")).otherwise(F.col("pos_hi"))
+    if ends is None:  # (no join: no broadcast job of an empty list)
+        joined, lsn = changes, F.lit(None).cast(changes.schema["pos_hi"].dataType)
+    else:
+        joined = changes.join(F.broadcast(ends.select("txn", "commit_lsn")), "txn", "left")
+        lsn = F.col("commit_lsn")
+    at_commit = F.when(F.col("tx_meta") & is_data, lsn).otherwise(F.col("pos_hi"))
     return joined.select(
         *[at_commit.alias(c) if c == "pos_hi" else F.col(c) for c in changes.columns]
     )
@@ -132,6 +170,7 @@ def assemble(
     hold_at: tuple[int, int] | None = None,
     hold_txns: frozenset[str] = frozenset(),
     distinct: bool = False,
+    ends: bool = True,
 ) -> Assembled:
     """Decide which of ``changes`` (good Debezium rows: data events and END records) can
     become updates, given the committed position ``pos``. See the module docstring.
@@ -153,9 +192,11 @@ def assemble(
     there: feed/sources/shapes.py); ``hold_txns`` holds those source transactions (and what is
     delivered after them) too (held in another feed of a group: feed/emit/group.py).
     ``distinct``: the caller has shown that no two data events share a position
-    (feed/sources/columnar.py), so none is there twice and the first job does not look."""
+    (feed/sources/columnar.py), so none is there twice and the first job does not look;
+    ``ends`` False: the caller counted no END record among ``changes``, so no list of
+    them is cached and joined."""
     run = _Assembly(changes, pos, (snapshot_lsn, snapshot_txn), logger, feed)
-    run.distinct = distinct
+    run.distinct, run.no_ends = distinct, not ends
     run.first_job(bucket, also)
     moves = run.find_snapshots(new_feed)
     if moves:
@@ -198,13 +239,14 @@ class _Assembly(SecondPass):
         self.held_at: tuple[int, int] | None = None
         self.persisted: tuple[DataFrame, ...] = ()
         self.distinct = False  # no two data events at one position: none is repeated
+        self.no_ends = False  # no END record among the changes
 
     def first_job(self, bucket: Column | None, also: DataFrame | None) -> None:
         """Figures over every event, none per source transaction (grouping 1 M
         transactions costs seconds), whether any event is there twice, and the caller's
         figures. Each part is a scan of the cached input: the counts share one."""
         changes, committed = self.changes, self.committed
-        self.ends = ends = cached(
+        ends = (
             changes.where(F.col("op") == "E")
             .groupBy("txn")
             .agg(
@@ -212,9 +254,11 @@ class _Assembly(SecondPass):
                 F.max("tx_count").alias("expected"),
             )
         )
+        # (none: an empty list, which Spark plans without a job)
+        self.ends = ends.limit(0) if self.no_ends else cached(ends)
         is_data = F.col("op").isin(*DATA_OPS)
         # every row with its commit LSN: the figures below are over all of them in one scan
-        joined = _at_commit_lsn(changes, ends)
+        joined = _at_commit_lsn(changes, None if self.no_ends else self.ends)
         keep, behind = position_filter(committed, self.snapshot_lsn)
         dup = F.when(F.col("op") == "r", F.to_json("after")).otherwise(F.lit(""))
         self.flagged = flagged = joined.where(is_data).withColumn("_keep", keep)

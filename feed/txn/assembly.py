@@ -94,11 +94,13 @@ def assemble_debezium(
     keyed: bool,
     image: Any,
     distinct: bool = False,
+    ends: bool = True,
 ) -> DebeziumRead | object | None:
     """Debezium's source transactions decided (feed/sources/transactions.py), cut before
     a change of the table's shape; ``None`` or :data:`NEED_MORE` as for
     :func:`read_input` when nothing is released. Refusals raise, with the cache let go.
-    ``distinct``: the read showed that no two data events share a position."""
+    ``distinct``: the read showed that no two data events share a position; ``ends``
+    False: it counted no transaction END record."""
     from pyspark.sql import functions as F
 
     from feed.sources.positions import committed_position, position_filter
@@ -129,6 +131,7 @@ def assemble_debezium(
             hold_at=hold_at,
             hold_txns=group.txns if group is not None else frozenset(),
             distinct=distinct,
+            ends=ends,
         )
 
     assembled = assembled_with()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from feed.log.checkpoint import fixed
@@ -52,7 +53,7 @@ def read_input(
     from pyspark.sql import functions as F
 
     cfg = ctx.config
-    changes, good, bad, distinct = _cached_changes(ctx, [*files, *tx_files])
+    changes, good, bad, shown = _cached_changes(ctx, [*files, *tx_files])
     r = ReadChanges(changes=changes, good=good, bad=bad)  # (figures: _count below)
     tally_rows: list[Any] | None = None
     behind = 0  # snapshot reads of a new snapshot behind the committed position
@@ -68,7 +69,8 @@ def read_input(
             group=group,
             keyed=keyed,
             image=image,
-            distinct=distinct,
+            distinct=shown.distinct,
+            ends=shown.ends,
         )
         if not isinstance(found, DebeziumRead):
             return found
@@ -176,14 +178,27 @@ def numbered_once(reads: Sequence[ReadChanges]) -> Iterator[None]:
         order.unpersist()
 
 
-def _cached_changes(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, Any, Any, bool]:
+@dataclass(frozen=True, slots=True)
+class Shown:
+    """What a read showed of its changes, for their assembly: that no two data events
+    share a position (:class:`~feed.sources.columnar.Positions`), and whether a transaction
+    END record may be among them (False only where the read counted none)."""
+
+    distinct: bool = False
+    ends: bool = True
+
+
+def _cached_changes(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, Any, Any, Shown]:
     """The changes of ``files``, cached, with those that may turn into updates, the bad
-    rows found while reading, and whether the read proved that no two data events share a
-    position (:class:`~feed.sources.columnar.Positions`)."""
+    rows found while reading, and what the read showed of them (:class:`Shown`)."""
     from pyspark.sql import functions as F
 
-    changes, distinct = _columnar_changes(ctx, files)
+    changes, shown = _columnar_changes(ctx, files)
     if changes is None:
+        if ctx.config.kind.events:
+            from feed.sources.transactions import may_hold_ends
+
+            shown = Shown(ends=may_hold_ends(files))
         changes = read_source(ctx, files)
         # keep the raw text only where a bad row may need it (parse errors; deletes and
         # snapshot rows, which the keyed checks may still find bad): the cache stays small
@@ -196,20 +211,20 @@ def _cached_changes(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, Any, An
     good = changes.where(
         F.col("_error").isNull() & ((F.col("op") != "x") | (F.col("_snap") == "last"))
     )
-    return changes, good, bad, distinct
+    return changes, good, bad, shown
 
 
-def _columnar_changes(ctx: TxnContext, files: Sequence[str]) -> tuple[Any | None, bool]:
+def _columnar_changes(ctx: TxnContext, files: Sequence[str]) -> tuple[Any | None, Shown]:
     """The changes of Debezium ``files`` parsed by pyarrow in Spark's tasks
-    (:mod:`feed.sources.debezium_arrow`), cached, and whether their data events are at
-    distinct positions: None where that parse does not apply, or declined a file (then
-    Spark's reader parses them all)."""
+    (:mod:`feed.sources.debezium_arrow`), cached, and what the read showed of them: None
+    where that parse does not apply, or declined a file (then Spark's reader parses them
+    all)."""
     from feed.sources.columnar import Positions, declined, read_debezium_columnar, why_not_columnar
     from feed.sources.connect import connect_names
 
     cfg = ctx.config
     if cfg.parse == "spark" or not cfg.kind.columnar:
-        return None, False
+        return None, Shown()
     why = why_not_columnar(files, ctx.record_type, connect_names(ctx.info.schema or {}))
     if why is None:
         seen = Positions(ctx.spark, len(files))
@@ -217,7 +232,7 @@ def _columnar_changes(ctx: TxnContext, files: Sequence[str]) -> tuple[Any | None
             ctx.spark, files, ctx.record_type, ctx.info.key, ctx.info.table, seen
         )
         changes = cached(found, spillable())
-        why = declined(changes)  # (the job that builds the cache)
+        why, ends = declined(changes)  # (the job that builds the cache)
         distinct = seen.distinct()
         if why is None:
             ctx.log.debug(
@@ -226,10 +241,10 @@ def _columnar_changes(ctx: TxnContext, files: Sequence[str]) -> tuple[Any | None
                 cfg.feed,
                 "yes" if distinct else "not shown",
             )
-            return changes, distinct
+            return changes, Shown(distinct=distinct, ends=ends)
         changes.unpersist()
     ctx.log.debug("feed %s: input parsed by Spark's JSON reader: %s", cfg.feed, why)
-    return None, False
+    return None, Shown()
 
 
 def _figures(tally_rows: list[Any]) -> tuple[int, int, int, int, dict[str, int]]:

@@ -206,19 +206,27 @@ def test_an_event_delivered_in_two_files_is_released_once(spark, tmp_path, caplo
     assert collection_of(FeedReader(str(tmp_path / "log"), "t")) == as_multiset(final.values())
 
 
-@pytest.mark.parametrize("key", [("id",), ()], ids=["keyed", "unkeyed"])
+@pytest.mark.parametrize(
+    "key,metadata",
+    [(("id",), False), ((), False), (("id",), True)],
+    ids=["keyed", "unkeyed", "keyed-metadata"],
+)
 def test_a_spark_transaction_takes_the_columnar_parse_where_it_applies(
-    spark, tmp_path, key, caplog
+    spark, tmp_path, key, metadata, caplog
 ):
-    """The same flat history (deletes among them) emitted in Spark with ``parse="auto"``
-    and ``parse="spark"`` gives the same feed, the truth; only the first parses in the
-    tasks."""
+    """The same flat history (deletes among them; with ``metadata``, each transaction's
+    END record among them) emitted in Spark with ``parse="auto"`` and ``parse="spark"``
+    gives the same feed, the truth; only the first parses in the tasks. (Without END
+    records, both reads skip the figures' list of them: feed/sources/transactions.py.)"""
+    from .test_driver_txn import _with_metadata
+
     bank = generate_bank(transactions=40, seed=9, wrapped_every=0)
+    events = _with_metadata(bank.events) if metadata else bank.events
     found = {}
     for parse in ("auto", "spark"):
         work = tmp_path / parse
         (work / "in").mkdir(parents=True)
-        (work / "in" / "part-0.json").write_bytes(b"\n".join(bank.events) + b"\n")
+        (work / "in" / "part-0.json").write_bytes(b"\n".join(events) + b"\n")
         e = open_emitter(
             spark, work, key=key, engines=(SPARK,), schema=ACCOUNTS_SCHEMA, table=None, parse=parse
         )
@@ -298,3 +306,32 @@ def test_a_file_too_large_to_hold_whole_goes_to_spark_s_reader(tmp_path):
     with open(big, "r+b") as f:  # (sparse: no disk used)
         f.truncate(MAX_FILE_BYTES + 1)
     assert why_not_columnar([str(big)], record, {}) == f"a file over 256 MiB ({big})"
+
+
+def test_a_read_may_hold_end_records_unless_its_bytes_show_none(tmp_path, monkeypatch):
+    """The driver's look for END records before a Spark read (feed/sources/transactions.py)
+    says "none" only where it is sure: plain local files that hold neither the text END
+    nor an escape that could spell it."""
+    import gzip
+
+    import feed.sources.transactions as txns
+
+    plain = tmp_path / "plain.json"
+    plain.write_bytes(b'{"op":"c","after":{"id":1,"owner":"ann"}}\n')
+    ended = tmp_path / "ended.json"
+    ended.write_bytes(orjson.dumps(end(1, 5, {"accounts": 1})) + b"\n")
+    escaped = tmp_path / "escaped.json"
+    escaped.write_bytes(b'{"status":"\\u0045ND","id":"1:5","event_count":1}\n')
+    assert orjson.loads(escaped.read_bytes())["status"] == "END"  # (what the escape spells)
+    packed = tmp_path / "plain.json.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+
+    assert txns.may_hold_ends([str(plain)]) is False
+    assert txns.may_hold_ends([str(plain), str(ended)]) is True
+    assert txns.may_hold_ends([str(plain), str(escaped)]) is True
+    assert txns.may_hold_ends([str(packed)]) is True  # (not read through a codec for it)
+    assert txns.may_hold_ends(["s3://bucket/plain.json"]) is True  # (nor from a store)
+    assert txns.may_hold_ends([str(tmp_path / "gone.json")]) is True  # (the read says)
+    monkeypatch.setattr(txns, "ENDS_SCAN_BYTES", plain.stat().st_size * 2 - 1)
+    assert txns.may_hold_ends([str(plain)]) is False
+    assert txns.may_hold_ends([str(plain), str(plain)]) is True  # (too much to read twice)
