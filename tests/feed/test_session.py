@@ -225,6 +225,7 @@ def test_a_ctrl_c_while_spark_starts_reaches_the_commands_own_handler():
 SIZED = (
     "spark.sql.shuffle.partitions",
     "spark.sql.adaptive.enabled",
+    "spark.sql.autoBroadcastJoinThreshold",
     "spark.sql.codegen.wholeStage",
     "spark.sql.codegen.factoryMode",
 )
@@ -240,29 +241,38 @@ def test_a_small_transaction_runs_with_the_small_input_settings_then_restores_th
         q = spark.range(10).selectExpr("id + 1 AS x").where("x > 3")  # (no shuffle: no AQE)
         return "*(" in q._jdf.queryExecution().executedPlan().toString()
 
+    def broadcasts() -> bool:  # (a join of two tiny relations, by Spark's own choice)
+        small_side = spark.range(3).withColumnRenamed("id", "k")
+        q = spark.range(10).withColumnRenamed("id", "k").join(small_side, "k")
+        return "Broadcast" in q._jdf.queryExecution().executedPlan().toString()
+
     before = settings()
     small, mid, large = tmp_path / "small.json", tmp_path / "mid.json", tmp_path / "large.json"
     small.write_bytes(b"{}\n")
     for f, size in ((mid, 5 << 20), (large, 17 << 20)):
         with open(f, "wb") as out:
             out.truncate(size)
-    assert codegen_stages()
-    with sized_for_input(spark, {}, [str(small)]):  # one partition, no AQE, no generated code
-        assert settings() == ["1", "false", "false", "NO_CODEGEN"]
-        assert not codegen_stages()
-    assert settings() == before and codegen_stages()
-    with sized_for_input(spark, {}, [str(mid)]):  # one partition, no AQE, generated code
-        assert settings() == ["1", "false", *before[2:]]
-        assert codegen_stages()
+    assert codegen_stages() and broadcasts()
+    # one partition, no AQE, no broadcast unless asked, no generated code
+    with sized_for_input(spark, {}, [str(small)]):
+        assert settings() == ["1", "false", "-1", "false", "NO_CODEGEN"]
+        assert not codegen_stages() and not broadcasts()
+    assert settings() == before and codegen_stages() and broadcasts()
+    with sized_for_input(spark, {}, [str(mid)]):  # the same, with generated code
+        assert settings() == ["1", "false", "-1", *before[3:]]
+        assert codegen_stages() and not broadcasts()
     with sized_for_input(spark, {}, [str(large)]):  # as the session has it
         assert settings() == before
     # a --conf naming one setting of a group leaves the group alone
     with sized_for_input(spark, {"spark.sql.codegen.wholeStage": "true"}, [str(small)]):
-        assert settings() == ["1", "false", *before[2:]]
+        assert settings() == ["1", "false", "-1", *before[3:]]
     with sized_for_input(spark, {"spark.sql.shuffle.partitions": "3"}, [str(small)]):
-        assert settings() == [before[0], "false", "false", "NO_CODEGEN"]
+        assert settings() == [before[0], "false", "-1", "false", "NO_CODEGEN"]
     with sized_for_input(spark, {"spark.sql.adaptive.enabled": "true"}, [str(small)]):
-        assert settings() == ["1", before[1], "false", "NO_CODEGEN"]
+        assert settings() == ["1", before[1], "-1", "false", "NO_CODEGEN"]
+    with sized_for_input(spark, {"spark.sql.autoBroadcastJoinThreshold": "1m"}, [str(small)]):
+        assert settings() == ["1", "false", before[2], "false", "NO_CODEGEN"]
+        assert broadcasts()
     assert settings() == before
 
 
