@@ -272,8 +272,8 @@ SMALL_INPUT = (
     # (a broadcast join runs a job of its own to gather and send its small side, again in
     # each action whose plan holds it: the keyed state against the changes, the touched
     # keys against the state. On one partition a sort-merge join stays inside the
-    # action's job: a keyed transaction of test_driver_txn's histories in a warm session,
-    # 2026-12-06, ran 5 jobs instead of 6.7 and 10-17 % less CPU)
+    # action's job: test_driver_txn's keyed histories in a warm session, 2026-12-06, ran
+    # a quarter fewer jobs (4.7-8.2 a transaction instead of 6.3-10.8) on 3-17 % less CPU)
     (SMALL_INPUT_BYTES, {"spark.sql.autoBroadcastJoinThreshold": "-1"}),
     (
         INTERPRETED_INPUT_BYTES,
