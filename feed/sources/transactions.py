@@ -40,7 +40,6 @@ updates now:
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -119,17 +118,15 @@ def may_hold_ends(files: Sequence[str]) -> bool:
     escape (which could spell it). Without END records the figures need no list of them:
     a Spark job and a cache less in each transaction read without transaction metadata."""
     from feed.sources.file_text import codec_of
+    from feed.sources.inputs import input_bytes
     from feed.sources.stores import is_remote
     from protocol import SourceError
 
-    total = 0
     try:
-        for path in files:
-            if is_remote(path) or codec_of(path) is not None:
-                return True
-            total += os.path.getsize(path)
-            if total > ENDS_SCAN_BYTES:
-                return True
+        if any(is_remote(p) or codec_of(p) is not None for p in files):
+            return True
+        if input_bytes(files) > ENDS_SCAN_BYTES:
+            return True
         for path in files:
             with open(path, "rb") as f:
                 text = f.read()
