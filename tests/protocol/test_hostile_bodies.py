@@ -230,20 +230,21 @@ def test_ndjson_nesting_fast_path_agrees_with_the_full_scan(tokens, depth, chunk
     limit, size = _text_checks.MAX_DEPTH, _text_checks._CHUNK
     _text_checks.MAX_DEPTH = depth
     try:
-        try:
-            _text_checks._scan(body)
-            scanned = None
-        except CodecError as e:
-            scanned = str(e)
+        scanned = _refusal(_text_checks._scan, body)
         _text_checks._CHUNK = chunk
-        try:
-            _text_checks.nesting_check(body)
-            checked = None
-        except CodecError as e:
-            checked = str(e)
+        checked = _refusal(_text_checks.nesting_check, body)
     finally:
         _text_checks.MAX_DEPTH, _text_checks._CHUNK = limit, size
     assert checked == scanned
+
+
+def _refusal(check, body: bytes) -> str | None:
+    """What ``check`` says of ``body``: its refusal's message, or None if it takes it."""
+    try:
+        check(body)
+    except CodecError as e:
+        return str(e)
+    return None
 
 
 @given(
