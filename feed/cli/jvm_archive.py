@@ -123,7 +123,9 @@ def make_archive(path: str) -> int:
             done = _step(["--train", folder], {**base, "SPARK_SUBMIT_OPTS": opts.strip()})
             if done.returncode != 0 or not os.path.isfile(tmp):
                 raise RuntimeError(f"the training run failed: {_tail(done.stderr)}")
-        brief = f"{base.get('SPARK_SUBMIT_OPTS', '')} {BRIEF}".strip()
+        # (the try maps the new archive alone: an archive mapped by the given options
+        # would be kept in its place by with_archive)
+        brief = f"{without_archive(base.get('SPARK_SUBMIT_OPTS', ''))} {BRIEF}".strip()
         tried = _step(["--try"], {**base, ENV: tmp, "SPARK_SUBMIT_OPTS": brief})
         if tried.returncode != 0:
             raise RuntimeError(f"Spark did not start with the archive: {_tail(tried.stderr)}")
