@@ -114,19 +114,18 @@ def make_archive(path: str) -> int:
     tmp = f"{path}.{os.getpid()}.tmp"
     base = {k: v for k, v in os.environ.items() if k != ENV}
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    # the given options without an archive's mapping (tidefeed's own Spark starts put one
+    # there: see with_archive): a JVM that maps one cannot write one, and the try must map
+    # the new archive, which with_archive would not add beside another
+    given = f"{without_archive(base.get('SPARK_SUBMIT_OPTS', ''))} {BRIEF}"
     try:
         with tempfile.TemporaryDirectory(prefix="tidefeed-jsa-") as folder:
             _training_input(folder)
-            # (tidefeed's own Spark starts put the mapping of an archive there: see with_archive)
-            given = without_archive(base.get("SPARK_SUBMIT_OPTS", ""))
-            opts = f"{given} -XX:ArchiveClassesAtExit={tmp} {BRIEF} {QUIET}"
+            opts = f"{given} -XX:ArchiveClassesAtExit={tmp} {QUIET}"
             done = _step(["--train", folder], {**base, "SPARK_SUBMIT_OPTS": opts.strip()})
             if done.returncode != 0 or not os.path.isfile(tmp):
                 raise RuntimeError(f"the training run failed: {_tail(done.stderr)}")
-        # (the try maps the new archive alone: an archive mapped by the given options
-        # would be kept in its place by with_archive)
-        brief = f"{without_archive(base.get('SPARK_SUBMIT_OPTS', ''))} {BRIEF}".strip()
-        tried = _step(["--try"], {**base, ENV: tmp, "SPARK_SUBMIT_OPTS": brief})
+        tried = _step(["--try"], {**base, ENV: tmp, "SPARK_SUBMIT_OPTS": given.strip()})
         if tried.returncode != 0:
             raise RuntimeError(f"Spark did not start with the archive: {_tail(tried.stderr)}")
         os.replace(tmp, path)
