@@ -43,6 +43,7 @@ __all__ = [
     "declined",
     "read_debezium_columnar",
     "seen_positions",
+    "set_union",
     "why_not_columnar",
 ]
 
@@ -117,7 +118,7 @@ class Positions:
         sc = spark.sparkContext
         with _lock:
             if getattr(sc, "_tidefeed_positions", None) is None:
-                sc._tidefeed_positions = sc.accumulator(frozenset(), _union())
+                sc._tidefeed_positions = sc.accumulator(frozenset(), set_union())
             self._acc = sc._tidefeed_positions
             self.read = next(_reads)
         self.n_files = n_files
@@ -150,7 +151,7 @@ def all_distinct(seen: Collection[_Seen], n_files: int) -> bool:
     return all(prev[1] < nxt[0] for prev, nxt in itertools.pairwise(sorted(ranges)))
 
 
-def _union() -> Any:
+def set_union() -> Any:
     """An accumulator's rule for sets: their union."""
     from pyspark.accumulators import AccumulatorParam
 

@@ -29,11 +29,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from feed.txn import driver, spark
+from feed.txn import driver, onepass, spark
 from feed.txn.context import DECLINED, TxnContext
 from feed.txn.segments import Written
 
-__all__ = ["DECLINED", "DRIVER", "ENGINES", "SPARK", "Engine", "Job", "run_job"]
+__all__ = ["DECLINED", "DRIVER", "ENGINES", "ONEPASS", "SPARK", "Engine", "Job", "run_job"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +109,23 @@ class SparkEngine:
         )
 
 
+class OnePassEngine:
+    """Plain unkeyed transactions of one time, in one pass in Spark (feed/txn/onepass.py)."""
+
+    name = "one-pass"
+
+    def run(
+        self, ctx: TxnContext, job: Job, secs: dict[str, float], reached: Callable[..., None]
+    ) -> Written | object | None:
+        return onepass.run(ctx, job, secs, reached)
+
+
 DRIVER: DriverEngine = DriverEngine()
+ONEPASS: Engine = OnePassEngine()
 SPARK: Engine = SparkEngine()
-#: the order the emitter offers a transaction in: the driver first, where it is cheap
-ENGINES: tuple[Engine, ...] = (DRIVER, SPARK)
+#: the order the emitter offers a transaction in: the driver first, where it is cheap,
+#: then the one pass where the input is plain
+ENGINES: tuple[Engine, ...] = (DRIVER, ONEPASS, SPARK)
 
 
 def run_job(

@@ -1,0 +1,228 @@
+"""Plain unkeyed transactions computed in one pass give the feed the Spark path gives.
+
+Each history runs through an emitter offered the one-pass engine first (feed/txn/onepass.py)
+and through one with the Spark engine alone (feed/txn/spark.py); the feeds must agree time
+by time, in their progress and figures, and with the ground truth, and the one-pass engine
+must really have taken (and declined) the transactions the case says. The figures of one
+file and the partial sums are checked without Spark first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
+import pytest
+
+from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
+from feed.emit.emitter import Emitter, EmitterConfig
+from feed.log.reader import FeedReader
+from feed.sources.debezium_arrow import parse_flat
+from feed.txn.engine import ONEPASS, SPARK
+from feed.txn.onepass import file_figures, partial_sums, plain_figures
+from protocol.messages import record_key
+
+from ..e2e.helpers import write_parts
+from .model import as_multiset, collection_of
+
+TOAST = "__debezium_unavailable_value"
+RECORD = pa.struct([("id", pa.int64()), ("x", pa.float64()), ("s", pa.string())])
+
+
+def _e(op: str, before: dict | None, after: dict | None, lsn: int, **source) -> bytes:
+    src = {"lsn": lsn, "txId": lsn, "schema": "public", "table": "m", **source}
+    return orjson.dumps({"before": before, "after": after, "op": op, "source": src})
+
+
+def _parsed(lines: list[bytes], ord_file: int = 0) -> pa.Table:
+    data = b"".join(line + b"\n" for line in lines)
+    return parse_flat(data, RECORD, (), "public.m", ord_file, f"file:/in/part-{ord_file}.json")
+
+
+def test_partial_sums_cancel_within_a_file_and_keep_nulls():
+    a = {"id": 1, "x": 1.5, "s": None}
+    b = {"id": 1, "x": 2.5, "s": None}
+    t = _parsed([_e("c", None, a, 10), _e("u", a, b, 11), _e("c", None, {**a, "id": 2}, 12)])
+    figures, kept = file_figures(t, (0, 0, 0), 1, 0)
+    assert figures.why is None and figures.data == figures.kept == 3
+    assert figures.last == (12, 12, 0)  # (a flat event's position: its LSN twice)
+    sums = partial_sums(t.filter(kept), RECORD).to_pylist()
+    assert sorted(sums, key=lambda r: r["data"]["id"]) == [
+        {"data": b, "diff": 1},
+        {"data": {**a, "id": 2}, "diff": 1},
+    ]
+
+
+def test_events_at_or_below_the_committed_position_are_dropped():
+    rows = [_e("c", None, {"id": i, "x": None, "s": "a"}, 100 + i) for i in range(4)]
+    t = _parsed(rows)
+    top = file_figures(t, (0, 0, 0), 1, 0)[0].last
+    assert top is not None
+    below = (top[0] - 2, top[1] - 2, 0)  # (the position of the third event)
+    figures, kept = file_figures(t, below, 1, 0)
+    assert (figures.data, figures.kept, figures.last) == (4, 2, top)
+    assert [r["data"]["id"] for r in partial_sums(t.filter(kept), RECORD).to_pylist()] == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "line,why",
+    [
+        (b'{"status":"END","id":"7:100","event_count":1,"data_collections":[]}', "END record"),
+        (_e("r", None, {"id": 9, "x": None, "s": None}, 50, snapshot="true"), "snapshot"),
+        (
+            _e("u", {"id": 9, "x": 1.0, "s": None}, {"id": 9, "x": 1.0, "s": TOAST}, 60),
+            "placeholder",
+        ),
+    ],
+)
+def test_a_file_that_is_not_plain_says_why(line, why):
+    t = _parsed([_e("c", None, {"id": 1, "x": None, "s": None}, 40), line])
+    figures, _ = file_figures(t, (0, 0, 0), 1, 0)
+    assert figures.why is not None and why in figures.why
+    assert plain_figures([figures], 1) == figures.why
+
+
+def test_files_whose_positions_meet_are_not_plain():
+    line = _e("c", None, {"id": 1, "x": None, "s": None}, 40)
+    one = file_figures(_parsed([line], 0), (0, 0, 0), 1, 0)
+    two = file_figures(_parsed([line], 1), (0, 0, 0), 1, 1)  # (the same position again)
+    assert plain_figures([one[0]], 1) is None
+    assert "share a position" in (plain_figures([one[0], two[0]], 2) or "")
+    assert plain_figures([one[0]], 2) == "a file's task gave no figures"
+
+
+def _run(spark, src: Path, log: Path, *, one_pass: bool, schema=ACCOUNTS_SCHEMA, **kw) -> list:
+    cfg = EmitterConfig(
+        source_kind="debezium",
+        source_path=str(src),
+        feed="bank",
+        log=str(log),
+        schema=schema,
+        clock="logical",
+        granularity="batch",
+        driver_txn_bytes=0,  # (the driver engine would take these small transactions)
+        **kw,
+    )
+    e = Emitter(cfg, spark=spark, engines=(ONEPASS, SPARK) if one_pass else (SPARK,))
+    e.open()
+    reports = e.run()
+    e.close()
+    return reports
+
+
+def _times(log: Path) -> tuple[int, dict[int, Counter]]:
+    reader = FeedReader(str(log), "bank")
+    times = {
+        t: Counter(
+            (record_key({k: v for k, v in r.items() if k != "diff"}), r["diff"])
+            for r in reader.table(t).to_pylist()
+        )
+        for t in reader.times()
+    }
+    return reader.frontier, times
+
+
+def test_a_history_gives_the_feed_the_spark_path_gives(spark, tmp_path):
+    """Plain files, two to a transaction (one redelivering the tail of a committed one,
+    with a line of another table skipped), then a file with an incremental snapshot read,
+    which the one-pass engine declines: the same feed, progress and figures either way."""
+    bank = generate_bank(transactions=24, seed=21, wrapped_every=0)
+    events = bank.events
+    src = tmp_path / "in"
+    third = len(events) // 3
+    write_parts(src, events[:third], 2)  # transaction 1: two files
+    other = orjson.loads(events[third])
+    other["source"] = {**other["source"], "table": "audit"}  # skipped: another table
+    tail = events[third - 3 : third]  # redelivered: committed already
+    write_parts(src, [*tail, orjson.dumps(other), *events[third : 2 * third]], 2, start=2)
+    # transaction 3 reads a file with an incremental snapshot read, whose text the one-pass
+    # engine declines before any job: the Spark path takes that one
+    snap = orjson.loads(events[2 * third])
+    read = {"op": "r", "before": None, "after": snap["after"] or snap["before"]}
+    read["source"] = {**snap["source"], "snapshot": "incremental"}
+    write_parts(src, [orjson.dumps(read), *events[2 * third + 1 :]], 1, start=4)
+    persisted = spark.sparkContext._jsc.getPersistentRDDs().size()
+    on = _run(spark, src, tmp_path / "one", one_pass=True, max_files_per_txn=2)
+    off = _run(spark, src, tmp_path / "spark", one_pass=False, max_files_per_txn=2)
+    assert spark.sparkContext._jsc.getPersistentRDDs().size() == persisted
+
+    assert [r.progress for r in on] == [r.progress for r in off]
+    figures = [(r.input_rows, r.redelivered, r.skipped, r.held) for r in on]
+    assert figures == [(r.input_rows, r.redelivered, r.skipped, r.held) for r in off]
+    assert sum(r.redelivered for r in on) == 3 and any(r.skipped for r in on)
+    assert ["one_pass" in r.seconds for r in on] == [True, True, False]
+    assert _times(tmp_path / "one") == _times(tmp_path / "spark")
+    assert collection_of(FeedReader(str(tmp_path / "one"), "bank")) == as_multiset(
+        bank.final.values()
+    )
+
+
+def test_input_found_not_plain_by_its_tasks_goes_to_the_spark_path(
+    spark, tmp_path, caplog, monkeypatch
+):
+    """A snapshot read among the lines, the text not looked through first (as for large
+    input): the tasks' figures decline it, nothing is written, the Spark path computes it,
+    and the feed equals the table."""
+    import logging
+
+    from feed.txn import onepass
+
+    monkeypatch.setattr(onepass, "_SCAN_BYTES", -1)
+    caplog.set_level(logging.DEBUG)
+    bank = generate_bank(transactions=8, seed=5, wrapped_every=0)
+    src = tmp_path / "in"
+    first = orjson.loads(bank.events[0])
+    first["op"] = "r"
+    first["source"] = {**first["source"], "snapshot": "last"}
+    write_parts(src, [orjson.dumps(first), *bank.events[1:]], 1)
+    persisted = spark.sparkContext._jsc.getPersistentRDDs().size()
+    on = _run(spark, src, tmp_path / "one", one_pass=True)
+    assert spark.sparkContext._jsc.getPersistentRDDs().size() == persisted
+    assert ["one_pass" in r.seconds for r in on] == [False]
+    assert "not a one-pass transaction: file:" in caplog.text
+    assert "a snapshot read or a snapshot's end" in caplog.text
+    assert collection_of(FeedReader(str(tmp_path / "one"), "bank")) == as_multiset(
+        bank.final.values()
+    )
+
+
+MEASURES = {
+    "type": "record",
+    "name": "measures",
+    "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "x", "type": ["null", "double"], "default": None},
+    ],
+}
+
+
+def test_floating_point_records_consolidate_across_files_as_in_spark(spark, tmp_path):
+    """-0.0 and 0.0 are one value when Spark groups updates: a record inserted as -0.0 in
+    one file and as 0.0 in another is one record of diff 2, written as 0.0, though each
+    file's task sums apart; a no-op update cancels. (A NaN, given as the text "NaN", is
+    declined by the columnar parse: tests/feed/test_driver_txn.py has it.)"""
+
+    def m(op: str, i: int, before: str | None, after: str | None, lsn: int) -> bytes:
+        row = "null" if before is None else f'{{"id":{i},"x":{before}}}'
+        new = "null" if after is None else f'{{"id":{i},"x":{after}}}'
+        source = f'{{"lsn":{lsn},"txId":{lsn},"schema":"public","table":"m"}}'
+        return f'{{"before":{row},"after":{new},"op":"{op}","source":{source}}}'.encode()
+
+    src = tmp_path / "in"
+    write_parts(src, [m("c", 1, None, "-0.0", 10), m("c", 2, None, "2.5", 11)], 1)
+    write_parts(src, [m("c", 1, None, "0.0", 20), m("u", 2, "2.5", "2.5", 21)], 1, start=1)
+    write_parts(src, [m("c", 3, None, "1.5", 30), m("u", 3, "1.5", "-0.0", 31)], 1, start=2)
+    on = _run(spark, src, tmp_path / "one", one_pass=True, schema=MEASURES)
+    off = _run(spark, src, tmp_path / "spark", one_pass=False, schema=MEASURES)
+    assert ["one_pass" in r.seconds for r in on] == [True]
+    assert [r.progress for r in on] == [r.progress for r in off]
+
+    def updates(log: Path) -> list[tuple[str, int, int]]:
+        reader = FeedReader(str(log), "bank")
+        rows = [r for t in reader.times() for r in reader.table(t).to_pylist()]
+        return sorted((repr(r["x"]), r["id"], r["diff"]) for r in rows)
+
+    assert updates(tmp_path / "one") == updates(tmp_path / "spark")
+    assert ("0.0", 1, 2) in updates(tmp_path / "one")
