@@ -143,10 +143,14 @@ def make_input(folder: Path, events: int, files: int, metadata: bool = False) ->
     return len(lines)
 
 
-def timed(cmd: list[str], what: str) -> tuple[float, str]:
-    """Run one process to its end; its wall time and its stderr (it must succeed)."""
+def timed(cmd: list[str], what: str, cwd: str | None = None) -> tuple[float, str]:
+    """Run one process to its end (in ``cwd``, with ``cwd`` first on its path when
+    given); its wall time and its stderr (it must succeed)."""
+    env = dict(os.environ)
+    if cwd is not None:
+        env["PYTHONPATH"] = cwd + os.pathsep + env.get("PYTHONPATH", "")
     t = time.perf_counter()
-    run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
     wall = time.perf_counter() - t
     if run.returncode != 0:
         print(f"{what} failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
@@ -185,6 +189,12 @@ def main() -> None:
         help="also run both tidefeed emits with --parse spark (Spark's JSON reader), the "
         "baseline of the parse in Spark's tasks",
     )
+    ap.add_argument(
+        "--baseline",
+        metavar="CHECKOUT",
+        help="also run the unkeyed tidefeed emit from another checkout of tidefeed (say, "
+        "a `git worktree` of an earlier commit), with this one's Python: an A/B in one run",
+    )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(args.work)
@@ -196,6 +206,7 @@ def main() -> None:
         "tidefeed emit": [],
         "tidefeed --key id": [],
         **({"--parse spark": [], "--parse spark --key id": []} if args.spark_parse_too else {}),
+        **({"baseline emit": []} if args.baseline else {}),
         "pyspark groupBy": [],
         "duckdb": [],
     }
@@ -212,18 +223,21 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         written: dict[str, int] = {}
-        runs = [("tidefeed emit", []), ("tidefeed --key id", ["--key", "id"])]
+        here = str(Path(__file__).resolve().parents[1])
+        runs = [("tidefeed emit", [], here), ("tidefeed --key id", ["--key", "id"], here)]
         if args.spark_parse_too:
-            runs += [("--parse spark", ["--parse", "spark"])]
-            runs += [("--parse spark --key id", ["--parse", "spark", "--key", "id"])]
-        for what, extra in runs:
-            log = out / ("log-" + "-".join(x.strip("-") for x in extra))
+            runs += [("--parse spark", ["--parse", "spark"], here)]
+            runs += [("--parse spark --key id", ["--parse", "spark", "--key", "id"], here)]
+        if args.baseline:
+            runs += [("baseline emit", [], str(Path(args.baseline).resolve()))]
+        for what, extra, tree in runs:
+            log = out / ("log-" + "-".join(x.strip("-") for x in [*extra, what.split()[0]]))
             emit = [
                 *(py, "-m", "feed.cli.main", "emit", "--source", f"debezium:{src}"),
                 *("--feed", "bank", "--log", str(log), "--schema", str(schema)),
                 *("--master", args.master, "--granularity", "batch", *extra),
             ]
-            wall, text = timed(emit, what)
+            wall, text = timed(emit, what, cwd=tree)
             walls[what].append(wall)
             written[what] = sum(int(v) for v in re.findall(r" updates=(\d+)", text))
             secs = stages(text)
@@ -252,7 +266,7 @@ def main() -> None:
     print(f"\nmarginal rate, {sizes[0]:,} -> {sizes[-1]:,} events (start-up cancels):")
     for k, r in rates.items():
         print(f"  {k:18s} {r:12,.0f} events/s")
-    for what in [k for k in walls if k.startswith(("tidefeed", "--parse"))]:
+    for what in [k for k in walls if k.startswith(("tidefeed", "--parse", "baseline"))]:
         ours = rates[what]
         print(
             f"  {what}: {ours / rates['pyspark groupBy']:.2f}x the pyspark groupBy; "

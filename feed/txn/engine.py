@@ -7,15 +7,18 @@ with what it wrote (:class:`~feed.txn.segments.Written`, for the emitter to comm
 with more input pending) or :data:`DECLINED` (not a transaction this engine takes; it
 wrote nothing). :func:`run_job` offers the job to each engine in turn.
 
-Two engines give the same feed for every transaction both take:
+Three engines give the same feed for every transaction they take:
 
 - :data:`DRIVER` (:mod:`feed.txn.driver`): a small, plain Debezium transaction,
   computed on the driver with pyarrow, parsed there too (Spark only parses what that
   parse declines);
+- :data:`ONEPASS` (:mod:`feed.txn.onepass`): a plain unkeyed transaction of one time,
+  parsed, figured and summed per record in the same Spark tasks;
 - :data:`SPARK` (:mod:`feed.txn.spark`): any transaction, computed in Spark.
 
-tests/feed/test_driver_txn.py runs random histories through ``(DRIVER, SPARK)`` and through
-``(SPARK,)`` alone and compares the feeds.
+tests/feed/test_driver_txn.py runs random histories through ``ENGINES`` and through
+``(SPARK,)`` alone and compares the feeds; tests/feed/test_onepass.py does the same for
+``(ONEPASS, SPARK)``.
 
 A group of feeds (feed/emit/group.py) offers its transaction to the driver engine's
 ``run_group`` first, when its engines include it; the group's Spark path reads every
