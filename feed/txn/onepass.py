@@ -22,8 +22,9 @@ event at or below the committed position is dropped as redelivered, as
 :func:`feed.sources.positions.position_filter` drops it. On anything else the engine
 declines, having written nothing, and the Spark path reads the input again; settings that
 can never be plain (a key, another granularity, ``--tx-metadata``, ``--eager``, input
-the columnar parse does not take) decline before any job, and so does small input whose
-text shows END records, snapshot reads or placeholders.
+the columnar parse does not take) decline before any job, and so does input whose text
+shows END records, snapshot reads or placeholders (all of it when small, else the head
+of each file).
 
 tests/feed/test_onepass.py runs inputs through this engine and through the Spark path
 alone and compares the feeds, the progress and the figures.
@@ -51,8 +52,10 @@ if TYPE_CHECKING:
 __all__ = ["FileFigures", "partial_sums", "plain_figures", "run"]
 
 #: small input (in all) whose text is looked through before the job: one that shows an
-#: END record, a snapshot read or a placeholder is not plain, so no job parses it twice
+#: END record, a snapshot read or a placeholder is not plain, so no job parses it twice;
+#: of larger input, the head of each file
 _SCAN_BYTES = 32 << 20
+_HEAD_BYTES = 1 << 20
 _NOT_PLAIN_TEXT = re.compile(rb'END|\\u|__debezium_unavailable_value|"op"\s*:\s*"r"')
 
 
@@ -121,14 +124,15 @@ def _settings_refuse(ctx: TxnContext, job: Job) -> str | None:
 
 
 def _text_refuses(files: Sequence[str]) -> str | None:
-    """For input of :data:`_SCAN_BYTES` at most, why its text shows it is not plain."""
+    """Why the text of ``files`` shows they are not plain: all of it for input of
+    :data:`_SCAN_BYTES` at most, else the first :data:`_HEAD_BYTES` of each file (where a
+    connector's initial snapshot, or an END record after the first transaction, shows)."""
     from feed.sources.inputs import input_bytes
 
-    if input_bytes(files) > _SCAN_BYTES:
-        return None  # (the tasks find out)
+    whole = input_bytes(files) <= _SCAN_BYTES
     for path in files:
         with open(path, "rb") as f:
-            found = _NOT_PLAIN_TEXT.search(f.read())
+            found = _NOT_PLAIN_TEXT.search(f.read() if whole else f.read(_HEAD_BYTES))
         if found is not None:
             return f"{path} holds {found.group().decode(errors='replace')!r}"
     return None

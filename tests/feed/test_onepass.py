@@ -93,6 +93,21 @@ def test_files_whose_positions_meet_are_not_plain():
     assert plain_figures([one[0]], 2) == "a file's task gave no figures"
 
 
+def test_the_text_of_large_input_is_looked_through_at_each_files_head(tmp_path, monkeypatch):
+    from feed.txn import onepass
+
+    plain = [_e("c", None, {"id": i, "x": None, "s": "a"}, 100 + i) for i in range(20)]
+    end = b'{"status":"END","id":"7:100","event_count":1,"data_collections":[]}'
+    early = write_parts(tmp_path / "early", [plain[0], end, *plain[1:]], 1)
+    late = write_parts(tmp_path / "late", [*plain, end], 1)
+    assert "holds 'END'" in (onepass._text_refuses([str(p) for p in early]) or "")
+    assert "holds 'END'" in (onepass._text_refuses([str(p) for p in late]) or "")
+    monkeypatch.setattr(onepass, "_SCAN_BYTES", 100)  # (both are larger: heads only)
+    monkeypatch.setattr(onepass, "_HEAD_BYTES", 3 * len(plain[0]))
+    assert "holds 'END'" in (onepass._text_refuses([str(p) for p in early]) or "")
+    assert onepass._text_refuses([str(p) for p in late]) is None  # (the tasks will see it)
+
+
 def _run(spark, src: Path, log: Path, *, one_pass: bool, schema=ACCOUNTS_SCHEMA, **kw) -> list:
     cfg = EmitterConfig(
         source_kind="debezium",
@@ -162,14 +177,15 @@ def test_a_history_gives_the_feed_the_spark_path_gives(spark, tmp_path):
 def test_input_found_not_plain_by_its_tasks_goes_to_the_spark_path(
     spark, tmp_path, caplog, monkeypatch
 ):
-    """A snapshot read among the lines, the text not looked through first (as for large
-    input): the tasks' figures decline it, nothing is written, the Spark path computes it,
-    and the feed equals the table."""
+    """A snapshot read among the lines, the text not looked through first (as past the
+    head of a large file): the tasks' figures decline it, nothing is written, the Spark
+    path computes it, and the feed equals the table."""
     import logging
 
     from feed.txn import onepass
 
     monkeypatch.setattr(onepass, "_SCAN_BYTES", -1)
+    monkeypatch.setattr(onepass, "_HEAD_BYTES", 0)
     caplog.set_level(logging.DEBUG)
     bank = generate_bank(transactions=8, seed=5, wrapped_every=0)
     src = tmp_path / "in"
