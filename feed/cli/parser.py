@@ -237,7 +237,7 @@ def _emit_spark(p: OptionParser) -> None:
         help="how a transaction in Spark parses debezium lines: auto (the default) by "
         "pyarrow in Spark's tasks where that reads them exactly as Spark's JSON reader "
         "does (flat lines of plain columns), else by that reader; spark: always by "
-        "Spark's reader (docs/operations.md)",
+        "Spark's reader, and never in one pass (docs/emitter.md)",
     )
 
 
