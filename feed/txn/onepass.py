@@ -85,7 +85,15 @@ def run(
         ctx.log.debug("feed %s: not a one-pass transaction: %s", ctx.config.feed, why)
         return DECLINED
     t0 = time.perf_counter()
-    partial, figures = _read(ctx, job.files)
+    try:
+        partial, figures = _read(ctx, job.files)
+    except Exception as e:  # (a file gone under the read, a failed task: the Spark path says)
+        ctx.log.warning(
+            "feed %s: the one-pass read failed (%s); the Spark path reads the input",
+            ctx.config.feed,
+            str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__,
+        )
+        return DECLINED
     why = plain_figures(figures, len(job.files)) or _unfit(ctx, job.files, figures)
     if why is not None:
         partial.unpersist()
@@ -194,7 +202,11 @@ def _read(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, list[FileFigures]
     pos = committed_position(ctx.cp.source.get("pos", [0, 0]))
     task = _task(to_arrow_type(image, timezone="UTC"), ctx.info.table, pos, (acc, read))
     partial = cached(listing.mapInArrow(task, out), spillable())
-    partial.count()  # (the job: every file's task has added its figures once it is done)
+    try:
+        partial.count()  # (the job: every file's task has added its figures once it is done)
+    except BaseException:
+        partial.unpersist()
+        raise
     with _lock:
         entries = acc.value
         mine = [f for f in entries if f.read == read]
@@ -211,11 +223,11 @@ def _task(
 
         for batch in batches:
             for path, name, i in zip(*(batch.column(c).to_pylist() for c in range(3)), strict=True):
-                with open(path, "rb") as f:
-                    data = f.read()
                 try:
+                    with open(path, "rb") as f:
+                        data = f.read()
                     t = parse_flat(data, record, (), table, i, name)
-                except Declined as e:
+                except (Declined, OSError) as e:  # (a file gone: the Spark path says so)
                     acc[0].add(frozenset([FileFigures(acc[1], i, f"{name}: {e}")]))
                     continue
                 figures, kept = file_figures(t, pos, acc[1], i)
