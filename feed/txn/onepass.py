@@ -8,9 +8,9 @@ that parse: each task reads one file with pyarrow (:func:`feed.sources.debezium_
 parse_flat`, as the Spark path's columnar read does), takes that file's figures, turns
 each kept event into ``-before`` / ``+after`` (as :func:`feed.txn.diffs.unkeyed_diffs`)
 and sums the diffs of each record within the file. Only those partial sums leave the
-task, cached, and the figures come to the driver through an accumulator in the same job.
-The driver then checks that the whole input was plain, and a second job sums the partial
-sums per record across files and writes them (:func:`feed.txn.segments.write_updates`).
+task; the same job sums them per record across files and caches the result, and the
+figures come to the driver through an accumulator. The driver then checks that the whole
+input was plain, and a second job writes the updates (:func:`feed.txn.segments.write_updates`).
 
 Plain here is what the Spark path's assembly releases whole, with no figure per source
 transaction (:meth:`feed.sources.transactions._Assembly.plain`): data events and skipped
@@ -86,7 +86,7 @@ def run(
         return DECLINED
     t0 = time.perf_counter()
     try:
-        partial, figures = _read(ctx, job.files)
+        updates, figures = _read(ctx, job.files)
     except Exception as e:  # (a file gone under the read, a failed task: the Spark path says)
         ctx.log.warning(
             "feed %s: the one-pass read failed (%s); the Spark path reads the input",
@@ -96,7 +96,7 @@ def run(
         return DECLINED
     why = plain_figures(figures, len(job.files)) or _unfit(ctx, job.files, figures)
     if why is not None:
-        partial.unpersist()
+        updates.unpersist()
         ctx.log.debug("feed %s: not a one-pass transaction: %s", ctx.config.feed, why)
         return DECLINED
     secs["read"] = time.perf_counter() - t0
@@ -105,10 +105,10 @@ def run(
     try:
         t1 = time.perf_counter()
         reached("before_write", bad_rows=0)
-        segments = _write(ctx, partial)
+        segments = _write(ctx, updates)
         secs["write"] = time.perf_counter() - t1
     finally:
-        partial.unpersist()
+        updates.unpersist()
     secs["one_pass"] = time.perf_counter() - t0
     return _written(ctx, figures, segments, rows)
 
@@ -178,7 +178,9 @@ _lock = threading.Lock()
 
 
 def _read(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, list[FileFigures]]:
-    """The partial sums of ``files`` (cached) and each file's figures: one Spark job."""
+    """The updates of ``files`` (record, diff: the partial sums summed per record across
+    files, zeros left out; cached) and each file's figures: one Spark job."""
+    from pyspark.sql import functions as F
     from pyspark.sql import types as T
     from pyspark.sql.pandas.types import to_arrow_type
 
@@ -201,17 +203,20 @@ def _read(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, list[FileFigures]
     )
     pos = committed_position(ctx.cp.source.get("pos", [0, 0]))
     task = _task(to_arrow_type(image, timezone="UTC"), ctx.info.table, pos, (acc, read))
-    partial = cached(listing.mapInArrow(task, out), spillable())
+    # (summed across files in the same job: the cache holds the updates, not the
+    # partial sums, which are about three times as many)
+    summed = listing.mapInArrow(task, out).groupBy("data").agg(F.sum("diff").alias("diff"))
+    updates = cached(summed.where(F.col("diff") != 0), spillable())
     try:
-        partial.count()  # (the job: every file's task has added its figures once it is done)
+        updates.count()  # (the job: every file's task has added its figures once it is done)
     except BaseException:
-        partial.unpersist()
+        updates.unpersist()
         raise
     with _lock:
         entries = acc.value
         mine = [f for f in entries if f.read == read]
         acc.value = frozenset(f for f in entries if f.read > read)
-    return partial, mine
+    return updates, mine
 
 
 def _task(
@@ -338,20 +343,14 @@ def partial_sums(kept: pa.Table, record: pa.StructType) -> pa.Table:
     return pa.table({"data": data, "diff": summed["diff_sum"]})
 
 
-def _write(ctx: TxnContext, partial: Any) -> list[Any]:
-    """The partial sums summed per record across files, written as the one time's
-    segments."""
+def _write(ctx: TxnContext, updates: Any) -> list[Any]:
+    """The transaction's ``updates`` (record, diff), written as its one time's segments."""
     from pyspark.sql import functions as F
 
     from feed.txn.segments import write_updates
 
-    updates = (
-        partial.groupBy("data")
-        .agg(F.sum("diff").alias("diff"))
-        .where(F.col("diff") != 0)
-        .select("data", F.lit(ctx.cp.next).cast("long").alias("time"), "diff")
-    )
-    return write_updates(ctx, ctx.cp.seq + 1, updates)
+    timed = updates.select("data", F.lit(ctx.cp.next).cast("long").alias("time"), "diff")
+    return write_updates(ctx, ctx.cp.seq + 1, timed)
 
 
 def _written(
