@@ -57,12 +57,25 @@ def collection_of(reader, at=None) -> Counter:
     return c
 
 
-def run_emitter(spark, **config):
-    """Open an emitter with this config on the shared session, run it to the end of its
-    input; return it (its ``cp`` is the last commit) and the transactions' reports."""
+#: a record with a double: NaN, -0.0 and 0.0 in consolidation
+MEASURES = {
+    "type": "record",
+    "name": "measures",
+    "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "x", "type": ["null", "double"], "default": None},
+    ],
+}
+
+
+def run_emitter(spark, engines=None, **config):
+    """Open an emitter with this config on the shared session (offering its transactions
+    to ``engines``, by default the emitter's), run it to the end of its input; return it
+    (its ``cp`` is the last commit) and the transactions' reports."""
     from feed.emit.emitter import Emitter, EmitterConfig
 
-    e = Emitter(EmitterConfig(**config), spark=spark)
+    extra = {} if engines is None else {"engines": engines}
+    e = Emitter(EmitterConfig(**config), spark=spark, **extra)
     e.open()
     return e, e.run()
 

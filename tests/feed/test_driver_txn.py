@@ -24,7 +24,7 @@ from feed.txn.engine import DECLINED, DRIVER, ENGINES, SPARK, Job, run_job
 from protocol.messages import record_key
 
 from ..e2e.helpers import write_parts
-from .model import as_multiset, collection_of
+from .model import MEASURES, as_multiset, collection_of
 
 
 def _run(
@@ -261,16 +261,6 @@ def test_the_driver_gives_the_feed_spark_gives(
         assert any(TOAST_PLACEHOLDER.encode() in f.read_bytes() for f in src.glob("*.json"))
     if absent_delete:  # the delete of an absent key went to Spark and was quarantined
         assert sum(r.bad_rows for r in on) == sum(r.bad_rows for r in off) == 1
-
-
-MEASURES = {
-    "type": "record",
-    "name": "measures",
-    "fields": [
-        {"name": "id", "type": "long"},
-        {"name": "x", "type": ["null", "double"], "default": None},
-    ],
-}
 
 
 def _m(op: str, i: int, before: str | None, after: str | None, lsn: int) -> bytes:

@@ -17,7 +17,6 @@ import pyarrow as pa
 import pytest
 
 from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
-from feed.emit.emitter import Emitter, EmitterConfig
 from feed.log.reader import FeedReader
 from feed.sources.debezium_arrow import parse_flat
 from feed.txn.engine import ONEPASS, SPARK
@@ -25,7 +24,7 @@ from feed.txn.onepass import file_figures, partial_sums, plain_figures
 from protocol.messages import record_key
 
 from ..e2e.helpers import write_parts
-from .model import as_multiset, collection_of
+from .model import MEASURES, as_multiset, collection_of, emit_bank
 
 TOAST = "__debezium_unavailable_value"
 RECORD = pa.struct([("id", pa.int64()), ("x", pa.float64()), ("s", pa.string())])
@@ -109,20 +108,18 @@ def test_the_text_of_large_input_is_looked_through_at_each_files_head(tmp_path, 
 
 
 def _run(spark, src: Path, log: Path, *, one_pass: bool, schema=ACCOUNTS_SCHEMA, **kw) -> list:
-    cfg = EmitterConfig(
-        source_kind="debezium",
-        source_path=str(src),
+    e, reports = emit_bank(
+        spark,
+        src,
+        log,
         feed="bank",
-        log=str(log),
+        key=(),
         schema=schema,
-        clock="logical",
         granularity="batch",
         driver_txn_bytes=0,  # (the driver engine would take these small transactions)
+        engines=(ONEPASS, SPARK) if one_pass else (SPARK,),
         **kw,
     )
-    e = Emitter(cfg, spark=spark, engines=(ONEPASS, SPARK) if one_pass else (SPARK,))
-    e.open()
-    reports = e.run()
     e.close()
     return reports
 
@@ -202,16 +199,6 @@ def test_input_found_not_plain_by_its_tasks_goes_to_the_spark_path(
     assert collection_of(FeedReader(str(tmp_path / "one"), "bank")) == as_multiset(
         bank.final.values()
     )
-
-
-MEASURES = {
-    "type": "record",
-    "name": "measures",
-    "fields": [
-        {"name": "id", "type": "long"},
-        {"name": "x", "type": ["null", "double"], "default": None},
-    ],
-}
 
 
 def test_floating_point_records_consolidate_across_files_as_in_spark(spark, tmp_path):
