@@ -56,6 +56,8 @@ __all__ = ["FileFigures", "partial_sums", "plain_figures", "run"]
 #: of larger input, the head of each file
 _SCAN_BYTES = 32 << 20
 _HEAD_BYTES = 1 << 20
+#: input under this size is not offered to the parse again once it declined a feed's input
+_SMALL_BYTES = 16 << 20
 _NOT_PLAIN_TEXT = re.compile(rb'END|\\u|__debezium_unavailable_value|"op"\s*:\s*"r"')
 
 
@@ -73,6 +75,7 @@ class FileFigures(NamedTuple):
     shapes: tuple[int, ...] = ()  # table shapes of the rows past the committed position
     distinct: bool = True  # no two data events share a position
     span: tuple[tuple[int, int], tuple[int, int]] | None = None  # first and last position
+    unparsed: bool = False  # the columnar parse declined the file (or could not read it)
 
 
 def run(
@@ -95,6 +98,8 @@ def run(
         )
         return DECLINED
     why = plain_figures(figures, len(job.files)) or _unfit(ctx, job.files, figures)
+    if any(f.unparsed for f in figures):
+        _parse_declined.add(ctx.feedlog.root)
     if why is not None:
         updates.unpersist()
         ctx.log.debug("feed %s: not a one-pass transaction: %s", ctx.config.feed, why)
@@ -117,6 +122,7 @@ def _settings_refuse(ctx: TxnContext, job: Job) -> str | None:
     """Why the transaction of ``job`` is not this engine's, found without a job."""
     from feed.sources.columnar import why_not_columnar
     from feed.sources.connect import connect_names
+    from feed.sources.inputs import input_bytes
 
     cfg, info = ctx.config, ctx.info
     if not (cfg.kind.events and cfg.kind.columnar) or cfg.parse == "spark":
@@ -128,6 +134,10 @@ def _settings_refuse(ctx: TxnContext, job: Job) -> str | None:
     why = why_not_columnar(job.files, ctx.record_type, connect_names(info.schema or {}))
     if why is not None:
         return why
+    if ctx.feedlog.root in _parse_declined and input_bytes(job.files) < _SMALL_BYTES:
+        # (a connector writes its lines one way: such input would most likely be parsed
+        # to be declined again, a job lost in each small transaction of a follower)
+        return "the columnar parse declined this feed's input before; small input"
     return _text_refuses(job.files)
 
 
@@ -175,6 +185,8 @@ def _unfit(ctx: TxnContext, files: Sequence[str], figures: Sequence[FileFigures]
 
 _reads = itertools.count(1)
 _lock = threading.Lock()
+#: the feeds (their log folders) whose input the columnar parse declined in this process
+_parse_declined: set[str] = set()
 
 
 def _read(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, list[FileFigures]]:
@@ -233,7 +245,8 @@ def _task(
                         data = f.read()
                     t = parse_flat(data, record, (), table, i, name)
                 except (Declined, OSError) as e:  # (a file gone: the Spark path says so)
-                    acc[0].add(frozenset([FileFigures(acc[1], i, f"{name}: {e}")]))
+                    entry = FileFigures(acc[1], i, f"{name}: {e}", unparsed=True)
+                    acc[0].add(frozenset([entry]))
                     continue
                 figures, kept = file_figures(t, pos, acc[1], i)
                 acc[0].add(frozenset([figures]))
