@@ -241,9 +241,11 @@ def _after_last(text: pa.Array, sep: str) -> pa.Array:
 
 def _sequence_hi(seq: pa.Array) -> pa.Array:
     """The commit LSN of ``source.sequence`` (its first item), where it has one; declined
-    where the text is not a list of numbers as text (Spark's ``from_json`` takes more)."""
+    where the text is not a list of numbers as text (Spark's ``from_json`` takes more).
+    Items may be apart by spaces after the comma (Debezium's Jackson writes none; Python's
+    ``json.dumps`` writes one)."""
     item = r'(?:null|"[0-9]*")'
-    whole = pc.match_substring_regex(seq, rf'^\[(?:(?:null|"{_LONG}")(?:,{item})*)?\]$')
+    whole = pc.match_substring_regex(seq, rf'^\[(?:(?:null|"{_LONG}")(?:, *{item})*)?\]$')
     if pc.any(pc.invert(_false(pc.or_kleene(whole, pc.is_null(seq))))).as_py():
         raise Declined("a source.sequence other than a list of numbers as text")
     first = pc.struct_field(pc.extract_regex(seq, rf'^\[(?:"(?P<v>{_LONG})")?'), "v")

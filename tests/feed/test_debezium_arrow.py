@@ -68,12 +68,16 @@ def test_flat_lines_of_every_kind_parse_as_spark_parses_them(spark, tmp_path):
     no_table = {**event("c", {**row, "id": 4}, 310, xid=9), "source": {"lsn": 310}}
     write(src, "a.json", [*every_kind(row), no_table])
     lines = [orjson.dumps(event("c", {**row, "id": i}, 400 + i, xid=9)) for i in (5, 6)]
+    spaced = event("c", {**row, "id": 7}, 420, xid=9)  # (a sequence as json.dumps writes it)
+    spaced["source"]["sequence"] = '["418", "420"]'
+    lines.append(orjson.dumps(spaced))
     (src / "b.json").write_bytes(b"\n".join(lines) + b"\n\n   \n")
     files = sorted(src.glob("*.json"))
     for key, table in ((["id"], "public.accounts"), ([], "public.accounts"), (["id"], None)):
         ours, theirs = _both(spark, files, SCHEMA, key, table)
         assert ours == theirs
-        assert len(ours) == 13
+        assert len(ours) == 14
+        assert 418 in {r["pos_hi"] for r in ours}  # (the spaced sequence's commit LSN)
         assert {r["op"] for r in ours} == {"r", "c", "u", "d", "x", "E"}
 
 
