@@ -123,6 +123,7 @@ def _settings_refuse(ctx: TxnContext, job: Job) -> str | None:
     from feed.sources.columnar import why_not_columnar
     from feed.sources.connect import connect_names
     from feed.sources.inputs import input_bytes
+    from protocol import SourceError
 
     cfg, info = ctx.config, ctx.info
     if not (cfg.kind.events and cfg.kind.columnar) or cfg.parse == "spark":
@@ -131,14 +132,17 @@ def _settings_refuse(ctx: TxnContext, job: Job) -> str | None:
         return "a keyed feed, or more than one time a transaction"
     if job.tx_files or cfg.tx_metadata or job.eager is not None or not job.files:
         return "transaction metadata, eager delivery or no input"
-    why = why_not_columnar(job.files, ctx.record_type, connect_names(info.schema or {}))
-    if why is not None:
-        return why
-    if ctx.feedlog.root in _parse_declined and input_bytes(job.files) < _SMALL_BYTES:
-        # (a connector writes its lines one way: such input would most likely be parsed
-        # to be declined again, a job lost in each small transaction of a follower)
-        return "the columnar parse declined this feed's input before; small input"
-    return _text_refuses(job.files)
+    try:
+        why = why_not_columnar(job.files, ctx.record_type, connect_names(info.schema or {}))
+        if why is not None:
+            return why
+        if ctx.feedlog.root in _parse_declined and input_bytes(job.files) < _SMALL_BYTES:
+            # (a connector writes its lines one way: such input would most likely be
+            # parsed to be declined again, a job lost in each small transaction)
+            return "the columnar parse declined this feed's input before; small input"
+        return _text_refuses(job.files)
+    except (OSError, SourceError) as e:  # (a file gone: the Spark path says what is wrong)
+        return f"input that cannot be read ({e})"
 
 
 def _text_refuses(files: Sequence[str]) -> str | None:

@@ -257,3 +257,29 @@ def test_after_the_parse_declines_a_feed_small_input_goes_to_the_spark_path_at_o
     assert "declined this feed's input before" in caplog.text
     assert [r.progress for r in on] == [r.progress for r in off]
     assert _times(tmp_path / "one") == _times(tmp_path / "spark")
+
+
+def test_input_gone_before_the_engine_looks_is_declined_for_the_spark_path_to_name(tmp_path):
+    """A listed file removed before the engine looks at it: declined with why, no
+    exception (the Spark path then says what is wrong, as without this engine)."""
+    from types import SimpleNamespace
+
+    from feed.sources.registry import source_kind
+    from feed.sources.rows import spark_record_type
+    from feed.txn import onepass
+    from feed.txn.engine import Job
+
+    here = write_parts(tmp_path / "in", [_e("c", None, {"id": 1, "x": None, "s": None}, 40)], 1)
+    config = SimpleNamespace(
+        kind=source_kind("debezium"), parse="auto", granularity="batch", tx_metadata=None
+    )
+    ctx = SimpleNamespace(
+        config=config,
+        info=SimpleNamespace(key=(), schema=MEASURES),
+        record_type=spark_record_type(MEASURES),
+        feedlog=SimpleNamespace(root=str(tmp_path / "log")),
+    )
+    assert onepass._settings_refuse(ctx, Job(seq=1, files=[str(here[0])])) is None
+    here[0].unlink()
+    why = onepass._settings_refuse(ctx, Job(seq=1, files=[str(here[0])]))
+    assert why is not None and "input that cannot be read" in why and "part-0000" in why
