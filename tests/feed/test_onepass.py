@@ -183,7 +183,7 @@ def test_input_found_not_plain_by_its_tasks_goes_to_the_spark_path(
 
     monkeypatch.setattr(onepass, "_SCAN_BYTES", -1)
     monkeypatch.setattr(onepass, "_HEAD_BYTES", 0)
-    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="tidefeed.emit")
     bank = generate_bank(transactions=8, seed=5, wrapped_every=0)
     src = tmp_path / "in"
     first = orjson.loads(bank.events[0])
@@ -240,7 +240,7 @@ def test_after_the_parse_declines_a_feed_small_input_goes_to_the_spark_path_at_o
     follower otherwise). The feed is the Spark path's either way."""
     import logging
 
-    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="tidefeed.emit")
 
     def m(i: int, lsn: int) -> bytes:
         row = {"id": str(i), "x": 1.5}
