@@ -73,8 +73,9 @@ class FileFigures(NamedTuple):
     kept: int = 0  # data events past the committed position
     last: tuple[int, int, int] | None = None  # the highest kept position
     shapes: tuple[int, ...] = ()  # table shapes of the rows past the committed position
-    distinct: bool = True  # no two data events share a position
-    span: tuple[tuple[int, int], tuple[int, int]] | None = None  # first and last position
+    #: where its data events sit: the file's entry for :func:`~feed.sources.columnar.
+    #: all_distinct` (:func:`~feed.sources.columnar.seen_positions`)
+    positions: tuple[Any, ...] | None = None
     unparsed: bool = False  # the columnar parse declined the file (or could not read it)
 
 
@@ -136,22 +137,22 @@ def _settings_refuse(ctx: TxnContext, job: Job) -> str | None:
         why = why_not_columnar(job.files, ctx.record_type, connect_names(info.schema or {}))
         if why is not None:
             return why
-        if ctx.feedlog.root in _parse_declined and input_bytes(job.files) < _SMALL_BYTES:
+        size = input_bytes(job.files)
+        if ctx.feedlog.root in _parse_declined and size < _SMALL_BYTES:
             # (a connector writes its lines one way: such input would most likely be
             # parsed to be declined again, a job lost in each small transaction)
             return "the columnar parse declined this feed's input before; small input"
-        return _text_refuses(job.files)
+        return _text_refuses(job.files, size)
     except (OSError, SourceError) as e:  # (a file gone: the Spark path says what is wrong)
         return f"input that cannot be read ({e})"
 
 
-def _text_refuses(files: Sequence[str]) -> str | None:
-    """Why the text of ``files`` shows they are not plain: all of it for input of
-    :data:`_SCAN_BYTES` at most, else the first :data:`_HEAD_BYTES` of each file (where a
-    connector's initial snapshot, or an END record after the first transaction, shows)."""
-    from feed.sources.inputs import input_bytes
-
-    whole = input_bytes(files) <= _SCAN_BYTES
+def _text_refuses(files: Sequence[str], size: int) -> str | None:
+    """Why the text of ``files`` (``size`` bytes in all) shows they are not plain: all of it
+    for input of :data:`_SCAN_BYTES` at most, else the first :data:`_HEAD_BYTES` of each
+    file (where a connector's initial snapshot, or an END record after the first
+    transaction, shows)."""
+    whole = size <= _SCAN_BYTES
     for path in files:
         with open(path, "rb") as f:
             found = _NOT_PLAIN_TEXT.search(f.read() if whole else f.read(_HEAD_BYTES))
@@ -169,8 +170,7 @@ def plain_figures(figures: Sequence[FileFigures], n_files: int) -> str | None:
     for f in sorted(figures, key=lambda f: f.ord_file):
         if f.why is not None:
             return f.why
-    seen = [(f.read, f.ord_file, f.data, *(f.span or (None, None))) for f in figures]
-    if not all(f.distinct for f in figures) or not all_distinct(seen, n_files):
+    if not all_distinct([f.positions for f in figures if f.positions], n_files):
         return "data events that may share a position (one read twice)"
     return None
 
@@ -293,7 +293,6 @@ def file_figures(
         if t["_skip"].null_count < len(t)
         else []
     )
-    seen = seen_positions(read, ord_file, t)
     figures = FileFigures(
         read=read,
         ord_file=ord_file,
@@ -304,8 +303,7 @@ def file_figures(
         kept=pc.sum(kept.cast(pa.int64())).as_py() or 0,
         last=_highest(t.filter(kept)),
         shapes=tuple(sorted(set(t.filter(fresh)["_shape"].drop_null().to_pylist()))),
-        distinct=seen[3] is not None or seen[2] == 0,
-        span=None if seen[3] is None or seen[4] is None else (seen[3], seen[4]),
+        positions=seen_positions(read, ord_file, t),
     )
     return figures, kept
 

@@ -93,18 +93,24 @@ def test_files_whose_positions_meet_are_not_plain():
 
 
 def test_the_text_of_large_input_is_looked_through_at_each_files_head(tmp_path, monkeypatch):
+    from feed.sources.inputs import input_bytes
     from feed.txn import onepass
 
     plain = [_e("c", None, {"id": i, "x": None, "s": "a"}, 100 + i) for i in range(20)]
     end = b'{"status":"END","id":"7:100","event_count":1,"data_collections":[]}'
     early = write_parts(tmp_path / "early", [plain[0], end, *plain[1:]], 1)
     late = write_parts(tmp_path / "late", [*plain, end], 1)
-    assert "holds 'END'" in (onepass._text_refuses([str(p) for p in early]) or "")
-    assert "holds 'END'" in (onepass._text_refuses([str(p) for p in late]) or "")
+
+    def refuses(paths: list[Path]) -> str | None:
+        files = [str(p) for p in paths]
+        return onepass._text_refuses(files, input_bytes(files))
+
+    assert "holds 'END'" in (refuses(early) or "")
+    assert "holds 'END'" in (refuses(late) or "")
     monkeypatch.setattr(onepass, "_SCAN_BYTES", 100)  # (both are larger: heads only)
     monkeypatch.setattr(onepass, "_HEAD_BYTES", 3 * len(plain[0]))
-    assert "holds 'END'" in (onepass._text_refuses([str(p) for p in early]) or "")
-    assert onepass._text_refuses([str(p) for p in late]) is None  # (the tasks will see it)
+    assert "holds 'END'" in (refuses(early) or "")
+    assert refuses(late) is None  # (the tasks will see it)
 
 
 def _run(spark, src: Path, log: Path, *, one_pass: bool, schema=ACCOUNTS_SCHEMA, **kw) -> list:
