@@ -334,7 +334,8 @@ def _diffs(ctx: TxnContext, good: Any, loaded: Any, units: int) -> tuple[Any, An
     sources), the ``loaded`` keyed state, or none (unkeyed feeds)."""
     from pyspark.sql import functions as F
 
-    from feed.txn.diffs import keyed_diffs, snapshot_diffs, unkeyed_diffs
+    from feed.txn.diffs import keyed_diffs, unkeyed_diffs
+    from feed.txn.snapshots import snapshot_diffs
 
     cfg, cp = ctx.config, ctx.cp
     if cfg.kind.whole_table:

@@ -9,6 +9,7 @@
   or without full before-images (Debezium ``REPLICA IDENTITY DEFAULT``, upserts, deletes by
   key) and keeps the feed non-negative with at most one live row per key (DESIGN §2.6). A
   delete of a key that is not there is a bad row.
+* **Whole-table snapshots** are diffed against the one before in :mod:`feed.txn.snapshots`.
 * **Consolidation** sums diffs per ``(record, time)`` and drops zeros (a no-op update or an
   update undone in the same time vanishes).
 """
@@ -16,25 +17,27 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from feed.log.info import Granularity
 from feed.sources.cached import cached
 from feed.sources.positions import order_column
 from feed.txn.state import GONE_COLUMN, POS_COLUMN, POS_TYPE
 
 __all__ = [
     "Diffs",
+    "absent_delete",
     "consolidate_diffs",
+    "diffs_of_last",
     "fill_unavailable",
+    "key_of",
     "keyed_diffs",
+    "last_images",
     "replacement_deletes",
-    "snapshot_diffs",
     "unkeyed_diffs",
 ]
 
@@ -60,7 +63,8 @@ def unkeyed_diffs(changes: DataFrame) -> DataFrame:
     return minus.unionByName(plus)
 
 
-def _key_of(image: Column, key: Sequence[str]) -> Column:
+def key_of(image: Column, key: Sequence[str]) -> Column:
+    """The struct of the ``key`` columns of a record struct ``image``."""
     return F.struct(*[image[k].alias(k) for k in key])
 
 
@@ -84,18 +88,38 @@ def keyed_diffs(
     state's, and no window (a sort of every key) is needed."""
     image = F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after"))
     events = changes.select(
-        _key_of(image, key).alias("k"),
+        key_of(image, key).alias("k"),
         "unit",
         "op",
         "after",
         order_column().alias("o"),
         F.struct("pos_hi", "pos_lo", "pos_n").alias("p"),
+        (F.col("op") != "d").cast("int").alias("up"),
         "_file",
         "_raw",
     )
-    last = _against_state(_last_images(events), state, key, per_key=per_key)
+    record_t = changes.schema["after"].dataType
+    assert isinstance(record_t, T.StructType)
+    d = diffs_of_last(last_images(events), state, key, record_t, per_key=per_key, one_unit=one_unit)
+    assert d.cached is not None
+    return replace(d, bad=_absent_deletes(events, d.cached))
+
+
+def diffs_of_last(
+    last: DataFrame,
+    state: DataFrame | None,
+    key: Sequence[str],
+    record_t: T.StructType,
+    *,
+    per_key: bool = False,
+    one_unit: bool = False,
+) -> Diffs:
+    """The diffs and the new state of each key's :func:`last_images` against ``state``
+    (see :func:`keyed_diffs`). ``cached`` is ``last`` with each key's row in the state
+    (``old``) and the image it retracts (``prev``); no bad rows are looked for here."""
+    last = _against_state(last, state, key, per_key=per_key)
     if state is None:
-        last = last.withColumn("old", F.lit(None).cast(changes.schema["after"].dataType))
+        last = last.withColumn("old", F.lit(None).cast(record_t))
     if one_unit:
         prev = F.col("old")
     else:
@@ -109,19 +133,24 @@ def keyed_diffs(
     plus = last.where(F.col("img").isNotNull()).select(
         F.col("img").alias("data"), "unit", F.lit(1).cast("long").alias("diff")
     )
-    record_t = changes.schema["after"].dataType
-    assert isinstance(record_t, T.StructType)
     new_state = _new_state(last, state, key, record_t, per_key=per_key, one_unit=one_unit)
-    bad = _absent_deletes(events, last)
-    return Diffs(diffs=minus.unionByName(plus), units=0, state=new_state, bad=bad, cached=last)
+    return Diffs(diffs=minus.unionByName(plus), units=0, state=new_state, cached=last)
 
 
-def _last_images(events: DataFrame) -> DataFrame:
-    """Each key's last image in each unit (``img``; null: deleted), whether the unit
-    upserts it at all, and its highest position."""
+def absent_delete() -> Column:
+    """Whether a row of :func:`diffs_of_last`'s ``cached`` deletes a key that had no row,
+    neither before in its unit nor in the state (the deletes behind it are bad rows)."""
+    return F.col("img").isNull() & F.col("prev").isNull() & (F.col("has_upsert") == 0)
+
+
+def last_images(events: DataFrame) -> DataFrame:
+    """Each key's (``k``) last image in each unit (``img``; null: deleted) by the order
+    ``o``, whether the unit upserts it at all (the highest ``up``), and its highest
+    position (``p``). Taking it over parts of the events, and again over the parts' last
+    events (each with its part's ``up``), gives the same."""
     last = events.groupBy("k", "unit").agg(
         F.max_by(F.struct("op", "after"), "o").alias("last"),
-        F.max((F.col("op") != "d").cast("int")).alias("has_upsert"),
+        F.max("up").alias("has_upsert"),
         F.max("p").alias("p"),
     )
     return last.select(
@@ -143,7 +172,7 @@ def _against_state(
     pos = F.col(POS_COLUMN) if POS_COLUMN in state.columns else F.lit(None).cast(POS_TYPE)
     gone = F.col(GONE_COLUMN) if GONE_COLUMN in state.columns else F.lit(False)
     st = state.select(
-        _key_of(F.col("data"), key).alias("k"),
+        key_of(F.col("data"), key).alias("k"),
         F.when(~gone, F.col("data")).alias("old"),
         pos.cast(POS_TYPE).alias("old_pos"),
     )
@@ -157,9 +186,7 @@ def _against_state(
 def _absent_deletes(events: DataFrame, last: DataFrame) -> DataFrame:
     """The deletes of a key that had no row, neither before them in this transaction nor
     in the state: bad rows."""
-    missing = last.where(
-        F.col("img").isNull() & F.col("prev").isNull() & (F.col("has_upsert") == 0)
-    ).select("k", "unit")
+    missing = last.where(absent_delete()).select("k", "unit")
     not_present = F.concat(F.lit("delete of key "), F.to_json("k"), F.lit(" that is not present"))
     return (
         events.where(F.col("op") == "d")
@@ -208,7 +235,7 @@ def _new_state(
     # feed/txn/grouped.py:read_files, a condition on ``data``'s fields met a bug of Spark
     # 4's nested column aliasing, INTERNAL_ERROR_ATTRIBUTE_NOT_FOUND in the anti join)
     kept = (
-        state.select("*", _key_of(F.col("data"), key).alias("k"))
+        state.select("*", key_of(F.col("data"), key).alias("k"))
         .join(touched.select("k"), "k", "left_anti")
         .select("data", *carried)
     )
@@ -227,7 +254,7 @@ def replacement_deletes(
         return changes.limit(0)
     lsn, txn = snapshot
     reads = changes.where((F.col("op") == "r") & (F.col("txn") == txn))
-    held = reads.select(_key_of(F.col("after"), key).alias("k")).distinct()
+    held = reads.select(key_of(F.col("after"), key).alias("k")).distinct()
     given = {
         "op": F.lit("d"),
         "before": F.col("data"),
@@ -241,7 +268,7 @@ def replacement_deletes(
         "ord_row": F.lit(0),
         "_file": F.lit("(new snapshot)"),
     }
-    keyed = live.select(_key_of(F.col("data"), key).alias("k"), "data")
+    keyed = live.select(key_of(F.col("data"), key).alias("k"), "data")
     return keyed.join(held, "k", "left_anti").select(
         *[
             given.get(f.name, F.lit(None)).cast(f.dataType).alias(f.name)
@@ -260,7 +287,7 @@ def fill_unavailable(changes: DataFrame, state: DataFrame | None, key: Sequence[
     """
     after_t = changes.schema["after"].dataType
     columns = [f.name for f in after_t.fields]  # type: ignore[attr-defined]
-    k = _key_of(F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after")), key)
+    k = key_of(F.when(F.col("op") == "d", F.col("before")).otherwise(F.col("after")), key)
     keyed = changes.withColumn("_k", k)
     toast_keys = keyed.where(F.col("_toast").isNotNull()).select("_k").distinct()
     hit = keyed.join(F.broadcast(toast_keys), "_k", "left_semi")
@@ -268,7 +295,7 @@ def fill_unavailable(changes: DataFrame, state: DataFrame | None, key: Sequence[
     events = hit.select("*", F.lit(1).alias("_src"))
     if state is not None:
         earlier = (
-            state.select(_key_of(F.col("data"), key).alias("_k"), F.col("data").alias("after"))
+            state.select(key_of(F.col("data"), key).alias("_k"), F.col("data").alias("after"))
             .join(F.broadcast(toast_keys), "_k", "left_semi")
             .select("_k", "after", F.lit(0).alias("_src"))
         )
@@ -323,76 +350,4 @@ def consolidate_diffs(diffs: DataFrame, next_time: int) -> DataFrame:
         .agg(F.sum("diff").alias("diff"))
         .where(F.col("diff") != 0)
         .select("data", (F.lit(next_time) + F.col("unit")).alias("time"), "diff")
-    )
-
-
-def snapshot_diffs(
-    changes: DataFrame, state: DataFrame | None, key: Sequence[str], granularity: Granularity
-) -> Diffs:
-    """Successive full snapshots -> diffs: each snapshot minus the one before it.
-
-    Every row of snapshot ``i`` is ``+1`` at its own unit and ``-1`` at the next snapshot's
-    unit; the previous transaction's last snapshot (the state) is ``-1`` at unit 0.
-    Consolidation leaves exactly the multiset difference, keyed or not. With ``batch``
-    granularity only the last snapshot counts. Keyed snapshots keep the first row of a key
-    that appears more than once and report the others as bad.
-    """
-    bad = None
-    if key:
-        k = _key_of(F.col("after"), key)
-        w = Window.partitionBy("ord_file", k).orderBy("ord_row")
-        ranked = changes.withColumn("_n", F.row_number().over(w))
-        bad = ranked.where(F.col("_n") > 1).select(
-            "_file",
-            "_raw",
-            F.concat(
-                F.lit("key "), F.to_json(k), F.lit(" appears more than once in one snapshot")
-            ).alias("_error"),
-        )
-        changes = ranked.where(F.col("_n") == 1).drop("_n")
-    changes = cached(changes, StorageLevel.MEMORY_AND_DISK)
-    last_row = changes.agg(F.max("ord_file").alias("m")).collect()[0]
-    last = last_row["m"]
-    parts = []
-    if last is not None:
-        if granularity == "transaction":
-            parts.append(
-                changes.select(F.col("after").alias("data"), "unit", F.lit(1).alias("diff"))
-            )
-            parts.append(
-                changes.where(F.col("ord_file") != last).select(
-                    F.col("after").alias("data"),
-                    (F.col("unit") + 1).alias("unit"),
-                    F.lit(-1).alias("diff"),
-                )
-            )
-        else:
-            parts.append(
-                changes.where(F.col("ord_file") == last).select(
-                    F.col("after").alias("data"),
-                    F.lit(0).cast("long").alias("unit"),
-                    F.lit(1).alias("diff"),
-                )
-            )
-    if state is not None and last is not None:
-        parts.append(
-            state.select("data", F.lit(0).cast("long").alias("unit"), F.lit(-1).alias("diff"))
-        )
-    if not parts:
-        empty = changes.select(F.col("after").alias("data"), "unit", F.lit(1).alias("diff"))
-        return Diffs(diffs=empty.limit(0), units=0, state=state, bad=bad, cached=changes)
-    diffs = parts[0]
-    for p in parts[1:]:
-        diffs = diffs.unionByName(p)
-    new_state = (
-        changes.where(F.col("ord_file") == last).select(F.col("after").alias("data"))
-        if last is not None
-        else state
-    )
-    return Diffs(
-        diffs=diffs.select("data", "unit", F.col("diff").cast("long").alias("diff")),
-        units=0,
-        state=new_state,
-        bad=bad,
-        cached=changes,
     )

@@ -32,24 +32,27 @@ alone and compares the feeds, the progress and the figures.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from feed.sources.positions import ALL_DONE, DATA_OPS, Position, committed_position
+from feed.sources.positions import Position, committed_position
+from feed.txn import onepass_keyed
 from feed.txn.context import DECLINED, TxnContext
-from feed.txn.segments import Written
+from feed.txn.onepass_figures import FileFigures, file_figures, plain_figures
+from feed.txn.segments import Written, write_transaction
 
 if TYPE_CHECKING:
     from feed.txn.engine import Job
 
-__all__ = ["FileFigures", "partial_sums", "plain_figures", "run"]
+__all__ = ["partial_sums", "run"]
 
 #: small input (in all) whose text is looked through before the job: one that shows an
 #: END record, a snapshot read or a placeholder is not plain, so no job parses it twice;
@@ -59,24 +62,6 @@ _HEAD_BYTES = 1 << 20
 #: input under this size is not offered to the parse again once it declined a feed's input
 _SMALL_BYTES = 16 << 20
 _NOT_PLAIN_TEXT = re.compile(rb'END|\\u|__debezium_unavailable_value|"op"\s*:\s*"r"')
-
-
-class FileFigures(NamedTuple):
-    """What one file's task saw (an entry of the read's accumulator)."""
-
-    read: int  # the read it belongs to (the accumulator is the process's)
-    ord_file: int
-    why: str | None  # why the file is not plain (None: it is)
-    rows: int = 0  # input rows
-    skipped: tuple[tuple[str, int], ...] = ()  # skipped lines by reason
-    data: int = 0  # data events
-    kept: int = 0  # data events past the committed position
-    last: tuple[int, int, int] | None = None  # the highest kept position
-    shapes: tuple[int, ...] = ()  # table shapes of the rows past the committed position
-    #: where its data events sit: the file's entry for :func:`~feed.sources.columnar.
-    #: all_distinct` (:func:`~feed.sources.columnar.seen_positions`)
-    positions: tuple[Any, ...] | None = None
-    unparsed: bool = False  # the columnar parse declined the file (or could not read it)
 
 
 def run(
@@ -90,7 +75,7 @@ def run(
         return DECLINED
     t0 = time.perf_counter()
     try:
-        updates, figures = _read(ctx, job.files)
+        parts, figures = _read(ctx, job.files)
     except Exception as e:  # (a file gone under the read, a failed task: the Spark path says)
         ctx.log.warning(
             "feed %s: the one-pass read failed (%s); the Spark path reads the input",
@@ -101,22 +86,37 @@ def run(
     why = plain_figures(figures, len(job.files)) or _unfit(ctx, job.files, figures)
     if any(f.unparsed for f in figures):
         _parse_declined.add(ctx.feedlog.root)
-    if why is not None:
-        updates.unpersist()
-        ctx.log.debug("feed %s: not a one-pass transaction: %s", ctx.config.feed, why)
-        return DECLINED
     secs["read"] = time.perf_counter() - t0
     rows = sum(f.rows for f in figures)
+    done = None
+    if why is None and ctx.info.key:
+        t1 = time.perf_counter()
+        try:
+            found = onepass_keyed.compute(ctx, parts, rows)
+        except BaseException:
+            parts.unpersist()
+            raise
+        done, why = (None, found) if isinstance(found, str) else (found, None)
+        secs["compute"] = time.perf_counter() - t1
+    if why is not None:
+        parts.unpersist()
+        ctx.log.debug("feed %s: not a one-pass transaction: %s", ctx.config.feed, why)
+        return DECLINED
     reached("after_read", rows_read=rows)
     try:
-        t1 = time.perf_counter()
+        t2 = time.perf_counter()
         reached("before_write", bad_rows=0)
-        segments = _write(ctx, updates)
-        secs["write"] = time.perf_counter() - t1
+        if done is not None:
+            segments, state_ref = write_transaction(ctx, ctx.cp.seq + 1, done)
+        else:
+            segments, state_ref = _write(ctx, parts), ctx.cp.state
+        secs["write"] = time.perf_counter() - t2
     finally:
-        updates.unpersist()
+        parts.unpersist()
+        if done is not None:
+            done.release()
     secs["one_pass"] = time.perf_counter() - t0
-    return _written(ctx, figures, segments, rows)
+    return _written(figures, segments, state_ref, rows)
 
 
 def _settings_refuse(ctx: TxnContext, job: Job) -> str | None:
@@ -129,8 +129,10 @@ def _settings_refuse(ctx: TxnContext, job: Job) -> str | None:
     cfg, info = ctx.config, ctx.info
     if not (cfg.kind.events and cfg.kind.columnar) or cfg.parse == "spark":
         return "not Debezium lines the columnar parse reads"
-    if info.key or cfg.granularity != "batch":
-        return "a keyed feed, or more than one time a transaction"
+    if cfg.granularity != "batch":
+        return "more than one time a transaction"
+    if info.key and (cfg.kind.per_key or cfg.kind.whole_table or not _atomic(ctx)):
+        return "a key of a kind or type the tasks do not group by"
     if job.tx_files or cfg.tx_metadata or job.eager is not None or not job.files:
         return "transaction metadata, eager delivery or no input"
     try:
@@ -147,6 +149,15 @@ def _settings_refuse(ctx: TxnContext, job: Job) -> str | None:
         return f"input that cannot be read ({e})"
 
 
+def _atomic(ctx: TxnContext) -> bool:
+    """Whether every key column is of a type pyarrow groups by as Spark does."""
+    from pyspark.sql import types as T
+
+    fields = {f.name: f.dataType for f in ctx.record_type.fields}
+    kinds = (T.StructType, T.ArrayType, T.MapType, T.BinaryType)
+    return all(k in fields and not isinstance(fields[k], kinds) for k in ctx.info.key)
+
+
 def _text_refuses(files: Sequence[str], size: int) -> str | None:
     """Why the text of ``files`` (``size`` bytes in all) shows they are not plain: all of it
     for input of :data:`_SCAN_BYTES` at most, else the first :data:`_HEAD_BYTES` of each
@@ -158,20 +169,6 @@ def _text_refuses(files: Sequence[str], size: int) -> str | None:
             found = _NOT_PLAIN_TEXT.search(f.read() if whole else f.read(_HEAD_BYTES))
         if found is not None:
             return f"{path} holds {found.group().decode(errors='replace')!r}"
-    return None
-
-
-def plain_figures(figures: Sequence[FileFigures], n_files: int) -> str | None:
-    """Why the files' ``figures`` show input that is not plain, or None."""
-    from feed.sources.columnar import all_distinct
-
-    if len({f.ord_file for f in figures}) != n_files:
-        return "a file's task gave no figures"
-    for f in sorted(figures, key=lambda f: f.ord_file):
-        if f.why is not None:
-            return f.why
-    if not all_distinct([f.positions for f in figures if f.positions], n_files):
-        return "data events that may share a position (one read twice)"
     return None
 
 
@@ -194,11 +191,12 @@ _parse_declined: set[str] = set()
 
 
 def _read(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, list[FileFigures]]:
-    """The updates of ``files`` (record, diff: the partial sums summed per record across
-    files, zeros left out; cached) and each file's figures: one Spark job."""
+    """What the tasks give for ``files`` across files, cached, and each file's figures:
+    one Spark job. Unkeyed, the updates (record, diff: the partial sums summed per record,
+    zeros left out); keyed, each key's last image (:func:`~feed.txn.onepass_keyed.lasts`)."""
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
-    from pyspark.sql.pandas.types import to_arrow_type
+    from pyspark.sql.pandas.types import to_arrow_schema, to_arrow_type
 
     from feed.sources.cached import cached
     from feed.sources.columnar import set_union
@@ -212,17 +210,31 @@ def _read(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, list[FileFigures]
             sc._tidefeed_onepass = sc.accumulator(frozenset(), set_union())
         acc, read = sc._tidefeed_onepass, next(_reads)
     image = T.StructType([T.StructField(f.name, f.dataType) for f in ctx.record_type.fields])
-    out = T.StructType([T.StructField("data", image, False), T.StructField("diff", T.LongType())])
+    record, key = to_arrow_type(image, timezone="UTC"), tuple(ctx.info.key)
+    if key:
+        out = onepass_keyed.task_output(image, key)
+        schema = to_arrow_schema(out, timezone="UTC")
+        reduce = functools.partial(onepass_keyed.last_per_key, key=key, schema=schema)
+    else:
+        out = T.StructType(
+            [T.StructField("data", image, False), T.StructField("diff", T.LongType())]
+        )
+        reduce = functools.partial(partial_sums, record=record)
     rows = [(p, spark_metadata_path(p), i) for i, p in enumerate(files)]
     listing = spark.sparkContext.parallelize(rows, max(1, len(rows))).toDF(
         "path string, name string, i long"
     )
     pos = committed_position(ctx.cp.source.get("pos", [0, 0]))
-    task = _task(to_arrow_type(image, timezone="UTC"), ctx.info.table, pos, (acc, read))
-    # (summed across files in the same job: the cache holds the updates, not the
-    # partial sums, which are about three times as many)
-    summed = listing.mapInArrow(task, out).groupBy("data").agg(F.sum("diff").alias("diff"))
-    updates = cached(summed.where(F.col("diff") != 0), spillable())
+    task = _task(record, key, ctx.info.table, pos, (acc, read), reduce)
+    tasks = listing.mapInArrow(task, out)
+    if key:
+        across = onepass_keyed.lasts(tasks)
+    else:
+        # (summed across files in the same job: the cache holds the updates, not the
+        # partial sums, which are about three times as many)
+        summed = tasks.groupBy("data").agg(F.sum("diff").alias("diff"))
+        across = summed.where(F.col("diff") != 0)
+    updates = cached(across, spillable())
     try:
         updates.count()  # (the job: every file's task has added its figures once it is done)
     except BaseException:
@@ -236,7 +248,12 @@ def _read(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, list[FileFigures]
 
 
 def _task(
-    record: pa.StructType, table: str | None, pos: Position, acc: tuple[Any, int]
+    record: pa.StructType,
+    key: tuple[str, ...],
+    table: str | None,
+    pos: Position,
+    acc: tuple[Any, int],
+    reduce: Callable[[pa.Table], pa.Table],
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from feed.sources.connect_json import Declined
@@ -247,7 +264,7 @@ def _task(
                 try:
                     with open(path, "rb") as f:
                         data = f.read()
-                    t = parse_flat(data, record, (), table, i, name)
+                    t = parse_flat(data, record, key, table, i, name)
                 except (Declined, OSError) as e:  # (a file gone: the Spark path says so)
                     entry = FileFigures(acc[1], i, f"{name}: {e}", unparsed=True)
                     acc[0].add(frozenset([entry]))
@@ -255,86 +272,9 @@ def _task(
                 figures, kept = file_figures(t, pos, acc[1], i)
                 acc[0].add(frozenset([figures]))
                 if figures.why is None:
-                    yield from partial_sums(t.filter(kept), record).to_batches()
+                    yield from reduce(t.filter(kept)).to_batches()
 
     return run
-
-
-def file_figures(
-    t: pa.Table, pos: Position, read: int, ord_file: int
-) -> tuple[FileFigures, pa.ChunkedArray]:
-    """One file's figures from its parsed rows ``t`` (the columns of
-    :func:`~feed.sources.debezium_arrow.parse_flat`), and which rows are data events past
-    the committed position ``pos`` (as :func:`~feed.sources.positions.position_filter`)."""
-    from feed.sources.columnar import seen_positions
-
-    op, snap = t["op"], pc.fill_null(t["_snap"], "")
-    is_data = pc.is_in(op, pa.array(DATA_OPS))
-    hi, lo, n = pos
-    h, lw, nn = t["pos_hi"], t["pos_lo"], t["pos_n"]
-    after = pc.or_kleene(
-        pc.greater(h, hi),
-        pc.and_kleene(
-            pc.equal(h, hi),
-            pc.or_kleene(pc.greater(lw, lo), pc.and_kleene(pc.equal(lw, lo), pc.greater(nn, n))),
-        ),
-    )
-    same = pc.and_kleene(pc.and_kleene(pc.equal(op, "r"), pc.equal(h, hi)), pc.equal(lw, lo))
-    same = pc.and_kleene(same, pa.scalar(n < ALL_DONE))
-    fresh = pc.fill_null(pc.or_kleene(pc.or_kleene(pc.is_null(h), after), same), False)
-    kept = pc.and_(is_data, fresh)
-    snapshot = pc.or_(
-        pc.and_(pc.fill_null(pc.equal(op, "r"), False), pc.not_equal(snap, "incremental")),
-        pc.equal(snap, "last"),
-    )
-    why = _why_not_plain(t, is_data, kept, snapshot)
-    skips = (
-        pc.value_counts(t["_skip"].drop_null()).to_pylist()
-        if t["_skip"].null_count < len(t)
-        else []
-    )
-    figures = FileFigures(
-        read=read,
-        ord_file=ord_file,
-        why=why,
-        rows=t.num_rows,
-        skipped=tuple(sorted((s["values"], s["counts"]) for s in skips)),
-        data=pc.sum(is_data.cast(pa.int64())).as_py() or 0,
-        kept=pc.sum(kept.cast(pa.int64())).as_py() or 0,
-        last=_highest(t.filter(kept)),
-        shapes=tuple(sorted(set(t.filter(fresh)["_shape"].drop_null().to_pylist()))),
-        positions=seen_positions(read, ord_file, t),
-    )
-    return figures, kept
-
-
-def _why_not_plain(
-    t: pa.Table, is_data: pa.ChunkedArray, kept: pa.ChunkedArray, snapshot: pa.ChunkedArray
-) -> str | None:
-    """Why one file's rows are not plain (see the module docstring), or None."""
-    name = t["_file"][0].as_py() if t.num_rows else ""
-    unplaced = pc.or_(pc.is_null(t["pos_hi"]), pc.is_null(t["pos_lo"]))
-    checks = (
-        (pc.any(pc.equal(t["op"], "E")), "a transaction END record"),
-        (pc.any(pc.and_(is_data, pc.fill_null(t["tx_meta"], False))), "transaction blocks"),
-        (pc.any(snapshot), "a snapshot read or a snapshot's end"),
-        (pc.any(pc.is_valid(t["_toast"])), "an unavailable-value placeholder"),
-        (pc.any(pc.is_valid(t["_error"])), "a bad row"),
-        (pc.any(pc.and_(kept, unplaced)), "an event without a position"),
-    )
-    for found, why in checks:
-        if found.as_py():
-            return f"{name}: {why}"
-    return None
-
-
-def _highest(kept: pa.Table) -> tuple[int, int, int] | None:
-    """The highest (``pos_hi``, ``pos_lo``, ``pos_n``) of the kept events, or None."""
-    if kept.num_rows == 0 or kept["pos_hi"].null_count:
-        return None
-    by = [("pos_hi", "descending"), ("pos_lo", "descending"), ("pos_n", "descending")]
-    top = kept.select(["pos_hi", "pos_lo", "pos_n"]).take(pc.sort_indices(kept, by)[:1])
-    return tuple(int(top[c][0].as_py()) for c in ("pos_hi", "pos_lo", "pos_n"))  # type: ignore[return-value]
 
 
 def partial_sums(kept: pa.Table, record: pa.StructType) -> pa.Table:
@@ -369,7 +309,7 @@ def _write(ctx: TxnContext, updates: Any) -> list[Any]:
 
 
 def _written(
-    ctx: TxnContext, figures: Sequence[FileFigures], segments: list[Any], rows: int
+    figures: Sequence[FileFigures], segments: list[Any], state_ref: str | None, rows: int
 ) -> Written:
     """What the commit records, as the Spark path's figures give it for plain input."""
     from feed.sources.positions import snapshot_done
@@ -381,7 +321,7 @@ def _written(
     tops = [f.last for f in figures if f.last is not None]
     return Written(
         segments=segments,
-        state_ref=ctx.cp.state,
+        state_ref=state_ref,
         units=1,
         position=snapshot_done(max(tops) if tops else None, ()),
         input_rows=rows,

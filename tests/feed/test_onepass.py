@@ -20,7 +20,9 @@ from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 from feed.log.reader import FeedReader
 from feed.sources.debezium_arrow import parse_flat
 from feed.txn.engine import ONEPASS, SPARK
-from feed.txn.onepass import file_figures, partial_sums, plain_figures
+from feed.txn.onepass import partial_sums
+from feed.txn.onepass_keyed import last_per_key
+from feed.txn.onepass_figures import file_figures, plain_figures
 from protocol.messages import record_key
 
 from ..e2e.helpers import write_parts
@@ -113,13 +115,15 @@ def test_the_text_of_large_input_is_looked_through_at_each_files_head(tmp_path, 
     assert refuses(late) is None  # (the tasks will see it)
 
 
-def _run(spark, src: Path, log: Path, *, one_pass: bool, schema=ACCOUNTS_SCHEMA, **kw) -> list:
+def _run(
+    spark, src: Path, log: Path, *, one_pass: bool, schema=ACCOUNTS_SCHEMA, key=(), **kw
+) -> list:
     e, reports = emit_bank(
         spark,
         src,
         log,
         feed="bank",
-        key=(),
+        key=key,
         schema=schema,
         granularity="batch",
         driver_txn_bytes=0,  # (the driver engine would take these small transactions)
@@ -288,3 +292,87 @@ def test_input_gone_before_the_engine_looks_is_declined_for_the_spark_path_to_na
     here[0].unlink()
     why = onepass._settings_refuse(ctx, Job(seq=1, files=[str(here[0])]))
     assert why is not None and "input that cannot be read" in why and "part-0000" in why
+
+
+def test_each_keys_last_event_in_a_file_and_whether_it_was_upserted():
+    """A file's task keeps each key's last event by position, whatever the line order,
+    and whether any event of the key upserted it (a key only deleted has not)."""
+    from pyspark.sql import types as T
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    from feed.sources.rows import spark_record_type
+    from feed.txn.onepass_keyed import task_output
+
+    a = {"id": 1, "x": 1.5, "s": "a"}
+    b = {"id": 1, "x": 2.5, "s": "b"}
+    c = {"id": 2, "x": None, "s": None}
+    lines = [
+        _e("u", a, b, 12),  # (written before the insert it follows)
+        _e("c", None, a, 11),
+        _e("d", c, None, 13),
+        _e("c", None, {"id": 3, "x": 0.5, "s": None}, 14),
+        _e("d", {"id": 3, "x": None, "s": None}, None, 15),
+    ]
+    t = _parsed(lines)
+    image = spark_record_type(
+        {
+            "type": "record",
+            "name": "m",
+            "fields": [
+                {"name": "id", "type": "long"},
+                {"name": "x", "type": ["null", "double"]},
+                {"name": "s", "type": ["null", "string"]},
+            ],
+        }
+    )
+    image = T.StructType([T.StructField(f.name, f.dataType) for f in image.fields])
+    schema = to_arrow_schema(task_output(image, ("id",)), timezone="UTC")
+    rows = last_per_key(t, ("id",), schema).to_pylist()
+    got = {r["k"]["id"]: (r["op"], r["after"], r["up"], r["o"]["pos_lo"]) for r in rows}
+    assert got == {1: ("u", b, 1, 12), 2: ("d", None, 0, 13), 3: ("d", None, 1, 15)}
+
+
+def test_a_keyed_history_gives_the_feed_the_spark_path_gives(spark, tmp_path):
+    """A keyed feed, two files a transaction, accounts opened, changed, closed and
+    reopened across transactions (each later one diffed against the state the earlier
+    ones left): the one-pass engine takes every transaction, and the feed, its progress
+    and figures are the Spark path's, and the collection is the table."""
+    bank = generate_bank(transactions=40, seed=33, wrapped_every=0)
+    src = tmp_path / "in"
+    write_parts(src, bank.events, 8)
+    on = _run(spark, src, tmp_path / "one", one_pass=True, key=("id",), max_files_per_txn=2)
+    off = _run(spark, src, tmp_path / "spark", one_pass=False, key=("id",), max_files_per_txn=2)
+    assert len(on) == 4 and all("one_pass" in r.seconds for r in on)
+    assert [r.progress for r in on] == [r.progress for r in off]
+    figures = [(r.input_rows, r.redelivered, r.skipped, r.bad_rows) for r in on]
+    assert figures == [(r.input_rows, r.redelivered, r.skipped, r.bad_rows) for r in off]
+    assert _times(tmp_path / "one") == _times(tmp_path / "spark")
+    assert collection_of(FeedReader(str(tmp_path / "one"), "bank")) == as_multiset(
+        bank.final.values()
+    )
+
+
+def test_a_delete_of_a_key_not_present_goes_to_the_spark_path(spark, tmp_path, caplog):
+    """A keyed transaction deleting a key that has no row: the one-pass engine declines
+    it, nothing written, and the Spark path quarantines the delete; the feed is the Spark
+    path's either way."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="tidefeed.emit")
+    row = {"id": 1, "x": 1.5}
+    src = tmp_path / "in"
+    write_parts(src, [_e("c", None, row, 10), _e("c", None, {"id": 2, "x": 2.5}, 11)], 1)
+    write_parts(
+        src,
+        [_e("d", {"id": 7, "x": None}, None, 20), _e("u", row, row | {"x": 3.0}, 21)],
+        1,
+        start=1,
+    )
+    kw = dict(schema=MEASURES, key=("id",), max_files_per_txn=1)
+    on = _run(spark, src, tmp_path / "one", one_pass=True, **kw)
+    off = _run(spark, src, tmp_path / "spark", one_pass=False, **kw)
+    assert ["one_pass" in r.seconds for r in on] == [True, False]
+    assert "1 delete(s) of a key that is not present" in caplog.text
+    assert [r.bad_rows for r in on] == [r.bad_rows for r in off] == [0, 1]
+    assert [r.progress for r in on] == [r.progress for r in off]
+    assert _times(tmp_path / "one") == _times(tmp_path / "spark")

@@ -1,0 +1,123 @@
+"""What each file's task of the one-pass engine (:mod:`feed.txn.onepass`) saw, and
+whether all of them together show plain input (see that module's docstring)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from feed.sources.positions import ALL_DONE, DATA_OPS, Position
+
+__all__ = ["FileFigures", "file_figures", "plain_figures"]
+
+
+class FileFigures(NamedTuple):
+    """What one file's task saw (an entry of the read's accumulator)."""
+
+    read: int  # the read it belongs to (the accumulator is the process's)
+    ord_file: int
+    why: str | None  # why the file is not plain (None: it is)
+    rows: int = 0  # input rows
+    skipped: tuple[tuple[str, int], ...] = ()  # skipped lines by reason
+    data: int = 0  # data events
+    kept: int = 0  # data events past the committed position
+    last: tuple[int, int, int] | None = None  # the highest kept position
+    shapes: tuple[int, ...] = ()  # table shapes of the rows past the committed position
+    #: where its data events sit: the file's entry for :func:`~feed.sources.columnar.
+    #: all_distinct` (:func:`~feed.sources.columnar.seen_positions`)
+    positions: tuple[Any, ...] | None = None
+    unparsed: bool = False  # the columnar parse declined the file (or could not read it)
+
+
+def plain_figures(figures: Sequence[FileFigures], n_files: int) -> str | None:
+    """Why the files' ``figures`` show input that is not plain, or None."""
+    from feed.sources.columnar import all_distinct
+
+    if len({f.ord_file for f in figures}) != n_files:
+        return "a file's task gave no figures"
+    for f in sorted(figures, key=lambda f: f.ord_file):
+        if f.why is not None:
+            return f.why
+    if not all_distinct([f.positions for f in figures if f.positions], n_files):
+        return "data events that may share a position (one read twice)"
+    return None
+
+
+def file_figures(
+    t: pa.Table, pos: Position, read: int, ord_file: int
+) -> tuple[FileFigures, pa.ChunkedArray]:
+    """One file's figures from its parsed rows ``t`` (the columns of
+    :func:`~feed.sources.debezium_arrow.parse_flat`), and which rows are data events past
+    the committed position ``pos`` (as :func:`~feed.sources.positions.position_filter`)."""
+    from feed.sources.columnar import seen_positions
+
+    op, snap = t["op"], pc.fill_null(t["_snap"], "")
+    is_data = pc.is_in(op, pa.array(DATA_OPS))
+    hi, lo, n = pos
+    h, lw, nn = t["pos_hi"], t["pos_lo"], t["pos_n"]
+    after = pc.or_kleene(
+        pc.greater(h, hi),
+        pc.and_kleene(
+            pc.equal(h, hi),
+            pc.or_kleene(pc.greater(lw, lo), pc.and_kleene(pc.equal(lw, lo), pc.greater(nn, n))),
+        ),
+    )
+    same = pc.and_kleene(pc.and_kleene(pc.equal(op, "r"), pc.equal(h, hi)), pc.equal(lw, lo))
+    same = pc.and_kleene(same, pa.scalar(n < ALL_DONE))
+    fresh = pc.fill_null(pc.or_kleene(pc.or_kleene(pc.is_null(h), after), same), False)
+    kept = pc.and_(is_data, fresh)
+    snapshot = pc.or_(
+        pc.and_(pc.fill_null(pc.equal(op, "r"), False), pc.not_equal(snap, "incremental")),
+        pc.equal(snap, "last"),
+    )
+    why = _why_not_plain(t, is_data, kept, snapshot)
+    skips = (
+        pc.value_counts(t["_skip"].drop_null()).to_pylist()
+        if t["_skip"].null_count < len(t)
+        else []
+    )
+    figures = FileFigures(
+        read=read,
+        ord_file=ord_file,
+        why=why,
+        rows=t.num_rows,
+        skipped=tuple(sorted((s["values"], s["counts"]) for s in skips)),
+        data=pc.sum(is_data.cast(pa.int64())).as_py() or 0,
+        kept=pc.sum(kept.cast(pa.int64())).as_py() or 0,
+        last=_highest(t.filter(kept)),
+        shapes=tuple(sorted(set(t.filter(fresh)["_shape"].drop_null().to_pylist()))),
+        positions=seen_positions(read, ord_file, t),
+    )
+    return figures, kept
+
+
+def _why_not_plain(
+    t: pa.Table, is_data: pa.ChunkedArray, kept: pa.ChunkedArray, snapshot: pa.ChunkedArray
+) -> str | None:
+    """Why one file's rows are not plain (see the module docstring), or None."""
+    name = t["_file"][0].as_py() if t.num_rows else ""
+    unplaced = pc.or_(pc.is_null(t["pos_hi"]), pc.is_null(t["pos_lo"]))
+    checks = (
+        (pc.any(pc.equal(t["op"], "E")), "a transaction END record"),
+        (pc.any(pc.and_(is_data, pc.fill_null(t["tx_meta"], False))), "transaction blocks"),
+        (pc.any(snapshot), "a snapshot read or a snapshot's end"),
+        (pc.any(pc.is_valid(t["_toast"])), "an unavailable-value placeholder"),
+        (pc.any(pc.is_valid(t["_error"])), "a bad row"),
+        (pc.any(pc.and_(kept, unplaced)), "an event without a position"),
+    )
+    for found, why in checks:
+        if found.as_py():
+            return f"{name}: {why}"
+    return None
+
+
+def _highest(kept: pa.Table) -> tuple[int, int, int] | None:
+    """The highest (``pos_hi``, ``pos_lo``, ``pos_n``) of the kept events, or None."""
+    if kept.num_rows == 0 or kept["pos_hi"].null_count:
+        return None
+    by = [("pos_hi", "descending"), ("pos_lo", "descending"), ("pos_n", "descending")]
+    top = kept.select(["pos_hi", "pos_lo", "pos_n"]).take(pc.sort_indices(kept, by)[:1])
+    return tuple(int(top[c][0].as_py()) for c in ("pos_hi", "pos_lo", "pos_n"))  # type: ignore[return-value]
