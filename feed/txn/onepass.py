@@ -1,16 +1,18 @@
-"""A plain unkeyed Debezium transaction in one pass over its input.
+"""A plain Debezium transaction in one pass over its input.
 
 The Spark path (:mod:`feed.txn.spark`) parses a transaction's input into a cache of every
 change, takes the transaction figures over that cache in a second job, and only then
-diffs and consolidates. For a feed without a key whose transaction is one time
-(``--granularity batch``) and whose input is plain, all of that can happen in the tasks
-that parse: each task reads one file with pyarrow (:func:`feed.sources.debezium_arrow.
-parse_flat`, as the Spark path's columnar read does), takes that file's figures, turns
-each kept event into ``-before`` / ``+after`` (as :func:`feed.txn.diffs.unkeyed_diffs`)
-and sums the diffs of each record within the file. Only those partial sums leave the
-task; the same job sums them per record across files and caches the result, and the
+diffs and consolidates. For a feed whose transaction is one time (``--granularity
+batch``) and whose input is plain, most of that can happen in the tasks that parse: each
+task reads one file with pyarrow (:func:`feed.sources.debezium_arrow.parse_flat`, as the
+Spark path's columnar read does) and takes that file's figures (:mod:`feed.txn.
+onepass_figures`). Without a key it turns each kept event into ``-before`` / ``+after``
+(as :func:`feed.txn.diffs.unkeyed_diffs`) and sums the diffs of each record within the
+file; with one it keeps each key's last event (:mod:`feed.txn.onepass_keyed`). Only that
+leaves the task; the same job combines it across files and caches the result, and the
 figures come to the driver through an accumulator. The driver then checks that the whole
-input was plain, and a second job writes the updates (:func:`feed.txn.segments.write_updates`).
+input was plain; a keyed transaction is diffed against the state buckets its keys touch;
+and the updates are written (:func:`feed.txn.segments.write_updates`).
 
 Plain here is what the Spark path's assembly releases whole, with no figure per source
 transaction (:meth:`feed.sources.transactions._Assembly.plain`): data events and skipped
@@ -20,11 +22,12 @@ event at a position of its own (the files' tasks show it, as in
 :class:`feed.sources.columnar.Positions`), and every table shape fitting the feed. An
 event at or below the committed position is dropped as redelivered, as
 :func:`feed.sources.positions.position_filter` drops it. On anything else the engine
-declines, having written nothing, and the Spark path reads the input again; settings that
-can never be plain (a key, another granularity, ``--tx-metadata``, ``--eager``, input
-the columnar parse does not take) decline before any job, and so does input whose text
-shows END records, snapshot reads or placeholders (all of it when small, else the head
-of each file).
+declines, having written nothing, and the Spark path reads the input again (so it does
+for a keyed delete of a key not present, a bad row there); settings that can never be
+plain (another granularity, a key of a type not grouped alike, ``--tx-metadata``,
+``--eager``, input the columnar parse does not take) decline before any job, and so does
+input whose text shows END records, snapshot reads or placeholders (all of it when
+small, else the head of each file).
 
 tests/feed/test_onepass.py runs inputs through this engine and through the Spark path
 alone and compares the feeds, the progress and the figures.
@@ -154,7 +157,8 @@ def _atomic(ctx: TxnContext) -> bool:
     from pyspark.sql import types as T
 
     fields = {f.name: f.dataType for f in ctx.record_type.fields}
-    kinds = (T.StructType, T.ArrayType, T.MapType, T.BinaryType)
+    # (floats: Spark groups -0.0 with 0.0 and every NaN together, pyarrow may not)
+    kinds = (T.StructType, T.ArrayType, T.MapType, T.BinaryType, T.FloatType, T.DoubleType)
     return all(k in fields and not isinstance(fields[k], kinds) for k in ctx.info.key)
 
 

@@ -14,9 +14,11 @@ transaction, nothing written.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -52,52 +54,90 @@ def last_per_key(kept: pa.Table, key: Sequence[str], schema: pa.Schema) -> pa.Ta
     rows of :func:`task_output` (``schema``, its Arrow form)."""
     if kept.num_rows == 0:
         return schema.empty_table()
-    op = kept["op"]
-    is_delete = pc.fill_null(pc.equal(op, "d"), False)
-    keys = {
-        f"k{i}": pc.if_else(
-            is_delete, pc.struct_field(kept["before"], k), pc.struct_field(kept["after"], k)
-        )
-        for i, k in enumerate(key)
-    }
-    # (none of these is null in a kept event of a plain file: no null placement to match)
-    order = pc.sort_indices(kept, [(c, "ascending") for c in _ORDER])
-    ranked = pa.table(
-        {
-            **{name: col.take(order) for name, col in keys.items()},
-            "_i": pa.array(range(kept.num_rows), pa.int64()),
-            "up": pc.invert(is_delete).take(order).cast(pa.int32()),
-        }
-    )
-    last = ranked.group_by(list(keys)).aggregate([("_i", "max"), ("up", "max")])
-    rows = kept.take(order.take(last["_i_max"]))
-    k_type = schema.field("k").type
-    o_type = schema.field("o").type
+    is_delete = pc.fill_null(pc.equal(kept["op"], "d"), False)
+    keys = [
+        pc.if_else(is_delete, pc.struct_field(kept["before"], k), pc.struct_field(kept["after"], k))
+        for k in key
+    ]
+    up = pc.invert(is_delete).cast(pa.int32())
+    at, ups = _last(keys, kept.select(list(_ORDER)), up)
+    rows = kept.take(at)
+    k_type, o_type = schema.field("k").type, schema.field("o").type
     k = pa.StructArray.from_arrays(
-        [last[n].combine_chunks().cast(k_type.field(i).type) for i, n in enumerate(keys)],
+        [a.take(at).combine_chunks().cast(k_type.field(i).type) for i, a in enumerate(keys)],
         fields=list(k_type),
     )
     o = pa.StructArray.from_arrays(
         [rows[c].combine_chunks().cast(pa.int64()) for c in _ORDER], fields=list(o_type)
     )
-    return pa.table(
-        [k, o, rows["op"], rows["after"].cast(schema.field("after").type), last["up_max"]],
-        schema=schema,
+    after = rows["after"].cast(schema.field("after").type)
+    return pa.table([k, o, rows["op"], after, ups], schema=schema)
+
+
+def _last(keys: Sequence[Any], order: pa.Table, up: Any) -> tuple[pa.Array, pa.ChunkedArray]:
+    """Which row is each key's last by ``order`` (its columns, ascending; none null), and
+    the highest ``up`` of each key's rows: the rows' indices and those highs."""
+    by = pc.sort_indices(order, [(c, "ascending") for c in order.column_names])
+    names = [f"k{i}" for i in range(len(keys))]
+    ranked = pa.table(
+        {
+            **{n: a.take(by) for n, a in zip(names, keys, strict=True)},
+            "_i": pa.array(np.arange(len(by), dtype=np.int64)),
+            "up": up.take(by),
+        }
+    )
+    last = ranked.group_by(names).aggregate([("_i", "max"), ("up", "max")])
+    return by.take(last["_i_max"]), last["up_max"]
+
+
+def last_output(tasks: Any) -> Any:
+    """The Spark schema of :func:`lasts`' rows: :func:`~feed.txn.diffs.last_images`'."""
+    from pyspark.sql import types as T
+
+    long = T.LongType()
+    return T.StructType(
+        [
+            T.StructField("k", tasks["k"].dataType),
+            T.StructField("unit", long),
+            T.StructField("has_upsert", T.IntegerType()),
+            T.StructField("p", T.StructType([T.StructField(c, long) for c in _ORDER[:3]])),
+            T.StructField("img", tasks["after"].dataType),
+        ]
     )
 
 
 def lasts(tasks: Any) -> Any:
     """The tasks' rows (:func:`task_output`) reduced to each key's last image across
-    files: the columns of :func:`~feed.txn.diffs.last_images`, one time."""
-    from pyspark.sql import functions as F
+    files: the columns of :func:`~feed.txn.diffs.last_images`, one time. Each key's rows
+    meet in one partition (Spark's hash of the key) and pyarrow takes the last there:
+    Spark's own aggregate of a struct by the greatest order sorts every row twice."""
+    from pyspark.sql.pandas.types import to_arrow_schema
 
-    from feed.txn.diffs import last_images
+    out = last_output(tasks.schema)
+    schema = to_arrow_schema(out, timezone="UTC")
+    return tasks.repartition("k").mapInArrow(functools.partial(_lasts, schema=schema), out)
 
-    p = F.struct(*[F.col(f"o.{c}").alias(c) for c in _ORDER[:3]])
-    events = tasks.select(
-        "k", F.lit(0).cast("long").alias("unit"), "op", "after", "o", p.alias("p"), "up"
+
+def _lasts(batches: Iterator[pa.RecordBatch], schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """One partition's part of :func:`lasts`."""
+    got = list(batches)
+    if not got or not any(b.num_rows for b in got):
+        return
+    t = pa.Table.from_batches(got)
+    k, o = t["k"].combine_chunks(), t["o"].combine_chunks()
+    keys = [k.field(i) for i in range(k.type.num_fields)]
+    order = pa.table({c: o.field(c) for c in _ORDER})
+    at, ups = _last(keys, order, t["up"])
+    rows = t.take(at)
+    deleted = pc.fill_null(pc.equal(rows["op"], "d"), False)
+    after = rows["after"].combine_chunks()
+    img = pc.if_else(deleted, pa.nulls(len(after), after.type), after)
+    lo = rows["o"].combine_chunks()
+    p = pa.StructArray.from_arrays(
+        [lo.field(c) for c in _ORDER[:3]], fields=list(schema.field("p").type)
     )
-    return last_images(events)
+    unit = pa.array(np.zeros(len(at), dtype=np.int64))
+    yield from pa.table([rows["k"], unit, ups, p, img], schema=schema).to_batches()
 
 
 def compute(ctx: TxnContext, last: Any, input_rows: int) -> Computed | str:
