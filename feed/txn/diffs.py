@@ -32,11 +32,13 @@ __all__ = [
     "Diffs",
     "absent_delete",
     "consolidate_diffs",
+    "groups_as_is",
     "diffs_of_last",
     "fill_unavailable",
     "key_of",
     "keyed_diffs",
     "last_images",
+    "one_unit_updates",
     "replacement_deletes",
     "unkeyed_diffs",
 ]
@@ -113,10 +115,13 @@ def diffs_of_last(
     *,
     per_key: bool = False,
     one_unit: bool = False,
+    persist: bool = True,
 ) -> Diffs:
     """The diffs and the new state of each key's :func:`last_images` against ``state``
     (see :func:`keyed_diffs`). ``cached`` is ``last`` with each key's row in the state
-    (``old``) and the image it retracts (``prev``); no bad rows are looked for here."""
+    (``old``) and the image it retracts (``prev``), persisted unless ``persist`` is
+    False (``last`` cached already, and no state to join); no bad rows are looked for
+    here."""
     last = _against_state(last, state, key, per_key=per_key)
     if state is None:
         last = last.withColumn("old", F.lit(None).cast(record_t))
@@ -126,7 +131,9 @@ def diffs_of_last(
         by_key = Window.partitionBy("k").orderBy("unit")
         first = F.row_number().over(by_key) == 1
         prev = F.when(first, F.col("old")).otherwise(F.lag("img").over(by_key))
-    last = cached(last.withColumn("prev", prev), StorageLevel.MEMORY_AND_DISK)
+    last = last.withColumn("prev", prev)
+    if persist:
+        last = cached(last, StorageLevel.MEMORY_AND_DISK)
     minus = last.where(F.col("prev").isNotNull()).select(
         F.col("prev").alias("data"), "unit", F.lit(-1).cast("long").alias("diff")
     )
@@ -341,6 +348,30 @@ def fill_unavailable(changes: DataFrame, state: DataFrame | None, key: Sequence[
         .select(*changes.columns)
     )
     return Diffs(diffs=rest.unionByName(good), units=0, bad=bad)
+
+
+def one_unit_updates(last: DataFrame, next_time: int) -> DataFrame:
+    """:func:`consolidate_diffs` of :func:`diffs_of_last`'s diffs where there is one unit
+    and each record holds its key: no record of one key is a record of another, so the
+    sums are per key (``-prev +img``, both dropped where they are equal) and need no
+    shuffle. Only for records of :func:`groups_as_is` fields: Spark's grouping writes
+    -0.0 as 0.0 and makes NaNs one, which this does not."""
+    changed = last.where(~F.col("prev").eqNullSafe(F.col("img")))
+    time = F.lit(next_time).cast("long").alias("time")
+    minus = changed.where(F.col("prev").isNotNull()).select(
+        F.col("prev").alias("data"), time, F.lit(-1).cast("long").alias("diff")
+    )
+    plus = changed.where(F.col("img").isNotNull()).select(
+        F.col("img").alias("data"), time, F.lit(1).cast("long").alias("diff")
+    )
+    return minus.unionByName(plus)
+
+
+def groups_as_is(record_t: T.StructType) -> bool:
+    """Whether every field of ``record_t`` is of an atomic type that Spark groups by its
+    value as it is (no float or double, no nested type)."""
+    nested = (T.StructType, T.ArrayType, T.MapType, T.FloatType, T.DoubleType)
+    return not any(isinstance(f.dataType, nested) for f in record_t.fields)
 
 
 def consolidate_diffs(diffs: DataFrame, next_time: int) -> DataFrame:

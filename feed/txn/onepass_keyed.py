@@ -146,11 +146,19 @@ def compute(ctx: TxnContext, last: Any, input_rows: int) -> Computed | str:
     written, nothing left cached but ``last``)."""
     from pyspark.sql import functions as F
 
-    from feed.txn.diffs import absent_delete, consolidate_diffs, diffs_of_last
+    from feed.txn.diffs import (
+        absent_delete,
+        consolidate_diffs,
+        diffs_of_last,
+        groups_as_is,
+        one_unit_updates,
+    )
 
-    cp, key = ctx.cp, ctx.info.key
+    cp, key, record_t = ctx.cp, ctx.info.key, ctx.record_type
     loaded = ctx.state.load(cp.state, last, F.col("k"), input_rows=input_rows)
-    d = diffs_of_last(last, loaded.rows, key, ctx.record_type, one_unit=True)
+    # (no state rows to join: ``last`` is all there is, cached already)
+    joined = loaded.rows is not None
+    d = diffs_of_last(last, loaded.rows, key, record_t, one_unit=True, persist=joined)
     assert d.cached is not None
     try:
         absent = d.cached.where(absent_delete()).count()  # (the job that builds the cache)
@@ -160,8 +168,12 @@ def compute(ctx: TxnContext, last: Any, input_rows: int) -> Computed | str:
     if absent:
         d.cached.unpersist()
         return f"{absent} delete(s) of a key that is not present (bad rows)"
+    if groups_as_is(record_t):
+        updates = one_unit_updates(d.cached, cp.next)
+    else:
+        updates = consolidate_diffs(d.diffs, cp.next)
     return Computed(
-        updates=consolidate_diffs(d.diffs, cp.next),
+        updates=updates,
         good=None,
         bad=None,
         bad_rows=0,
@@ -169,5 +181,5 @@ def compute(ctx: TxnContext, last: Any, input_rows: int) -> Computed | str:
         position=None,
         new_state=d.state,
         loaded=loaded,
-        cached=[d.cached],
+        cached=[d.cached] if joined else [],
     )
