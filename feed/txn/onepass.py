@@ -78,7 +78,7 @@ def run(
         return DECLINED
     t0 = time.perf_counter()
     try:
-        parts, figures = _read(ctx, job.files)
+        parts, figures, probe = _read(ctx, job.files)
     except Exception as e:  # (a file gone under the read, a failed task: the Spark path says)
         ctx.log.warning(
             "feed %s: the one-pass read failed (%s); the Spark path reads the input",
@@ -95,7 +95,7 @@ def run(
     if why is None and ctx.info.key:
         t1 = time.perf_counter()
         try:
-            found = onepass_keyed.compute(ctx, parts, rows)
+            found = onepass_keyed.compute(ctx, parts, rows, probe)
         except BaseException:
             parts.unpersist()
             raise
@@ -194,10 +194,11 @@ _lock = threading.Lock()
 _parse_declined: set[str] = set()
 
 
-def _read(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, list[FileFigures]]:
+def _read(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, list[FileFigures], Any]:
     """What the tasks give for ``files`` across files, cached, and each file's figures:
     one Spark job. Unkeyed, the updates (record, diff: the partial sums summed per record,
-    zeros left out); keyed, each key's last image (:func:`~feed.txn.onepass_keyed.lasts`)."""
+    zeros left out); keyed, each key's last image (:func:`~feed.txn.onepass_keyed.lasts`)
+    and what the job found of them (:func:`~feed.txn.onepass_keyed.probe`)."""
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
     from pyspark.sql.pandas.types import to_arrow_schema, to_arrow_type
@@ -240,7 +241,8 @@ def _read(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, list[FileFigures]
         across = summed.where(F.col("diff") != 0)
     updates = cached(across, spillable())
     try:
-        updates.count()  # (the job: every file's task has added its figures once it is done)
+        # (the job: every file's task has added its figures once it is done)
+        probe = onepass_keyed.probe(ctx, updates) if key else updates.count()
     except BaseException:
         updates.unpersist()
         raise
@@ -248,7 +250,7 @@ def _read(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, list[FileFigures]
         entries = acc.value
         mine = [f for f in entries if f.read == read]
         acc.value = frozenset(f for f in entries if f.read > read)
-    return updates, mine
+    return updates, mine, probe
 
 
 def _task(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 
 from feed.txn.context import Computed, TxnContext
 
-__all__ = ["compute", "last_per_key", "lasts", "task_output"]
+__all__ = ["Probe", "compute", "last_per_key", "lasts", "probe", "task_output"]
 
 #: the order of a transaction's changes (:func:`feed.sources.positions.order_column`)
 _ORDER = ("pos_hi", "pos_lo", "pos_n", "ord_file", "ord_row")
@@ -140,10 +140,37 @@ def _lasts(batches: Iterator[pa.RecordBatch], schema: pa.Schema) -> Iterator[pa.
     yield from pa.table([rows["k"], unit, ups, p, img], schema=schema).to_batches()
 
 
-def compute(ctx: TxnContext, last: Any, input_rows: int) -> Computed | str:
-    """The updates and the new state of the keys' ``last`` images (cached by the caller)
-    against the state buckets they fall in, or why the transaction is declined (nothing
-    written, nothing left cached but ``last``)."""
+class Probe(NamedTuple):
+    """What the job that caches the keys' last images finds of them."""
+
+    #: the state buckets the keys fall in (None: not asked, the state is loaded otherwise)
+    touched: frozenset[int] | None
+    #: whether a key is only deleted here (a delete of a key not present, if the state
+    #: has no row of it either)
+    deletes_only: bool
+
+
+def probe(ctx: TxnContext, last: Any) -> Probe:
+    """Build the cache of ``last`` (:func:`lasts`) in a job that also finds its
+    :class:`Probe`: the buckets, where the committed state is loaded bucket by bucket
+    (:meth:`~feed.txn.state.BucketedState.committed`)."""
+    from pyspark.sql import functions as F
+
+    from feed.txn.state import bucket_of
+
+    committed = ctx.state.committed(ctx.cp.state)
+    b = bucket_of(F.col("k"), ctx.info.key, committed.buckets) if committed else F.lit(-1)
+    only = (F.col("img").isNull() & (F.col("has_upsert") == 0)).cast("int")
+    rows = last.groupBy(b.alias("b")).agg(F.max(only).alias("only")).collect()
+    return Probe(
+        frozenset(r["b"] for r in rows) if committed else None, any(r["only"] for r in rows)
+    )
+
+
+def compute(ctx: TxnContext, last: Any, input_rows: int, found: Probe) -> Computed | str:
+    """The updates and the new state of the keys' ``last`` images (cached by the caller;
+    ``found`` by :func:`probe`) against the state buckets they fall in, or why the
+    transaction is declined (nothing written, nothing left cached but ``last``)."""
     from pyspark.sql import functions as F
 
     from feed.txn.diffs import (
@@ -155,19 +182,22 @@ def compute(ctx: TxnContext, last: Any, input_rows: int) -> Computed | str:
     )
 
     cp, key, record_t = ctx.cp, ctx.info.key, ctx.record_type
-    loaded = ctx.state.load(cp.state, last, F.col("k"), input_rows=input_rows)
+    loaded = ctx.state.load(
+        cp.state, last, F.col("k"), touched=found.touched, input_rows=input_rows
+    )
     # (no state rows to join: ``last`` is all there is, cached already)
     joined = loaded.rows is not None
     d = diffs_of_last(last, loaded.rows, key, record_t, one_unit=True, persist=joined)
     assert d.cached is not None
-    try:
-        absent = d.cached.where(absent_delete()).count()  # (the job that builds the cache)
-    except BaseException:
-        d.cached.unpersist()
-        raise
-    if absent:
-        d.cached.unpersist()
-        return f"{absent} delete(s) of a key that is not present (bad rows)"
+    if found.deletes_only:
+        try:
+            absent = d.cached.where(absent_delete()).count()  # (builds the cache)
+        except BaseException:
+            d.cached.unpersist()
+            raise
+        if absent:
+            d.cached.unpersist()
+            return f"{absent} delete(s) of a key that is not present (bad rows)"
     if groups_as_is(record_t):
         updates = one_unit_updates(d.cached, cp.next)
     else:
