@@ -3,6 +3,7 @@ file's name as Spark's reader does, within bounds a small compressed file cannot
 
 from __future__ import annotations
 
+import re
 from collections.abc import Generator, Sequence
 
 import pyarrow as pa
@@ -10,7 +11,15 @@ import pyarrow as pa
 from feed.sources.stores import filesystem
 from protocol import SourceError
 
-__all__ = ["HADOOP_ONLY", "MAX_LINE", "check_compressed", "codec_of", "input_lines", "tail"]
+__all__ = [
+    "HADOOP_ONLY",
+    "MAX_LINE",
+    "check_compressed",
+    "codec_of",
+    "input_lines",
+    "search_text",
+    "tail",
+]
 
 
 def input_lines(path: str, *, limit: int | None = None) -> Generator[bytes, None, None]:
@@ -39,6 +48,22 @@ def input_lines(path: str, *, limit: int | None = None) -> Generator[bytes, None
         if codec is None:
             raise
         raise SourceError(f"input file {path} could not be decompressed ({codec}): {e}") from e
+
+
+def search_text(
+    files: Sequence[str], pattern: re.Pattern[bytes], size: int, *, whole: int, head: int = 0
+) -> tuple[str, bytes] | None:
+    """The first file of local, uncompressed ``files`` (``size`` bytes in all) whose
+    text holds ``pattern``, and what matched: each file read whole when ``size`` is
+    ``whole`` bytes at most, else the first ``head`` bytes of each (none: nothing read)."""
+    if size > whole and head <= 0:
+        return None
+    for path in files:
+        with open(path, "rb") as f:
+            found = pattern.search(f.read() if size <= whole else f.read(head))
+        if found is not None:
+            return path, found.group()
+    return None
 
 
 def codec_of(path: str) -> str | None:

@@ -40,6 +40,7 @@ updates now:
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,6 +74,8 @@ __all__ = ["ENDS_SCAN_BYTES", "Assembled", "assemble", "may_hold_ends"]
 #: input up to this size in all is looked through on the driver for END records
 #: (:func:`may_hold_ends`); larger input is not read twice for it
 ENDS_SCAN_BYTES = 32 << 20
+#: an END record's status, or an escape that could spell it
+_MAY_END = re.compile(rb"END|\\u")
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +120,7 @@ def may_hold_ends(files: Sequence[str]) -> bool:
     none holds the bytes ``END`` (an END record's status is that text) nor a ``\\u``
     escape (which could spell it). Without END records the figures need no list of them:
     a Spark job and a cache less in each transaction read without transaction metadata."""
-    from feed.sources.file_text import codec_of
+    from feed.sources.file_text import codec_of, search_text
     from feed.sources.inputs import input_bytes
     from feed.sources.stores import is_remote
     from protocol import SourceError
@@ -125,16 +128,12 @@ def may_hold_ends(files: Sequence[str]) -> bool:
     try:
         if any(is_remote(p) or codec_of(p) is not None for p in files):
             return True
-        if input_bytes(files) > ENDS_SCAN_BYTES:
+        size = input_bytes(files)
+        if size > ENDS_SCAN_BYTES:
             return True
-        for path in files:
-            with open(path, "rb") as f:
-                text = f.read()
-            if b"END" in text or b"\\u" in text:
-                return True
+        return search_text(files, _MAY_END, size, whole=ENDS_SCAN_BYTES) is not None
     except (OSError, SourceError):  # (the read itself says what is wrong with a file)
         return True
-    return False
 
 
 def _at_commit_lsn(changes: DataFrame, ends: DataFrame | None) -> DataFrame:

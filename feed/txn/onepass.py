@@ -167,13 +167,12 @@ def _text_refuses(files: Sequence[str], size: int) -> str | None:
     for input of :data:`_SCAN_BYTES` at most, else the first :data:`_HEAD_BYTES` of each
     file (where a connector's initial snapshot, or an END record after the first
     transaction, shows)."""
-    whole = size <= _SCAN_BYTES
-    for path in files:
-        with open(path, "rb") as f:
-            found = _NOT_PLAIN_TEXT.search(f.read() if whole else f.read(_HEAD_BYTES))
-        if found is not None:
-            return f"{path} holds {found.group().decode(errors='replace')!r}"
-    return None
+    from feed.sources.file_text import search_text
+
+    found = search_text(files, _NOT_PLAIN_TEXT, size, whole=_SCAN_BYTES, head=_HEAD_BYTES)
+    if found is None:
+        return None
+    return f"{found[0]} holds {found[1].decode(errors='replace')!r}"
 
 
 def _unfit(ctx: TxnContext, files: Sequence[str], figures: Sequence[FileFigures]) -> str | None:
