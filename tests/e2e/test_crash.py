@@ -174,3 +174,30 @@ def test_random_sigkills_in_follow_mode(tmp_path, reference):
     verify(log, reference)
     reader = FeedReader(str(log), "bank")
     assert check_messages(reader.messages(), key=["id"]) == []
+
+
+def test_a_keyed_one_pass_transaction_sigkilled_after_its_writes_is_redone(tmp_path):
+    """Keyed transactions of one time computed by the one-pass engine
+    (feed/txn/onepass.py; ``--driver-txn-bytes 0`` keeps them off the driver): the 2nd
+    one is killed after its segments and state buckets are written, before its commit.
+    The restart redoes it from the committed state, and the feed is the table."""
+    import orjson
+
+    bank = generate_bank(transactions=45, seed=11, wrapped_every=0)
+    src = tmp_path / "in"
+    write_parts_at_transactions(src, bank.events, 3)
+    (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
+    log = tmp_path / "log"
+    args = bank_emit_args(src, log, "--granularity", "batch", "--driver-txn-bytes", "0")
+    crashed = tidefeed(*args, env={"TIDEFEED_TEST_KILL_AT": "after_write:2"})
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr.decode()[-2000:]
+    assert crashed.stderr.count(b" one_pass=") == 1, crashed.stderr.decode()[-2000:]
+    reader = FeedReader(str(log), "bank")
+    assert reader.checkpoint.source["file"] == "part-0000.json"
+    assert check_messages(reader.messages(), key=["id"]) == []
+    again = tidefeed(*args)
+    assert again.returncode == 0, again.stderr.decode()[-3000:]
+    assert again.stderr.count(b" one_pass=") == 2, again.stderr.decode()[-3000:]
+    reader = FeedReader(str(log), "bank")
+    assert check_messages(reader.messages(), key=["id"]) == []
+    assert collection_of(reader) == as_multiset(bank.final.values())
