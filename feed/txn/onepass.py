@@ -89,22 +89,23 @@ def run(
     why = plain_figures(figures, len(job.files)) or _unfit(ctx, job.files, figures)
     if any(f.unparsed for f in figures):
         _parse_declined.add(ctx.feedlog.root)
-    secs["read"] = time.perf_counter() - t0
+    read = time.perf_counter() - t0
     rows = sum(f.rows for f in figures)
     done = None
     if why is None and ctx.info.key:
-        t1 = time.perf_counter()
         try:
             found = onepass_keyed.compute(ctx, parts, rows, probe)
         except BaseException:
             parts.unpersist()
             raise
         done, why = (None, found) if isinstance(found, str) else (found, None)
-        secs["compute"] = time.perf_counter() - t1
     if why is not None:
         parts.unpersist()
         ctx.log.debug("feed %s: not a one-pass transaction: %s", ctx.config.feed, why)
         return DECLINED
+    secs["read"] = read
+    if done is not None:
+        secs["compute"] = time.perf_counter() - t0 - read
     reached("after_read", rows_read=rows)
     try:
         t2 = time.perf_counter()

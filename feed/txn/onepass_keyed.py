@@ -3,13 +3,15 @@
 A keyed feed never trusts a before-image: each key's net change in a transaction of one
 time is "retract the state's row, add the last after-image" (:mod:`feed.txn.diffs`). Only
 each key's last event matters, so a file's task keeps, of its kept events, each key's
-last by position (:func:`last_per_key`) with whether any of them upserted it; the job
-then takes the last of those per key across files (:func:`~feed.txn.diffs.last_images`,
-the Spark path's own, which gives the same over parts of the events as over all of them).
-:func:`compute` loads the state buckets those keys fall in and diffs against them with
-the Spark path's :func:`~feed.txn.diffs.diffs_of_last`. A delete of a key that has no row
-is a bad row on the Spark path, which quarantines it with its line: here it declines the
-transaction, nothing written.
+last by position (:func:`last_per_key`) with whether any of them upserted it. The job
+then takes the last of those per key across files (:func:`lasts`: the keys hashed to
+partitions, pyarrow in each), which gives what the Spark path's
+:func:`~feed.txn.diffs.last_images` gives over all the events, and caches it; the same
+job finds the state buckets the keys touch (:func:`probe`). :func:`compute` loads those
+buckets and diffs against them with the Spark path's
+:func:`~feed.txn.diffs.diffs_of_last`. A delete of a key that has no row is a bad row on
+the Spark path, which quarantines it with its line: here it declines the transaction,
+nothing written.
 """
 
 from __future__ import annotations
