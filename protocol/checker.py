@@ -143,8 +143,7 @@ class FeedChecker:
                 f"e.g. {ex['data']!r:.200}",
             )
         if res.committed and self.non_negative:
-            for table in res.committed:
-                self._check_multiplicities(table)
+            self._check_multiplicities(res.committed)
 
     def _check_progress(self, p: Progress) -> None:
         f = self.consumer.frontier
@@ -166,9 +165,31 @@ class FeedChecker:
             self._report("progress-shape", p.lower, str(e))
         self._after(self.consumer.force(p))
 
-    def _check_multiplicities(self, committed: pa.Table) -> None:
+    def _check_multiplicities(self, committed: Sequence[pa.Table]) -> None:
         """The non-negative and one-row-per-key rules over the records a commit touched
-        (their keys built column-wise; a row is made Python only to be reported)."""
+        (their keys built column-wise; a row is made Python only to be reported). A
+        commit's updates may come in several tables (one per message): a key's live
+        rows are counted once all of them are taken, so a retraction in a later
+        message than its key's new row is not a second live row."""
+        keys_touched: set[bytes] = set()
+        for table in committed:
+            keys_touched |= self._take_multiplicities(table)
+        for kk in keys_touched:
+            live = self._live[kk]
+            total = sum(n for n in live.values() if n > 0)
+            if total > 1:
+                self._report(
+                    "one-row-per-key",
+                    self.consumer.frontier,
+                    f"key {kk.decode(errors='replace')} has {total} live rows below "
+                    f"frontier {self.consumer.frontier}; expected at most 1",
+                )
+            if not live:
+                del self._live[kk]
+
+    def _take_multiplicities(self, committed: pa.Table) -> set[bytes]:
+        """The non-negative rule over one table of a commit, each of its records' live
+        multiplicity noted under its key; the keys it touched."""
         data = committed.column("data")
         keys = record_keys_of(data).to_pylist()
         touched: dict[bytes, int] = {}  # record key -> the row of its first update here
@@ -194,18 +215,7 @@ class FeedChecker:
                 else:
                     live.pop(rk, None)
                 keys_touched.add(kk)
-        for kk in keys_touched:
-            live = self._live[kk]
-            total = sum(n for n in live.values() if n > 0)
-            if total > 1:
-                self._report(
-                    "one-row-per-key",
-                    self.consumer.frontier,
-                    f"key {kk.decode(errors='replace')} has {total} live rows below "
-                    f"frontier {self.consumer.frontier}; expected at most 1",
-                )
-            if not live:
-                del self._live[kk]
+        return keys_touched
 
     def finish(self) -> list[Violation]:
         """Report updates that no progress closed; return every violation found."""

@@ -121,3 +121,18 @@ def test_multiplicity_rules_over_several_times_name_the_record_the_time_and_the_
     assert "{'id': 3, 'v': 'w'}" in found[0][2] and "multiplicity -1" in found[0][2]
     assert 'key {"id":1} has 2 live rows' in found[1][2]
     assert "key {} has 2 live rows" in found[2][2]
+
+
+def test_a_key_updated_across_two_messages_of_one_time_has_one_live_row():
+    """A time's updates may come in several messages (a reader's batches): a key's new
+    row in one and its old row's retraction in a later one is an update, whichever
+    comes first. A second new row in a later message is still found."""
+    head = [announcement(0), U(({"id": 1, "v": "x"}, 1, 1)), Progress(0, 2, ((1, 1),))]
+    new_first = [U(({"id": 1, "v": "y"}, 2, 1)), U(({"id": 1, "v": "x"}, 2, -1))]
+    retract_first = list(reversed(new_first))
+    for body in (new_first, retract_first):
+        assert check_messages([*head, *body, Progress(2, 3, ((2, 2),))], key=["id"]) == []
+    two_new = [*new_first, U(({"id": 1, "v": "z"}, 2, 1))]
+    found = check_messages([*head, *two_new, Progress(2, 3, ((2, 3),))], key=["id"])
+    assert [v.rule for v in found] == ["one-row-per-key"]
+    assert 'key {"id":1} has 2 live rows' in found[0].detail
