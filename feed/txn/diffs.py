@@ -32,9 +32,9 @@ __all__ = [
     "Diffs",
     "absent_delete",
     "consolidate_diffs",
-    "groups_as_is",
     "diffs_of_last",
     "fill_unavailable",
+    "groups_as_is",
     "key_of",
     "keyed_diffs",
     "last_images",
@@ -153,8 +153,7 @@ def absent_delete() -> Column:
 def last_images(events: DataFrame) -> DataFrame:
     """Each key's (``k``) last image in each unit (``img``; null: deleted) by the order
     ``o``, whether the unit upserts it at all (the highest ``up``), and its highest
-    position (``p``). Taking it over parts of the events, and again over the parts' last
-    events (each with its part's ``up``), gives the same."""
+    position (``p``)."""
     last = events.groupBy("k", "unit").agg(
         F.max_by(F.struct("op", "after"), "o").alias("last"),
         F.max("up").alias("has_upsert"),

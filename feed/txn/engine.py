@@ -13,7 +13,7 @@ Three engines give the same feed for every transaction they take:
   computed on the driver with pyarrow, parsed there too (Spark only parses what that
   parse declines);
 - :data:`ONEPASS` (:mod:`feed.txn.onepass`): a plain transaction of one time, keyed or not,
-  parsed, figured and summed per record (or per key) in the same Spark tasks;
+  parsed, figured and summed per record (or reduced per key) in the same Spark tasks;
 - :data:`SPARK` (:mod:`feed.txn.spark`): any transaction, computed in Spark.
 
 tests/feed/test_driver_txn.py runs random histories through ``ENGINES`` and through

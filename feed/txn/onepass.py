@@ -157,10 +157,11 @@ def _atomic(ctx: TxnContext) -> bool:
     """Whether every key column is of a type pyarrow groups by as Spark does."""
     from pyspark.sql import types as T
 
-    fields = {f.name: f.dataType for f in ctx.record_type.fields}
-    # (floats: Spark groups -0.0 with 0.0 and every NaN together, pyarrow may not)
-    kinds = (T.StructType, T.ArrayType, T.MapType, T.BinaryType, T.FloatType, T.DoubleType)
-    return all(k in fields and not isinstance(fields[k], kinds) for k in ctx.info.key)
+    from feed.txn.diffs import groups_as_is
+
+    fields = {f.name: f for f in ctx.record_type.fields}
+    key = ctx.info.key
+    return all(k in fields for k in key) and groups_as_is(T.StructType([fields[k] for k in key]))
 
 
 def _text_refuses(files: Sequence[str], size: int) -> str | None:

@@ -297,10 +297,8 @@ def test_input_gone_before_the_engine_looks_is_declined_for_the_spark_path_to_na
 def test_each_keys_last_event_in_a_file_and_whether_it_was_upserted():
     """A file's task keeps each key's last event by position, whatever the line order,
     and whether any event of the key upserted it (a key only deleted has not)."""
-    from pyspark.sql import types as T
-    from pyspark.sql.pandas.types import to_arrow_schema
+    from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 
-    from feed.sources.rows import spark_record_type
     from feed.txn.onepass_keyed import task_output
 
     a = {"id": 1, "x": 1.5, "s": "a"}
@@ -314,18 +312,7 @@ def test_each_keys_last_event_in_a_file_and_whether_it_was_upserted():
         _e("d", {"id": 3, "x": None, "s": None}, None, 15),
     ]
     t = _parsed(lines)
-    image = spark_record_type(
-        {
-            "type": "record",
-            "name": "m",
-            "fields": [
-                {"name": "id", "type": "long"},
-                {"name": "x", "type": ["null", "double"]},
-                {"name": "s", "type": ["null", "string"]},
-            ],
-        }
-    )
-    image = T.StructType([T.StructField(f.name, f.dataType) for f in image.fields])
+    image = from_arrow_type(RECORD)  # (the Spark form of the lines' record)
     schema = to_arrow_schema(task_output(image, ("id",)), timezone="UTC")
     rows = last_per_key(t, ("id",), schema).to_pylist()
     got = {r["k"]["id"]: (r["op"], r["after"], r["up"], r["o"]["pos_lo"]) for r in rows}
