@@ -134,14 +134,20 @@ def diffs_of_last(
     last = last.withColumn("prev", prev)
     if persist:
         last = cached(last, StorageLevel.MEMORY_AND_DISK)
+    new_state = _new_state(last, state, key, record_t, per_key=per_key, one_unit=one_unit)
+    return Diffs(diffs=_retract_and_add(last, F.col("unit")), units=0, state=new_state, cached=last)
+
+
+def _retract_and_add(last: DataFrame, when: Column) -> DataFrame:
+    """Each row of ``last``'s ``prev`` retracted (-1) and its ``img`` added (+1), where
+    present: columns ``data``, ``when``'s and ``diff``."""
     minus = last.where(F.col("prev").isNotNull()).select(
-        F.col("prev").alias("data"), "unit", F.lit(-1).cast("long").alias("diff")
+        F.col("prev").alias("data"), when, F.lit(-1).cast("long").alias("diff")
     )
     plus = last.where(F.col("img").isNotNull()).select(
-        F.col("img").alias("data"), "unit", F.lit(1).cast("long").alias("diff")
+        F.col("img").alias("data"), when, F.lit(1).cast("long").alias("diff")
     )
-    new_state = _new_state(last, state, key, record_t, per_key=per_key, one_unit=one_unit)
-    return Diffs(diffs=minus.unionByName(plus), units=0, state=new_state, cached=last)
+    return minus.unionByName(plus)
 
 
 def absent_delete() -> Column:
@@ -356,14 +362,7 @@ def one_unit_updates(last: DataFrame, next_time: int) -> DataFrame:
     shuffle. Only for records of :func:`groups_as_is` fields: Spark's grouping writes
     -0.0 as 0.0 and makes NaNs one, which this does not."""
     changed = last.where(~F.col("prev").eqNullSafe(F.col("img")))
-    time = F.lit(next_time).cast("long").alias("time")
-    minus = changed.where(F.col("prev").isNotNull()).select(
-        F.col("prev").alias("data"), time, F.lit(-1).cast("long").alias("diff")
-    )
-    plus = changed.where(F.col("img").isNotNull()).select(
-        F.col("img").alias("data"), time, F.lit(1).cast("long").alias("diff")
-    )
-    return minus.unionByName(plus)
+    return _retract_and_add(changed, F.lit(next_time).cast("long").alias("time"))
 
 
 def groups_as_is(record_t: T.StructType) -> bool:
