@@ -12,7 +12,7 @@ file; with one it keeps each key's last event (:mod:`feed.txn.onepass_keyed`). O
 leaves the task; the same job combines it across files and caches the result, and the
 figures come to the driver through an accumulator. The driver then checks that the whole
 input was plain; a keyed transaction is diffed against the state buckets its keys touch;
-and the updates are written (:func:`feed.txn.segments.write_updates`).
+and the updates are written (:func:`feed.txn.segments.write_transaction`).
 
 Plain here is what the Spark path's assembly releases whole, with no figure per source
 transaction (:meth:`feed.sources.transactions._Assembly.plain`): data events and skipped
@@ -48,7 +48,7 @@ import pyarrow.compute as pc
 
 from feed.sources.positions import Position, committed_position
 from feed.txn import onepass_keyed
-from feed.txn.context import DECLINED, TxnContext
+from feed.txn.context import DECLINED, Computed, TxnContext
 from feed.txn.onepass_figures import FileFigures, file_figures, plain_figures
 from feed.txn.segments import Written, write_transaction
 
@@ -91,34 +91,32 @@ def run(
         _parse_declined.add(ctx.feedlog.root)
     read = time.perf_counter() - t0
     rows = sum(f.rows for f in figures)
-    done = None
-    if why is None and ctx.info.key:
+    done: Computed | str | None = why
+    if why is None:
         try:
-            found = onepass_keyed.compute(ctx, parts, rows, probe)
+            if probe is None:
+                done = _timed(ctx, parts)
+            else:
+                done = onepass_keyed.compute(ctx, parts, rows, probe)
         except BaseException:
             parts.unpersist()
             raise
-        done, why = (None, found) if isinstance(found, str) else (found, None)
-    if why is not None:
+    if not isinstance(done, Computed):
         parts.unpersist()
-        ctx.log.debug("feed %s: not a one-pass transaction: %s", ctx.config.feed, why)
+        ctx.log.debug("feed %s: not a one-pass transaction: %s", ctx.config.feed, done)
         return DECLINED
     secs["read"] = read
-    if done is not None:
+    if probe is not None:
         secs["compute"] = time.perf_counter() - t0 - read
     reached("after_read", rows_read=rows)
     try:
         t2 = time.perf_counter()
         reached("before_write", bad_rows=0)
-        if done is not None:
-            segments, state_ref = write_transaction(ctx, ctx.cp.seq + 1, done)
-        else:
-            segments, state_ref = _write(ctx, parts), ctx.cp.state
+        segments, state_ref = write_transaction(ctx, ctx.cp.seq + 1, done)
         secs["write"] = time.perf_counter() - t2
     finally:
         parts.unpersist()
-        if done is not None:
-            done.release()
+        done.release()
     secs["one_pass"] = time.perf_counter() - t0
     return _written(figures, segments, state_ref, rows)
 
@@ -195,7 +193,9 @@ _lock = threading.Lock()
 _parse_declined: set[str] = set()
 
 
-def _read(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, list[FileFigures], Any]:
+def _read(
+    ctx: TxnContext, files: Sequence[str]
+) -> tuple[Any, list[FileFigures], onepass_keyed.Probe | None]:
     """What the tasks give for ``files`` across files, cached, and each file's figures:
     one Spark job. Unkeyed, the updates (record, diff: the partial sums summed per record,
     zeros left out); keyed, each key's last image (:func:`~feed.txn.onepass_keyed.lasts`)
@@ -243,7 +243,11 @@ def _read(ctx: TxnContext, files: Sequence[str]) -> tuple[Any, list[FileFigures]
     updates = cached(across, spillable())
     try:
         # (the job: every file's task has added its figures once it is done)
-        probe = onepass_keyed.probe(ctx, updates) if key else updates.count()
+        if key:
+            probe: onepass_keyed.Probe | None = onepass_keyed.probe(ctx, updates)
+        else:
+            updates.count()
+            probe = None
     except BaseException:
         updates.unpersist()
         raise
@@ -305,14 +309,21 @@ def partial_sums(kept: pa.Table, record: pa.StructType) -> pa.Table:
     return pa.table({"data": data, "diff": summed["diff_sum"]})
 
 
-def _write(ctx: TxnContext, updates: Any) -> list[Any]:
-    """The transaction's ``updates`` (record, diff), written as its one time's segments."""
+def _timed(ctx: TxnContext, updates: Any) -> Computed:
+    """What an unkeyed transaction writes: its ``updates`` (record, diff) at its one time."""
     from pyspark.sql import functions as F
 
-    from feed.txn.segments import write_updates
-
     timed = updates.select("data", F.lit(ctx.cp.next).cast("long").alias("time"), "diff")
-    return write_updates(ctx, ctx.cp.seq + 1, timed)
+    return Computed(
+        updates=timed,
+        good=None,
+        bad=None,
+        bad_rows=0,
+        units=1,
+        position=None,
+        new_state=None,
+        loaded=None,
+    )
 
 
 def _written(
