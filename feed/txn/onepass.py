@@ -49,7 +49,8 @@ import pyarrow.compute as pc
 from feed.sources.positions import Position, committed_position
 from feed.txn import onepass_keyed
 from feed.txn.context import DECLINED, Computed, TxnContext
-from feed.txn.onepass_figures import FileFigures, file_figures, plain_figures
+from feed.txn.onepass_figures import FileFigures, file_figures, highest, plain_figures
+from feed.txn.onepass_txns import at_commit
 from feed.txn.segments import Written, write_transaction
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ _SCAN_BYTES = 32 << 20
 _HEAD_BYTES = 1 << 20
 #: input under this size is not offered to the parse again once it declined a feed's input
 _SMALL_BYTES = 16 << 20
-_NOT_PLAIN_TEXT = re.compile(rb'END|\\u|__debezium_unavailable_value|"op"\s*:\s*"r"')
+_NOT_PLAIN_TEXT = re.compile(rb'\\u|__debezium_unavailable_value|"op"\s*:\s*"r"')
 
 
 def run(
@@ -86,7 +87,10 @@ def run(
             str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__,
         )
         return DECLINED
-    why = plain_figures(figures, len(job.files)) or _unfit(ctx, job.files, figures)
+    committed_hi = committed_position(ctx.cp.source.get("pos", [0, 0]))[0]
+    why = plain_figures(figures, len(job.files), committed_hi) or _unfit(ctx, job.files, figures)
+    if why is None and probe is not None and any(f.opened for f in figures):
+        why = "keyed: source transactions open across files"
     if any(f.unparsed for f in figures):
         _parse_declined.add(ctx.feedlog.root)
     read = time.perf_counter() - t0
@@ -283,7 +287,7 @@ def _task(
                 figures, kept = file_figures(t, pos, acc[1], i)
                 acc[0].add(frozenset([figures]))
                 if figures.why is None:
-                    yield from reduce(t.filter(kept)).to_batches()
+                    yield from reduce((at_commit(t) if key else t).filter(kept)).to_batches()
 
     return run
 
@@ -336,12 +340,11 @@ def _written(
     for f in figures:
         for reason, n in f.skipped:
             skipped[reason] = skipped.get(reason, 0) + n
-    tops = [f.last for f in figures if f.last is not None]
     return Written(
         segments=segments,
         state_ref=state_ref,
         units=1,
-        position=snapshot_done(max(tops) if tops else None, ()),
+        position=snapshot_done(highest(figures), ()),
         input_rows=rows,
         skipped=skipped,
         redelivered=sum(f.data - f.kept for f in figures),

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from feed.sources.positions import ALL_DONE, DATA_OPS, Position
+from feed.txn.onepass_txns import Open, at_commit, complete, open_transactions
 
 __all__ = ["FileFigures", "file_figures", "plain_figures"]
 
@@ -30,10 +31,16 @@ class FileFigures(NamedTuple):
     #: all_distinct` (:func:`~feed.sources.columnar.seen_positions`)
     positions: tuple[Any, ...] | None = None
     unparsed: bool = False  # the columnar parse declined the file (or could not read it)
+    #: the source transactions the file cannot judge alone (:mod:`feed.txn.onepass_txns`)
+    opened: tuple[Open, ...] = ()
 
 
-def plain_figures(figures: Sequence[FileFigures], n_files: int) -> str | None:
-    """Why the files' ``figures`` show input that is not plain, or None."""
+def plain_figures(
+    figures: Sequence[FileFigures], n_files: int, committed_hi: int = 0
+) -> str | None:
+    """Why the files' ``figures`` show input that is not plain, or None (every source
+    transaction open in a file is complete across them: :func:`~feed.txn.onepass_txns.
+    complete`)."""
     from feed.sources.columnar import all_distinct
 
     if len({f.ord_file for f in figures}) != n_files:
@@ -43,7 +50,14 @@ def plain_figures(figures: Sequence[FileFigures], n_files: int) -> str | None:
             return f.why
     if not all_distinct([f.positions for f in figures if f.positions], n_files):
         return "data events that may share a position (one read twice)"
-    return None
+    return complete([o for f in figures for o in f.opened], committed_hi)[0]
+
+
+def highest(figures: Sequence[FileFigures]) -> tuple[int, int, int] | None:
+    """The highest position of the kept events of the (plain) files' ``figures``."""
+    tops = [f.last for f in figures if f.last is not None]
+    tops += complete([o for f in figures for o in f.opened], 0)[1]
+    return max(tops) if tops else None
 
 
 def file_figures(
@@ -51,9 +65,13 @@ def file_figures(
 ) -> tuple[FileFigures, pa.ChunkedArray]:
     """One file's figures from its parsed rows ``t`` (the columns of
     :func:`~feed.sources.debezium_arrow.parse_flat`), and which rows are data events past
-    the committed position ``pos`` (as :func:`~feed.sources.positions.position_filter`)."""
+    the committed position ``pos`` (as :func:`~feed.sources.positions.position_filter`,
+    each event of a transaction with metadata at its commit LSN: :func:`~feed.txn.
+    onepass_txns.at_commit`)."""
     from feed.sources.columnar import seen_positions
 
+    placed = t
+    t = at_commit(t)
     op, snap = t["op"], pc.fill_null(t["_snap"], "")
     is_data = pc.is_in(op, pa.array(DATA_OPS))
     hi, lo, n = pos
@@ -73,7 +91,9 @@ def file_figures(
         pc.and_(pc.fill_null(pc.equal(op, "r"), False), pc.not_equal(snap, "incremental")),
         pc.equal(snap, "last"),
     )
-    why = _why_not_plain(t, is_data, kept, snapshot)
+    why = _why_not_plain(placed, is_data, kept, snapshot)
+    opened, why_open = open_transactions(t, kept, hi)
+    why = why or (why_open and f"{_name(t)}: {why_open}")
     skips = (
         pc.value_counts(t["_skip"].drop_null()).to_pylist()
         if t["_skip"].null_count < len(t)
@@ -90,6 +110,7 @@ def file_figures(
         last=_highest(t.filter(kept)),
         shapes=tuple(sorted(set(t.filter(fresh)["_shape"].drop_null().to_pylist()))),
         positions=seen_positions(read, ord_file, t),
+        opened=opened,
     )
     return figures, kept
 
@@ -98,11 +119,9 @@ def _why_not_plain(
     t: pa.Table, is_data: pa.ChunkedArray, kept: pa.ChunkedArray, snapshot: pa.ChunkedArray
 ) -> str | None:
     """Why one file's rows are not plain (see the module docstring), or None."""
-    name = t["_file"][0].as_py() if t.num_rows else ""
+    name = _name(t)
     unplaced = pc.or_(pc.is_null(t["pos_hi"]), pc.is_null(t["pos_lo"]))
     checks = (
-        (pc.any(pc.equal(t["op"], "E")), "a transaction END record"),
-        (pc.any(pc.and_(is_data, pc.fill_null(t["tx_meta"], False))), "transaction blocks"),
         (pc.any(snapshot), "a snapshot read or a snapshot's end"),
         (pc.any(pc.is_valid(t["_toast"])), "an unavailable-value placeholder"),
         (pc.any(pc.is_valid(t["_error"])), "a bad row"),
@@ -114,9 +133,16 @@ def _why_not_plain(
     return None
 
 
+def _name(t: pa.Table) -> str:
+    return t["_file"][0].as_py() if t.num_rows else ""
+
+
 def _highest(kept: pa.Table) -> tuple[int, int, int] | None:
-    """The highest (``pos_hi``, ``pos_lo``, ``pos_n``) of the kept events, or None."""
-    if kept.num_rows == 0 or kept["pos_hi"].null_count:
+    """The highest (``pos_hi``, ``pos_lo``, ``pos_n``) of the kept events placed in the
+    file (those of a transaction whose END is elsewhere are not: :data:`Open`'s ``top``),
+    or None."""
+    kept = kept.filter(pc.is_valid(kept["pos_hi"]))
+    if kept.num_rows == 0:
         return None
     by = [("pos_hi", "descending"), ("pos_lo", "descending"), ("pos_n", "descending")]
     top = kept.select(["pos_hi", "pos_lo", "pos_n"]).take(pc.sort_indices(kept, by)[:1])

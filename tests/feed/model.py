@@ -148,3 +148,30 @@ class DDReader:
             if t < f:
                 c[rec] += d
         return +c
+
+
+def with_metadata(events: list[bytes]) -> list[bytes]:
+    """The events as a connector with ``provide.transaction.metadata`` delivers them: each
+    transaction between a BEGIN and an END record, its events numbered."""
+    out: list[bytes] = []
+    group: list[dict] = []
+
+    def close() -> None:
+        xid, commit = group[0]["source"]["txId"], group[-1]["source"]["lsn"] + 1
+        out.append(orjson.dumps({"status": "BEGIN", "id": f"{xid}:{commit}"}))
+        for i, e in enumerate(group):
+            e["transaction"] = {"id": f"{xid}:{e['source']['lsn']}", "total_order": i + 1}
+            out.append(orjson.dumps(e))
+        counts = [{"data_collection": "public.accounts", "event_count": len(group)}]
+        end = {"status": "END", "id": f"{xid}:{commit}", "event_count": len(group)}
+        out.append(orjson.dumps({**end, "data_collections": counts}))
+        group.clear()
+
+    for line in events:
+        e = orjson.loads(line)
+        e = e.get("payload", e)
+        if group and group[0]["source"]["txId"] != e["source"]["txId"]:
+            close()
+        group.append(e)
+    close()
+    return out

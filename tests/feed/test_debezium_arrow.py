@@ -222,10 +222,10 @@ def test_a_spark_transaction_takes_the_columnar_parse_where_it_applies(
     END record among them) emitted in Spark with ``parse="auto"`` and ``parse="spark"``
     gives the same feed, the truth; only the first parses in the tasks. (Without END
     records, both reads skip the figures' list of them: feed/sources/transactions.py.)"""
-    from .test_driver_txn import _with_metadata
+    from .model import with_metadata
 
     bank = generate_bank(transactions=40, seed=9, wrapped_every=0)
-    events = _with_metadata(bank.events) if metadata else bank.events
+    events = with_metadata(bank.events) if metadata else bank.events
     found = {}
     for parse in ("auto", "spark"):
         work = tmp_path / parse

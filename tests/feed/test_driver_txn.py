@@ -24,7 +24,7 @@ from feed.txn.engine import DECLINED, DRIVER, ENGINES, SPARK, Job, run_job
 from protocol.messages import record_key
 
 from ..e2e.helpers import write_parts
-from .model import MEASURES, as_multiset, collection_of
+from .model import MEASURES, as_multiset, collection_of, with_metadata
 
 
 def _run(
@@ -78,33 +78,6 @@ def _feed(log: Path) -> tuple[int, dict[int, Counter], Counter, set]:
             state.update(record_key(r) for r in pq.read_table(f).to_pylist())
             schemas.add(pq.read_schema(f).remove_metadata())
     return reader.frontier, times, state, schemas
-
-
-def _with_metadata(events: list[bytes]) -> list[bytes]:
-    """The events as a connector with ``provide.transaction.metadata`` delivers them: each
-    transaction between a BEGIN and an END record, its events numbered."""
-    out: list[bytes] = []
-    group: list[dict] = []
-
-    def close() -> None:
-        xid, commit = group[0]["source"]["txId"], group[-1]["source"]["lsn"] + 1
-        out.append(orjson.dumps({"status": "BEGIN", "id": f"{xid}:{commit}"}))
-        for i, e in enumerate(group):
-            e["transaction"] = {"id": f"{xid}:{e['source']['lsn']}", "total_order": i + 1}
-            out.append(orjson.dumps(e))
-        counts = [{"data_collection": "public.accounts", "event_count": len(group)}]
-        end = {"status": "END", "id": f"{xid}:{commit}", "event_count": len(group)}
-        out.append(orjson.dumps({**end, "data_collections": counts}))
-        group.clear()
-
-    for line in events:
-        e = orjson.loads(line)
-        e = e.get("payload", e)
-        if group and group[0]["source"]["txId"] != e["source"]["txId"]:
-            close()
-        group.append(e)
-    close()
-    return out
 
 
 def _history(
@@ -215,7 +188,7 @@ def test_the_driver_gives_the_feed_spark_gives(
 ):
     bank = generate_bank(transactions=20, seed=seed)
     src = tmp_path / "in"
-    events = _with_metadata(bank.events) if metadata else bank.events
+    events = with_metadata(bank.events) if metadata else bank.events
     events = _with_toast(events) if toast else events
     load = None
     if snapshot:  # a keyed feed's snapshot straddles files, some reads delivered twice

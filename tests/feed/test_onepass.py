@@ -21,12 +21,13 @@ from feed.log.reader import FeedReader
 from feed.sources.debezium_arrow import parse_flat
 from feed.txn.engine import ONEPASS, SPARK
 from feed.txn.onepass import partial_sums
-from feed.txn.onepass_figures import file_figures, plain_figures
+from feed.txn.onepass_figures import file_figures, highest, plain_figures
 from feed.txn.onepass_keyed import last_per_key
+from feed.txn.onepass_txns import at_commit
 from protocol.messages import record_key
 
 from ..e2e.helpers import write_parts
-from .model import MEASURES, as_multiset, collection_of, emit_bank
+from .model import MEASURES, as_multiset, collection_of, emit_bank, with_metadata
 
 TOAST = "__debezium_unavailable_value"
 RECORD = pa.struct([("id", pa.int64()), ("x", pa.float64()), ("s", pa.string())])
@@ -70,7 +71,6 @@ def test_events_at_or_below_the_committed_position_are_dropped():
 @pytest.mark.parametrize(
     "line,why",
     [
-        (b'{"status":"END","id":"7:100","event_count":1,"data_collections":[]}', "END record"),
         (_e("r", None, {"id": 9, "x": None, "s": None}, 50, snapshot="true"), "snapshot"),
         (
             _e("u", {"id": 9, "x": 1.0, "s": None}, {"id": 9, "x": 1.0, "s": TOAST}, 60),
@@ -83,6 +83,62 @@ def test_a_file_that_is_not_plain_says_why(line, why):
     figures, _ = file_figures(t, (0, 0, 0), 1, 0)
     assert figures.why is not None and why in figures.why
     assert plain_figures([figures], 1) == figures.why
+
+
+def _tx(op: str, before: dict | None, after: dict | None, lsn: int, xid: int, n: int) -> bytes:
+    """An event of source transaction ``xid`` with its transaction block (``n``: its place)."""
+    e = orjson.loads(_e(op, before, after, lsn, txId=xid))
+    e["transaction"] = {"id": f"{xid}:{lsn}", "total_order": n}
+    return orjson.dumps(e)
+
+
+def _end(xid: int, commit: int, count: int) -> bytes:
+    counts = [{"data_collection": "public.m", "event_count": count}]
+    end = {"status": "END", "id": f"{xid}:{commit}", "event_count": count}
+    return orjson.dumps({**end, "data_collections": counts})
+
+
+def test_source_transactions_straddling_files_are_judged_once_added_up():
+    """Transaction 7 whole in the first file (its events at its commit LSN, 12);
+    transaction 8 with one event in each file and its END in the second: each file leaves
+    it open, and the two together are complete. Without the second file, or with an END
+    that counts more, they are not; at a committed position past 7's commit, 7 is done."""
+    r = [{"id": i, "x": None, "s": None} for i in range(4)]
+    first = [
+        _tx("c", None, r[0], 10, 7, 1),
+        _tx("c", None, r[1], 11, 7, 2),
+        _end(7, 12, 2),
+        _tx("c", None, r[2], 13, 8, 1),
+    ]
+    f0, kept = file_figures(_parsed(first, 0), (0, 0, 0), 1, 0)
+    assert f0.why is None and f0.kept == 3 and f0.last == (12, 11, 2)
+    placed = at_commit(_parsed(first, 0)).filter(kept)
+    assert placed["pos_hi"].to_pylist() == [12, 12, None]  # (8's END is not in the file)
+    assert [tuple(o) for o in f0.opened] == [("8", 1, None, None, (13, 1))]
+    last = _tx("c", None, r[3], 14, 8, 2)
+    f1, _ = file_figures(_parsed([last, _end(8, 15, 2)], 1), (0, 0, 0), 1, 1)
+    assert [tuple(o) for o in f1.opened] == [("8", 1, 2, 15, (14, 2))]
+    assert plain_figures([f0, f1], 2) is None
+    assert highest([f0, f1]) == (15, 14, 2)
+    assert "8 without its END record" in (plain_figures([f0], 1) or "")
+    more, _ = file_figures(_parsed([last, _end(8, 15, 3)], 1), (0, 0, 0), 1, 1)
+    assert "2 events read, its END counts 3" in (plain_figures([f0, more], 2) or "")
+    done, _ = file_figures(_parsed(first, 0), (12, 11, 2), 1, 0)
+    assert (done.data, done.kept) == (3, 1)  # (7's two events redelivered)
+    assert [tuple(o)[:2] for o in done.opened] == [("8", 1)]
+
+
+def test_an_end_record_twice_or_too_many_open_transactions_decline_the_file(monkeypatch):
+    from feed.txn import onepass_txns
+
+    r = {"id": 1, "x": None, "s": None}
+    lines = [_tx("c", None, r, 10, 7, 1), _end(7, 11, 1), _end(7, 11, 1)]
+    twice, _ = file_figures(_parsed(lines), (0, 0, 0), 1, 0)
+    assert "END record read twice" in (twice.why or "")
+    monkeypatch.setattr(onepass_txns, "MAX_OPEN", 1)
+    rows = [_tx("c", None, {**r, "id": i}, 10 + i, 7 + i, 1) for i in range(2)]
+    many, _ = file_figures(_parsed(rows), (0, 0, 0), 1, 0)
+    assert "more than 1 source transactions open" in (many.why or "")
 
 
 def test_files_whose_positions_meet_are_not_plain():
@@ -99,19 +155,19 @@ def test_the_text_of_large_input_is_looked_through_at_each_files_head(tmp_path, 
     from feed.txn import onepass
 
     plain = [_e("c", None, {"id": i, "x": None, "s": "a"}, 100 + i) for i in range(20)]
-    end = b'{"status":"END","id":"7:100","event_count":1,"data_collections":[]}'
-    early = write_parts(tmp_path / "early", [plain[0], end, *plain[1:]], 1)
-    late = write_parts(tmp_path / "late", [*plain, end], 1)
+    read = _e("r", None, {"id": 99, "x": None, "s": None}, 50, snapshot="true")
+    early = write_parts(tmp_path / "early", [plain[0], read, *plain[1:]], 1)
+    late = write_parts(tmp_path / "late", [*plain, read], 1)
 
     def refuses(paths: list[Path]) -> str | None:
         files = [str(p) for p in paths]
         return onepass._text_refuses(files, input_bytes(files))
 
-    assert "holds 'END'" in (refuses(early) or "")
-    assert "holds 'END'" in (refuses(late) or "")
+    assert 'holds \'"op":"r"\'' in (refuses(early) or "")
+    assert 'holds \'"op":"r"\'' in (refuses(late) or "")
     monkeypatch.setattr(onepass, "_SCAN_BYTES", 100)  # (both are larger: heads only)
     monkeypatch.setattr(onepass, "_HEAD_BYTES", 3 * len(plain[0]))
-    assert "holds 'END'" in (refuses(early) or "")
+    assert 'holds \'"op":"r"\'' in (refuses(early) or "")
     assert refuses(late) is None  # (the tasks will see it)
 
 
@@ -386,3 +442,46 @@ def test_a_key_changed_in_several_files_of_one_transaction_ends_as_its_last_even
     assert collection_of(FeedReader(str(tmp_path / "one"), "bank")) == as_multiset([c])
     by_x = _run(spark, src, tmp_path / "x", one_pass=True, **{**kw, "key": ("x",)})
     assert ["one_pass" in r.seconds for r in by_x] == [False]
+
+
+def _metadata_history(src: Path, seed: int) -> list[bytes]:
+    """A bank history with transaction metadata in five files, each of the first four
+    ending inside a source transaction but the second, which ends at an END record."""
+    lines = with_metadata(generate_bank(transactions=24, seed=seed, wrapped_every=0).events)
+    ends = [i + 1 for i, line in enumerate(lines) if b'"status":"END"' in line]
+
+    def inside(j: int) -> int:  # before the last event of a source transaction of two or more
+        while b'"BEGIN"' in lines[ends[j] - 3]:
+            j += 1
+        return ends[j] - 2
+
+    q = len(ends) // 4
+    cuts = [0, inside(q), ends[2 * q], inside(3 * q), inside(3 * q + 2), len(lines)]
+    for i in range(5):
+        write_parts(src, lines[cuts[i] : cuts[i + 1]], 1, start=i)
+    return lines
+
+
+@pytest.mark.parametrize("key", [()])
+def test_a_history_with_transaction_metadata_gives_the_feed_the_spark_path_gives(
+    spark, tmp_path, key
+):
+    """Source transactions straddling files, two files a transaction: the one pass takes
+    a transaction whose source transactions are all complete (adding up each one's
+    events and its END across files), declines one that ends inside a source transaction
+    (nothing written: the Spark path holds it back and reads its file again), and takes
+    the next, which completes it. Feed, progress and figures are the Spark path's."""
+    src = tmp_path / "in"
+    _metadata_history(src, seed=41)
+    bank = generate_bank(transactions=24, seed=41, wrapped_every=0)
+    on = _run(spark, src, tmp_path / "one", one_pass=True, key=key, max_files_per_txn=2)
+    off = _run(spark, src, tmp_path / "spark", one_pass=False, key=key, max_files_per_txn=2)
+    assert ["one_pass" in r.seconds for r in on] == [True, False, True]
+    assert [r.held for r in on] == [r.held for r in off] == [0, 1, 0]
+    assert [r.progress for r in on] == [r.progress for r in off]
+    figures = [(r.input_rows, r.redelivered, r.skipped) for r in on]
+    assert figures == [(r.input_rows, r.redelivered, r.skipped) for r in off]
+    assert _times(tmp_path / "one") == _times(tmp_path / "spark")
+    assert collection_of(FeedReader(str(tmp_path / "one"), "bank")) == as_multiset(
+        bank.final.values()
+    )
