@@ -89,8 +89,6 @@ def run(
         return DECLINED
     committed_hi = committed_position(ctx.cp.source.get("pos", [0, 0]))[0]
     why = plain_figures(figures, len(job.files), committed_hi) or _unfit(ctx, job.files, figures)
-    if why is None and probe is not None and any(f.opened for f in figures):
-        why = "keyed: source transactions open across files"
     if any(f.unparsed for f in figures):
         _parse_declined.add(ctx.feedlog.root)
     read = time.perf_counter() - t0
@@ -101,7 +99,8 @@ def run(
             if probe is None:
                 done = _timed(ctx, parts)
             else:
-                done = onepass_keyed.compute(ctx, parts, rows, probe)
+                commits = {o.txn: o.commit for f in figures for o in f.opened if o.commit}
+                done = onepass_keyed.compute(ctx, parts, rows, probe, commits)
         except BaseException:
             parts.unpersist()
             raise

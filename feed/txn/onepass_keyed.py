@@ -34,7 +34,10 @@ _ORDER = ("pos_hi", "pos_lo", "pos_n", "ord_file", "ord_row")
 
 def task_output(record: Any, key: Sequence[str]) -> Any:
     """The Spark schema of a task's rows: each key (``k``) with its last event's order
-    (``o``), ``op`` and ``after``, and whether the file upserted the key (``up``)."""
+    (``o``), ``op`` and ``after``, and whether the file upserted the key (``up``). An
+    event of a source transaction whose END record is in another file has no commit LSN
+    in its task (``o.pos_hi`` null): the key's last such event of each of those
+    transactions comes out too, with the transaction (``txn``; null on the others)."""
     from pyspark.sql import types as T
 
     fields = {f.name: f for f in record.fields}
@@ -46,14 +49,31 @@ def task_output(record: Any, key: Sequence[str]) -> Any:
             T.StructField("op", T.StringType()),
             T.StructField("after", record),
             T.StructField("up", T.IntegerType()),
+            T.StructField("txn", T.StringType()),
         ]
     )
 
 
 def last_per_key(kept: pa.Table, key: Sequence[str], schema: pa.Schema) -> pa.Table:
     """Of one file's ``kept`` events (the columns of
-    :func:`~feed.sources.debezium_arrow.parse_flat`), each key's last by position, as
-    rows of :func:`task_output` (``schema``, its Arrow form)."""
+    :func:`~feed.sources.debezium_arrow.parse_flat`, placed at their commit LSN by
+    :func:`~feed.txn.onepass_txns.at_commit`), each key's last by position, as rows of
+    :func:`task_output` (``schema``, its Arrow form); of the events without a commit LSN,
+    each key's last in each of their source transactions."""
+    placed = pc.is_valid(kept["pos_hi"])
+    if kept.num_rows and not pc.all(placed).as_py():
+        parts = (
+            _last_rows(kept.filter(placed), key, schema, ()),
+            _last_rows(kept.filter(pc.invert(placed)), key, schema, ("txn",)),
+        )
+        return pa.concat_tables(parts)
+    return _last_rows(kept, key, schema, ())
+
+
+def _last_rows(
+    kept: pa.Table, key: Sequence[str], schema: pa.Schema, also: tuple[str, ...]
+) -> pa.Table:
+    """:func:`last_per_key` of ``kept``, per key and the columns ``also``."""
     if kept.num_rows == 0:
         return schema.empty_table()
     is_delete = pc.fill_null(pc.equal(kept["op"], "d"), False)
@@ -62,7 +82,8 @@ def last_per_key(kept: pa.Table, key: Sequence[str], schema: pa.Schema) -> pa.Ta
         for k in key
     ]
     up = pc.invert(is_delete).cast(pa.int32())
-    at, ups = _last(keys, kept.select(list(_ORDER)), up)
+    by = [*keys, *(kept[c] for c in also)]
+    at, ups = _last(by, kept.select(list(_ORDER)), up)
     rows = kept.take(at)
     k_type, o_type = schema.field("k").type, schema.field("o").type
     k = pa.StructArray.from_arrays(
@@ -73,12 +94,14 @@ def last_per_key(kept: pa.Table, key: Sequence[str], schema: pa.Schema) -> pa.Ta
         [rows[c].combine_chunks().cast(pa.int64()) for c in _ORDER], fields=list(o_type)
     )
     after = rows["after"].cast(schema.field("after").type)
-    return pa.table([k, o, rows["op"], after, ups], schema=schema)
+    txn = rows["txn"] if also else pa.nulls(len(at), pa.string())
+    return pa.table([k, o, rows["op"], after, ups, txn], schema=schema)
 
 
-def _last(keys: Sequence[Any], order: pa.Table, up: Any) -> tuple[pa.Array, pa.ChunkedArray]:
-    """Which row is each key's last by ``order`` (its columns, ascending; none null), and
-    the highest ``up`` of each key's rows: the rows' indices and those highs."""
+def _last(keys: Sequence[Any], order: pa.Table, up: Any, rows: bool = False) -> Any:
+    """Which row is each key's last by ``order`` (its columns, ascending; a null sorts
+    after every number), and the highest ``up`` of each key's rows: the rows' indices and
+    those highs; with ``rows``, each key's rows' indices too (a list per key)."""
     by = pc.sort_indices(order, [(c, "ascending") for c in order.column_names])
     names = [f"k{i}" for i in range(len(keys))]
     ranked = pa.table(
@@ -88,12 +111,19 @@ def _last(keys: Sequence[Any], order: pa.Table, up: Any) -> tuple[pa.Array, pa.C
             "up": up.take(by),
         }
     )
-    last = ranked.group_by(names).aggregate([("_i", "max"), ("up", "max")])
-    return by.take(last["_i_max"]), last["up_max"]
+    also = [("_i", "list")] if rows else []
+    last = ranked.group_by(names).aggregate([("_i", "max"), ("up", "max"), *also])
+    at = by.take(last["_i_max"].combine_chunks())
+    if not rows:
+        return at, last["up_max"]
+    each = last["_i_list"].combine_chunks()
+    listed = pa.ListArray.from_arrays(each.offsets, by.take(each.values))
+    return at, last["up_max"], listed
 
 
 def last_output(tasks: Any) -> Any:
-    """The Spark schema of :func:`lasts`' rows: :func:`~feed.txn.diffs.last_images`'."""
+    """The Spark schema of :func:`lasts`' rows: :func:`~feed.txn.diffs.last_images`',
+    and the columns that say which keys wait for a commit LSN."""
     from pyspark.sql import types as T
 
     long = T.LongType()
@@ -104,15 +134,23 @@ def last_output(tasks: Any) -> Any:
             T.StructField("has_upsert", T.IntegerType()),
             T.StructField("p", T.StructType([T.StructField(c, long) for c in _ORDER[:3]])),
             T.StructField("img", tasks["after"].dataType),
+            T.StructField("txn", T.StringType()),
+            T.StructField("pending", T.BooleanType()),
         ]
     )
+
+
+#: the columns of :func:`~feed.txn.diffs.last_images`
+LAST_COLUMNS = ("k", "unit", "has_upsert", "p", "img")
 
 
 def lasts(tasks: Any) -> Any:
     """The tasks' rows (:func:`task_output`) reduced to each key's last image across
     files: the columns of :func:`~feed.txn.diffs.last_images`, one time. Each key's rows
     meet in one partition (Spark's hash of the key) and pyarrow takes the last there:
-    Spark's own aggregate of a struct by the greatest order sorts every row twice."""
+    Spark's own aggregate of a struct by the greatest order sorts every row twice. A key
+    whose last row has no commit LSN yet (``o.pos_hi`` null) is *pending*: all its rows
+    come out, each with its ``txn``, for :func:`settle` to order."""
     from pyspark.sql.pandas.types import to_arrow_schema
 
     out = last_output(tasks.schema)
@@ -129,8 +167,20 @@ def _lasts(batches: Iterator[pa.RecordBatch], schema: pa.Schema) -> Iterator[pa.
     k, o = t["k"].combine_chunks(), t["o"].combine_chunks()
     keys = [k.field(i) for i in range(k.type.num_fields)]
     order = pa.table({c: o.field(c) for c in _ORDER})
-    at, ups = _last(keys, order, t["up"])
-    rows = t.take(at)
+    if not o.field("pos_hi").null_count:
+        at, ups = _last(keys, order, t["up"])
+        yield from _images(t.take(at), ups, schema).to_batches()
+        return
+    at, ups, each = _last(keys, order, t["up"], rows=True)
+    waits = pc.is_null(o.field("pos_hi").take(at))
+    settled = pc.invert(waits)
+    yield from _images(t.take(at.filter(settled)), ups.filter(settled), schema).to_batches()
+    mine = pc.list_flatten(each.filter(waits))
+    yield from _images(t.take(mine), t["up"].take(mine), schema, pending=True).to_batches()
+
+
+def _images(rows: pa.Table, ups: Any, schema: pa.Schema, pending: bool = False) -> pa.Table:
+    """``rows`` of :func:`task_output` as rows of :func:`last_output` (``schema``)."""
     deleted = pc.fill_null(pc.equal(rows["op"], "d"), False)
     after = rows["after"].combine_chunks()
     img = pc.if_else(deleted, pa.nulls(len(after), after.type), after)
@@ -138,8 +188,59 @@ def _lasts(batches: Iterator[pa.RecordBatch], schema: pa.Schema) -> Iterator[pa.
     p = pa.StructArray.from_arrays(
         [lo.field(c) for c in _ORDER[:3]], fields=list(schema.field("p").type)
     )
-    unit = pa.array(np.zeros(len(at), dtype=np.int64))
-    yield from pa.table([rows["k"], unit, ups, p, img], schema=schema).to_batches()
+    n = rows.num_rows
+    txn = rows["txn"] if pending else pa.nulls(n, pa.string())
+    flags = pa.array(np.full(n, pending))
+    columns = [rows["k"], pa.array(np.zeros(n, dtype=np.int64)), ups, p, img, txn, flags]
+    return pa.table(columns, schema=schema)
+
+
+def settle(ctx: TxnContext, last: Any, commits: dict[str, int]) -> tuple[Any, Any]:
+    """``last`` (:func:`lasts`, cached) with each pending key settled now that the
+    ``commits`` (source transaction: commit LSN) of the transactions open in the files
+    are known: the columns of :func:`~feed.txn.diffs.last_images`, and the cache made
+    for them (None: none is needed, no key was pending)."""
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    from feed.sources.cached import cached
+    from feed.txn.context import spillable
+
+    if not commits:
+        return last.where(~F.col("pending")).select(*LAST_COLUMNS), None
+    out = T.StructType([last.schema[c] for c in LAST_COLUMNS])
+    schema = to_arrow_schema(out, timezone="UTC")
+    fn = functools.partial(_settle, schema=schema, commits=commits)
+    done = cached(last.mapInArrow(fn, out), spillable())
+    return done, done
+
+
+def _settle(
+    batches: Iterator[pa.RecordBatch], schema: pa.Schema, commits: dict[str, int]
+) -> Iterator[pa.RecordBatch]:
+    """One partition's part of :func:`settle` (a key's rows are all in one: :func:`lasts`)."""
+    t = pa.Table.from_batches(list(batches))
+    if t.num_rows == 0:
+        return
+    waits = t["pending"]
+    yield from t.filter(pc.invert(waits)).select(list(LAST_COLUMNS)).cast(schema).to_batches()
+    w = t.filter(waits)
+    if not w.num_rows:
+        return
+    p = w["p"].combine_chunks()
+    known = pa.array([commits.get(x) for x in w["txn"].to_pylist()], pa.int64())
+    hi = pc.coalesce(p.field("pos_hi"), known)
+    k = w["k"].combine_chunks()
+    order = pa.table({"pos_hi": hi, "pos_lo": p.field("pos_lo"), "pos_n": p.field("pos_n")})
+    at, ups = _last([k.field(i) for i in range(k.type.num_fields)], order, w["has_upsert"])
+    rows = w.take(at)
+    placed = pa.StructArray.from_arrays(
+        [hi.take(at), p.field("pos_lo").take(at), p.field("pos_n").take(at)],
+        fields=list(schema.field("p").type),
+    )
+    settled = pa.table([rows["k"], rows["unit"], ups, placed, rows["img"]], schema=schema)
+    yield from settled.to_batches()
 
 
 class Probe(NamedTuple):
@@ -169,10 +270,31 @@ def probe(ctx: TxnContext, last: Any) -> Probe:
     )
 
 
-def compute(ctx: TxnContext, last: Any, input_rows: int, found: Probe) -> Computed | str:
-    """The updates and the new state of the keys' ``last`` images (cached by the caller;
-    ``found`` by :func:`probe`) against the state buckets they fall in, or why the
-    transaction is declined (nothing written, nothing left cached but ``last``)."""
+def compute(
+    ctx: TxnContext, lasts: Any, input_rows: int, found: Probe, commits: dict[str, int]
+) -> Computed | str:
+    """The updates and the new state of the keys' last images (``lasts``, cached by the
+    caller; ``found`` by :func:`probe`; ``commits``: see :func:`settle`) against the state
+    buckets they fall in, or why the transaction is declined (nothing written, nothing
+    left cached but ``lasts``)."""
+    last, settled = settle(ctx, lasts, commits)
+    try:
+        done = _diffed(ctx, last, input_rows, found)
+    except BaseException:
+        if settled is not None:
+            settled.unpersist()
+        raise
+    if isinstance(done, str):
+        if settled is not None:
+            settled.unpersist()
+        return done
+    if settled is not None:
+        done.cached.append(settled)
+    return done
+
+
+def _diffed(ctx: TxnContext, last: Any, input_rows: int, found: Probe) -> Computed | str:
+    """:func:`compute` of the keys' settled ``last`` images."""
     from pyspark.sql import functions as F
 
     from feed.txn.diffs import (

@@ -375,6 +375,49 @@ def test_each_keys_last_event_in_a_file_and_whether_it_was_upserted():
     assert got == {1: ("u", b, 1, 12), 2: ("d", None, 0, 13), 3: ("d", None, 1, 15)}
 
 
+def test_a_key_changed_by_a_transaction_open_across_files_waits_for_its_commit_lsn():
+    """Key 1 changed by transaction 7 (whole in file 0), then by 8, whose END is in file 1
+    and whose events in file 0 have no commit LSN there; key 2 only by 7. Across files,
+    key 2 is settled at once, key 1 is pending with its rows; once 8's commit LSN is
+    known, 8's image wins, as it would by commit order on the Spark path."""
+    from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
+
+    from feed.txn.onepass_keyed import _lasts, _settle, last_output, task_output
+
+    a, b, c = ({"id": 1, "x": v, "s": None} for v in (1.5, 2.5, 3.5))
+    two = {"id": 2, "x": 0.5, "s": None}
+    first = [
+        _tx("c", None, a, 10, 7, 1),
+        _tx("c", None, two, 11, 7, 2),
+        _end(7, 12, 2),
+        _tx("u", a, b, 13, 8, 1),
+        _tx("u", b, c, 14, 8, 2),
+    ]
+    image = from_arrow_type(RECORD)
+    out = task_output(image, ("id",))
+    schema = to_arrow_schema(out, timezone="UTC")
+    t = _parsed(first, 0)
+    _, kept = file_figures(t, (0, 0, 0), 1, 0)
+    rows = last_per_key(at_commit(t).filter(kept), ("id",), schema)
+    got = sorted(
+        (r["k"]["id"], r["txn"] or "", r["o"]["pos_hi"], r["after"]) for r in rows.to_pylist()
+    )
+    assert got == [(1, "", 12, a), (1, "8", None, c), (2, "", 12, two)]
+
+    across = to_arrow_schema(last_output(out), timezone="UTC")
+    merged = pa.Table.from_batches(list(_lasts(iter(rows.to_batches()), across)))
+    by_key = sorted((r["k"]["id"], r["pending"], r["txn"] or "") for r in merged.to_pylist())
+    assert by_key == [(1, True, ""), (1, True, "8"), (2, False, "")]
+    settled_schema = pa.schema(list(across)[:5])  # (last_images' columns)
+    settled = pa.Table.from_batches(
+        list(_settle(iter(merged.to_batches()), settled_schema, {"8": 15}))
+    ).to_pylist()
+    assert sorted((r["k"]["id"], r["img"], r["p"]["pos_hi"]) for r in settled) == [
+        (1, c, 15),
+        (2, two, 12),
+    ]
+
+
 def test_a_keyed_history_gives_the_feed_the_spark_path_gives(spark, tmp_path):
     """A keyed feed, two files a transaction, accounts opened, changed, closed and
     reopened across transactions (each later one diffed against the state the earlier
@@ -462,7 +505,7 @@ def _metadata_history(src: Path, seed: int) -> list[bytes]:
     return lines
 
 
-@pytest.mark.parametrize("key", [()])
+@pytest.mark.parametrize("key", [(), ("id",)])
 def test_a_history_with_transaction_metadata_gives_the_feed_the_spark_path_gives(
     spark, tmp_path, key
 ):
