@@ -34,6 +34,7 @@ from feed.sources.debezium import (
     SKIP_TOMBSTONE,
     SKIP_TX_METADATA,
 )
+from feed.sources.file_text import Lines
 
 __all__ = ["DECLINED_OP", "MAX_DEPTH", "NOT_NULL", "OUT", "declined_batch", "parse_flat"]
 
@@ -98,33 +99,7 @@ def _line_type(record: pa.StructType) -> pa.Schema:
     )
 
 
-class _Lines(Sequence[bytes]):
-    """The lines of ``data`` as ``data.split(b"\\n")`` gives them (no empty line after
-    the last break), found by numpy: no bytes object per line unless one is asked for."""
-
-    def __init__(self, data: bytes) -> None:
-        import numpy as np
-
-        self.data = data
-        breaks = np.flatnonzero(np.frombuffer(data, np.uint8) == 10)
-        ends = breaks if data.endswith(b"\n") or not data else np.append(breaks, len(data))
-        self.starts = np.concatenate([[0], breaks + 1])[: len(ends)]
-        self.ends = ends
-
-    def __len__(self) -> int:
-        return len(self.ends)
-
-    def __getitem__(self, n: int) -> bytes:  # type: ignore[override]
-        return self.data[self.starts[n] : self.ends[n]]
-
-    def longer(self, size: int) -> list[int]:
-        """The numbers of the lines of ``size`` bytes or more."""
-        import numpy as np
-
-        return np.flatnonzero(self.ends - self.starts >= size).tolist()
-
-
-def _objects(data: bytes, lines: _Lines) -> tuple[list[int] | range, list[int]]:
+def _objects(data: bytes, lines: Lines) -> tuple[list[int] | range, list[int]]:
     """The numbers of ``data``'s ``lines`` holding a JSON value other than ``null``, and
     those of the tombstones (``null``); blank lines are neither, as in Spark. (A line of
     ``null`` must never reach pyarrow's reader, which crashes on it.)"""
@@ -164,7 +139,7 @@ def parse_flat(
             text.validate(full=True)
         except pa.ArrowInvalid:
             raise Declined("bytes that are not UTF-8") from None
-    lines = _Lines(data)
+    lines = Lines(data)
     if any(
         lines[n].count(b"{") + lines[n].count(b"[") >= MAX_DEPTH
         for n in lines.longer(2 * MAX_DEPTH)

@@ -14,6 +14,7 @@ from protocol import SourceError
 __all__ = [
     "HADOOP_ONLY",
     "MAX_LINE",
+    "Lines",
     "check_compressed",
     "codec_of",
     "input_lines",
@@ -110,3 +111,29 @@ def check_compressed(files: Sequence[str]) -> None:
                     f"input file {path} is named {ending} but does not hold {codec} data (it "
                     f"starts with {head!r}): compress it, or name it without {ending}"
                 )
+
+
+class Lines(Sequence[bytes]):
+    """The lines of ``data`` as ``data.split(b"\\n")`` gives them (no empty line after
+    the last break), found by numpy: no bytes object per line unless one is asked for."""
+
+    def __init__(self, data: bytes) -> None:
+        import numpy as np
+
+        self.data = data
+        breaks = np.flatnonzero(np.frombuffer(data, np.uint8) == 10)
+        ends = breaks if data.endswith(b"\n") or not data else np.append(breaks, len(data))
+        self.starts = np.concatenate([[0], breaks + 1])[: len(ends)]
+        self.ends = ends
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, n: int) -> bytes:  # type: ignore[override]
+        return self.data[self.starts[n] : self.ends[n]]
+
+    def longer(self, size: int) -> list[int]:
+        """The numbers of the lines of ``size`` bytes or more."""
+        import numpy as np
+
+        return np.flatnonzero(self.ends - self.starts >= size).tolist()

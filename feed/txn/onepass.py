@@ -49,7 +49,13 @@ import pyarrow.compute as pc
 from feed.sources.positions import Position, committed_position
 from feed.txn import onepass_keyed
 from feed.txn.context import DECLINED, Computed, TxnContext
-from feed.txn.onepass_figures import FileFigures, file_figures, highest, plain_figures
+from feed.txn.onepass_figures import (
+    FileFigures,
+    commit_lsns,
+    file_figures,
+    highest,
+    plain_figures,
+)
 from feed.txn.onepass_txns import at_commit
 from feed.txn.segments import Written, write_transaction
 
@@ -99,8 +105,7 @@ def run(
             if probe is None:
                 done = _timed(ctx, parts)
             else:
-                commits = {o.txn: o.commit for f in figures for o in f.opened if o.commit}
-                done = onepass_keyed.compute(ctx, parts, rows, probe, commits)
+                done = onepass_keyed.compute(ctx, parts, rows, probe, commit_lsns(figures))
         except BaseException:
             parts.unpersist()
             raise

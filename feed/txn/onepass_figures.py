@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 from feed.sources.positions import ALL_DONE, DATA_OPS, Position
 from feed.txn.onepass_txns import Open, at_commit, complete, open_transactions
 
-__all__ = ["FileFigures", "file_figures", "plain_figures"]
+__all__ = ["FileFigures", "commit_lsns", "file_figures", "highest", "plain_figures"]
 
 
 class FileFigures(NamedTuple):
@@ -58,6 +58,11 @@ def highest(figures: Sequence[FileFigures]) -> tuple[int, int, int] | None:
     tops = [f.last for f in figures if f.last is not None]
     tops += complete([o for f in figures for o in f.opened], 0)[1]
     return max(tops) if tops else None
+
+
+def commit_lsns(figures: Sequence[FileFigures]) -> dict[str, int]:
+    """The commit LSN of each source transaction open in a file, where its END was read."""
+    return {o.txn: o.commit for f in figures for o in f.opened if o.commit is not None}
 
 
 def file_figures(

@@ -195,39 +195,33 @@ def _images(rows: pa.Table, ups: Any, schema: pa.Schema, pending: bool = False) 
     return pa.table(columns, schema=schema)
 
 
-def settle(ctx: TxnContext, last: Any, commits: dict[str, int]) -> tuple[Any, Any]:
+def settle(last: Any, commits: dict[str, int]) -> Any:
     """``last`` (:func:`lasts`, cached) with each pending key settled now that the
     ``commits`` (source transaction: commit LSN) of the transactions open in the files
-    are known: the columns of :func:`~feed.txn.diffs.last_images`, and the cache made
-    for them (None: none is needed, no key was pending)."""
+    are known: the columns of :func:`~feed.txn.diffs.last_images`. Only the pending rows
+    (a few keys) pass through pyarrow again, in the partitions that hold them; the rest
+    is a projection of the cache."""
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
     from pyspark.sql.pandas.types import to_arrow_schema
 
-    from feed.sources.cached import cached
-    from feed.txn.context import spillable
-
-    if not commits:
-        return last.where(~F.col("pending")).select(*LAST_COLUMNS), None
+    settled = last.where(~F.col("pending")).select(*LAST_COLUMNS)
+    if not commits:  # (no source transaction open across files: no key is pending)
+        return settled
     out = T.StructType([last.schema[c] for c in LAST_COLUMNS])
-    schema = to_arrow_schema(out, timezone="UTC")
-    fn = functools.partial(_settle, schema=schema, commits=commits)
-    done = cached(last.mapInArrow(fn, out), spillable())
-    return done, done
+    fn = functools.partial(_settle, schema=to_arrow_schema(out, timezone="UTC"), commits=commits)
+    return settled.unionByName(last.where(F.col("pending")).mapInArrow(fn, out))
 
 
 def _settle(
     batches: Iterator[pa.RecordBatch], schema: pa.Schema, commits: dict[str, int]
 ) -> Iterator[pa.RecordBatch]:
-    """One partition's part of :func:`settle` (a key's rows are all in one: :func:`lasts`)."""
-    t = pa.Table.from_batches(list(batches))
-    if t.num_rows == 0:
+    """One partition's part of :func:`settle`: its pending rows (a key's rows are all in
+    one partition: :func:`lasts`), each key's last of them by commit order."""
+    got = list(batches)
+    if not got or not any(b.num_rows for b in got):
         return
-    waits = t["pending"]
-    yield from t.filter(pc.invert(waits)).select(list(LAST_COLUMNS)).cast(schema).to_batches()
-    w = t.filter(waits)
-    if not w.num_rows:
-        return
+    w = pa.Table.from_batches(got)
     p = w["p"].combine_chunks()
     known = pa.array([commits.get(x) for x in w["txn"].to_pylist()], pa.int64())
     hi = pc.coalesce(p.field("pos_hi"), known)
@@ -277,24 +271,6 @@ def compute(
     caller; ``found`` by :func:`probe`; ``commits``: see :func:`settle`) against the state
     buckets they fall in, or why the transaction is declined (nothing written, nothing
     left cached but ``lasts``)."""
-    last, settled = settle(ctx, lasts, commits)
-    try:
-        done = _diffed(ctx, last, input_rows, found)
-    except BaseException:
-        if settled is not None:
-            settled.unpersist()
-        raise
-    if isinstance(done, str):
-        if settled is not None:
-            settled.unpersist()
-        return done
-    if settled is not None:
-        done.cached.append(settled)
-    return done
-
-
-def _diffed(ctx: TxnContext, last: Any, input_rows: int, found: Probe) -> Computed | str:
-    """:func:`compute` of the keys' settled ``last`` images."""
     from pyspark.sql import functions as F
 
     from feed.txn.diffs import (
@@ -306,10 +282,11 @@ def _diffed(ctx: TxnContext, last: Any, input_rows: int, found: Probe) -> Comput
     )
 
     cp, key, record_t = ctx.cp, ctx.info.key, ctx.record_type
+    last = settle(lasts, commits)
     loaded = ctx.state.load(
         cp.state, last, F.col("k"), touched=found.touched, input_rows=input_rows
     )
-    # (no state rows to join: ``last`` is all there is, cached already)
+    # (no state rows to join: ``last`` is all there is, the cache seen through settle())
     joined = loaded.rows is not None
     d = diffs_of_last(last, loaded.rows, key, record_t, one_unit=True, persist=joined)
     assert d.cached is not None
