@@ -171,6 +171,26 @@ def test_the_text_of_large_input_is_looked_through_at_each_files_head(tmp_path, 
     assert refuses(late) is None  # (the tasks will see it)
 
 
+def test_input_whose_last_line_is_an_event_of_a_source_transaction_is_declined_at_once(
+    tmp_path,
+):
+    """Debezium writes a transaction's END record after its events: input whose last line
+    is an event with a transaction block ends inside one, which the Spark path holds back.
+    No job parses it to find that out. A last END record, or an event without a
+    transaction block, is no such sign."""
+    from feed.txn import onepass
+
+    r = {"id": 1, "x": None, "s": None}
+    event = _tx("c", None, r, 10, 7, 1)
+    plain = _e("c", None, {**r, "id": 2}, 12)
+    inside = write_parts(tmp_path / "a", [plain, event], 1)[0]
+    ended = write_parts(tmp_path / "b", [event, _end(7, 11, 1)], 1)[0]
+    without = write_parts(tmp_path / "c", [event, _end(7, 11, 1), plain], 1)[0]
+    assert "ends inside a source transaction" in (onepass._ends_inside(str(inside)) or "")
+    assert onepass._ends_inside(str(ended)) is None
+    assert onepass._ends_inside(str(without)) is None
+
+
 def _run(
     spark, src: Path, log: Path, *, one_pass: bool, schema=ACCOUNTS_SCHEMA, key=(), **kw
 ) -> list:
