@@ -20,8 +20,8 @@ from feed.log.reader import FeedReader
 from feed.log.store import FeedLog
 from protocol import check_messages, get_codec
 
-from ..feed.model import as_multiset, collection_of
-from .helpers import bank_emit_args, start, tidefeed, write_parts_at_transactions
+from ..feed.model import as_multiset, collection_of, with_metadata
+from .helpers import bank_emit_args, start, tidefeed, write_parts, write_parts_at_transactions
 
 pytestmark = pytest.mark.slow
 
@@ -178,14 +178,21 @@ def test_random_sigkills_in_follow_mode(tmp_path, reference):
 
 def test_a_keyed_one_pass_transaction_sigkilled_after_its_writes_is_redone(tmp_path):
     """Keyed transactions of one time computed by the one-pass engine
-    (feed/txn/onepass.py; ``--driver-txn-bytes 0`` keeps them off the driver): the 2nd
-    one is killed after its segments and state buckets are written, before its commit.
-    The restart redoes it from the committed state, and the feed is the table."""
+    (feed/txn/onepass.py; ``--driver-txn-bytes 0`` keeps them off the driver), over
+    input with transaction metadata (its events placed at their END records' commit
+    LSNs, the committed position one of those): the 2nd one is killed after its segments
+    and state buckets are written, before its commit. The restart redoes it from the
+    committed state, and the feed is the table. (Without metadata the engine writes the
+    same way.)"""
     import orjson
 
     bank = generate_bank(transactions=45, seed=11, wrapped_every=0)
     src = tmp_path / "in"
-    write_parts_at_transactions(src, bank.events, 3)
+    lines = with_metadata(bank.events)
+    ends = [i + 1 for i, line in enumerate(lines) if b'"status":"END"' in line]
+    cuts = [0, ends[len(ends) // 3], ends[2 * len(ends) // 3], len(lines)]
+    for i in range(3):  # (each file ends at an END record)
+        write_parts(src, lines[cuts[i] : cuts[i + 1]], 1, start=i)
     (tmp_path / "accounts.avsc").write_bytes(orjson.dumps(ACCOUNTS_SCHEMA))
     log = tmp_path / "log"
     args = bank_emit_args(src, log, "--granularity", "batch", "--driver-txn-bytes", "0")
