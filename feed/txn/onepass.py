@@ -14,9 +14,9 @@ figures come to the driver through an accumulator. The driver then checks that t
 input was plain; a keyed transaction is diffed against the state buckets its keys touch;
 and the updates are written (:func:`feed.txn.segments.write_transaction`).
 
-Plain here is what the Spark path's assembly releases whole, with no figure per source
-transaction (:meth:`feed.sources.transactions._Assembly.plain`): data events and skipped
-lines only, no END record and no transaction blocks, no snapshot read and no snapshot end
+Plain here is what the Spark path's assembly releases whole, nothing held back: data
+events, skipped lines and END records, every source transaction with metadata complete
+across the files (:mod:`feed.txn.onepass_txns`), no snapshot read and no snapshot end
 marker, no unavailable-value placeholder (an unkeyed feed quarantines those), every data
 event at a position of its own (the files' tasks show it, as in
 :class:`feed.sources.columnar.Positions`), and every table shape fitting the feed. An
@@ -24,10 +24,10 @@ event at or below the committed position is dropped as redelivered, as
 :func:`feed.sources.positions.position_filter` drops it. On anything else the engine
 declines, having written nothing, and the Spark path reads the input again (so it does
 for a keyed delete of a key not present, a bad row there); settings that can never be
-plain (another granularity, a key of a type not grouped alike, ``--tx-metadata``,
-``--eager``, input the columnar parse does not take) decline before any job, and so does
-input whose text shows END records, snapshot reads or placeholders (all of it when
-small, else the head of each file).
+plain (another granularity, a key of a type not grouped alike, a ``--tx-metadata``
+folder, ``--eager``, input the columnar parse does not take) decline before any job, and
+so does input whose text shows snapshot reads or placeholders (all of it when small,
+else the head of each file) or whose last line is an event of a source transaction.
 
 tests/feed/test_onepass.py runs inputs through this engine and through the Spark path
 alone and compares the feeds, the progress and the figures.

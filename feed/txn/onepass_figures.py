@@ -75,8 +75,7 @@ def file_figures(
     onepass_txns.at_commit`)."""
     from feed.sources.columnar import seen_positions
 
-    placed = t
-    t = at_commit(t)
+    parsed, t = t, at_commit(t)
     op, snap = t["op"], pc.fill_null(t["_snap"], "")
     is_data = pc.is_in(op, pa.array(DATA_OPS))
     hi, lo, n = pos
@@ -96,7 +95,7 @@ def file_figures(
         pc.and_(pc.fill_null(pc.equal(op, "r"), False), pc.not_equal(snap, "incremental")),
         pc.equal(snap, "last"),
     )
-    why = _why_not_plain(placed, is_data, kept, snapshot)
+    why = _why_not_plain(parsed, is_data, kept, snapshot)  # (an event's own position)
     opened, why_open = open_transactions(t, kept, hi)
     why = why or (why_open and f"{_name(t)}: {why_open}")
     skips = (

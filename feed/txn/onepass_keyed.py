@@ -6,7 +6,9 @@ each key's last event matters, so a file's task keeps, of its kept events, each 
 last by position (:func:`last_per_key`) with whether any of them upserted it. The job
 then takes the last of those per key across files (:func:`lasts`: the keys hashed to
 partitions, pyarrow in each), which gives what the Spark path's
-:func:`~feed.txn.diffs.last_images` gives over all the events, and caches it; the same
+:func:`~feed.txn.diffs.last_images` gives over all the events, and caches it (a key
+changed by a source transaction whose END is in another file waits, *pending*, until the
+driver knows that END's commit LSN: :func:`settle`); the same
 job finds the state buckets the keys touch (:func:`probe`). :func:`compute` loads those
 buckets and diffs against them with the Spark path's
 :func:`~feed.txn.diffs.diffs_of_last`. A delete of a key that has no row is a bad row on
