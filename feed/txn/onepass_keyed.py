@@ -247,6 +247,8 @@ class Probe(NamedTuple):
     #: whether a key is only deleted here (a delete of a key not present, if the state
     #: has no row of it either)
     deletes_only: bool
+    #: the rows of the cache: the keys changed, and a pending key's rows each
+    keys: int = 0
 
 
 def probe(ctx: TxnContext, last: Any) -> Probe:
@@ -260,9 +262,12 @@ def probe(ctx: TxnContext, last: Any) -> Probe:
     committed = ctx.state.committed(ctx.cp.state)
     b = bucket_of(F.col("k"), ctx.info.key, committed.buckets) if committed else F.lit(-1)
     only = (F.col("img").isNull() & (F.col("has_upsert") == 0)).cast("int")
-    rows = last.groupBy(b.alias("b")).agg(F.max(only).alias("only")).collect()
+    figures = [F.max(only).alias("only"), F.count(F.lit(1)).alias("n")]
+    rows = last.groupBy(b.alias("b")).agg(*figures).collect()
     return Probe(
-        frozenset(r["b"] for r in rows) if committed else None, any(r["only"] for r in rows)
+        frozenset(r["b"] for r in rows) if committed else None,
+        any(r["only"] for r in rows),
+        sum(r["n"] for r in rows),
     )
 
 
@@ -285,9 +290,10 @@ def compute(
 
     cp, key, record_t = ctx.cp, ctx.info.key, ctx.record_type
     last = settle(lasts, commits)
-    loaded = ctx.state.load(
-        cp.state, last, F.col("k"), touched=found.touched, input_rows=input_rows
-    )
+    # (a first state is sized by the keys it may hold, not by the events read: the
+    # Spark path knows only the latter)
+    rows = min(input_rows, found.keys)
+    loaded = ctx.state.load(cp.state, last, F.col("k"), touched=found.touched, input_rows=rows)
     # (no state rows to join: ``last`` is all there is, the cache seen through settle())
     joined = loaded.rows is not None
     d = diffs_of_last(last, loaded.rows, key, record_t, one_unit=True, persist=joined)

@@ -6,8 +6,9 @@ transaction would read and rewrite the whole table. Here the rows are split into
 only the buckets its changes touch and writes new versions of those buckets alone.
 
 The bucket count follows the table: a new feed's state gets about one bucket per
-:data:`ROWS_PER_BUCKET` rows of its first transaction's input (a power of two, at least
-:data:`MIN_BUCKETS`), and once the buckets hold :data:`GROW_AT` times that on average
+:data:`ROWS_PER_BUCKET` rows of its first transaction's input, or of the keys it changed
+where the engine counted them (the one pass: feed/txn/onepass_keyed.py), a power of two,
+at least :data:`MIN_BUCKETS`; and once the buckets hold :data:`GROW_AT` times that on average
 (the manifest counts each bucket's rows) the next transaction reads the whole state and
 writes it into the count that fits: O(table) once per fourfold growth, so each row is
 rewritten a bounded number of times on average and a small transaction stays small at
