@@ -56,7 +56,6 @@ from feed.txn.onepass_figures import (
     highest,
     plain_figures,
 )
-from feed.txn.onepass_txns import at_commit
 from feed.txn.segments import Written, write_transaction
 
 if TYPE_CHECKING:
@@ -306,7 +305,7 @@ def _task(
                 figures, kept = file_figures(t, pos, acc[1], i)
                 acc[0].add(frozenset([figures]))
                 if figures.why is None:
-                    yield from reduce((at_commit(t) if key else t).filter(kept)).to_batches()
+                    yield from reduce(kept).to_batches()
 
     return run
 

@@ -67,12 +67,12 @@ def commit_lsns(figures: Sequence[FileFigures]) -> dict[str, int]:
 
 def file_figures(
     t: pa.Table, pos: Position, read: int, ord_file: int
-) -> tuple[FileFigures, pa.ChunkedArray]:
+) -> tuple[FileFigures, pa.Table]:
     """One file's figures from its parsed rows ``t`` (the columns of
-    :func:`~feed.sources.debezium_arrow.parse_flat`), and which rows are data events past
-    the committed position ``pos`` (as :func:`~feed.sources.positions.position_filter`,
-    each event of a transaction with metadata at its commit LSN: :func:`~feed.txn.
-    onepass_txns.at_commit`)."""
+    :func:`~feed.sources.debezium_arrow.parse_flat`), and its data events past the
+    committed position ``pos`` (as :func:`~feed.sources.positions.position_filter`), each
+    event of a transaction with metadata at its commit LSN (:func:`~feed.txn.
+    onepass_txns.at_commit`; null where that END is in another file)."""
     from feed.sources.columnar import seen_positions
 
     parsed, t = t, at_commit(t)
@@ -96,7 +96,8 @@ def file_figures(
         pc.equal(snap, "last"),
     )
     why = _why_not_plain(parsed, is_data, kept, snapshot)  # (an event's own position)
-    opened, why_open = open_transactions(t, kept, hi)
+    rows = t.filter(kept)
+    opened, why_open = open_transactions(t, rows, hi)
     why = why or (why_open and f"{_name(t)}: {why_open}")
     skips = (
         pc.value_counts(t["_skip"].drop_null()).to_pylist()
@@ -111,12 +112,12 @@ def file_figures(
         skipped=tuple(sorted((s["values"], s["counts"]) for s in skips)),
         data=pc.sum(is_data.cast(pa.int64())).as_py() or 0,
         kept=pc.sum(kept.cast(pa.int64())).as_py() or 0,
-        last=_highest(t.filter(kept)),
+        last=_highest(rows),
         shapes=tuple(sorted(set(t.filter(fresh)["_shape"].drop_null().to_pylist()))),
         positions=seen_positions(read, ord_file, t),
         opened=opened,
     )
-    return figures, kept
+    return figures, rows
 
 
 def _why_not_plain(

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from feed.txn.context import Computed, TxnContext
+from feed.txn.onepass_txns import last_of
 
 __all__ = ["Probe", "compute", "last_per_key", "lasts", "probe", "task_output"]
 
@@ -85,7 +86,7 @@ def _last_rows(
     ]
     up = pc.invert(is_delete).cast(pa.int32())
     by = [*keys, *(kept[c] for c in also)]
-    at, ups = _last(by, kept.select(list(_ORDER)), up)
+    at, ups = last_of(by, kept.select(list(_ORDER)), up)
     rows = kept.take(at)
     k_type, o_type = schema.field("k").type, schema.field("o").type
     k = pa.StructArray.from_arrays(
@@ -98,29 +99,6 @@ def _last_rows(
     after = rows["after"].cast(schema.field("after").type)
     txn = rows["txn"] if also else pa.nulls(len(at), pa.string())
     return pa.table([k, o, rows["op"], after, ups, txn], schema=schema)
-
-
-def _last(keys: Sequence[Any], order: pa.Table, up: Any, rows: bool = False) -> Any:
-    """Which row is each key's last by ``order`` (its columns, ascending; a null sorts
-    after every number), and the highest ``up`` of each key's rows: the rows' indices and
-    those highs; with ``rows``, each key's rows' indices too (a list per key)."""
-    by = pc.sort_indices(order, [(c, "ascending") for c in order.column_names])
-    names = [f"k{i}" for i in range(len(keys))]
-    ranked = pa.table(
-        {
-            **{n: a.take(by) for n, a in zip(names, keys, strict=True)},
-            "_i": pa.array(np.arange(len(by), dtype=np.int64)),
-            "up": up.take(by),
-        }
-    )
-    also = [("_i", "list")] if rows else []
-    last = ranked.group_by(names).aggregate([("_i", "max"), ("up", "max"), *also])
-    at = by.take(last["_i_max"].combine_chunks())
-    if not rows:
-        return at, last["up_max"]
-    each = last["_i_list"].combine_chunks()
-    listed = pa.ListArray.from_arrays(each.offsets, by.take(each.values))
-    return at, last["up_max"], listed
 
 
 def last_output(tasks: Any) -> Any:
@@ -170,10 +148,10 @@ def _lasts(batches: Iterator[pa.RecordBatch], schema: pa.Schema) -> Iterator[pa.
     keys = [k.field(i) for i in range(k.type.num_fields)]
     order = pa.table({c: o.field(c) for c in _ORDER})
     if not o.field("pos_hi").null_count:
-        at, ups = _last(keys, order, t["up"])
+        at, ups = last_of(keys, order, t["up"])
         yield from _images(t.take(at), ups, schema).to_batches()
         return
-    at, ups, each = _last(keys, order, t["up"], rows=True)
+    at, ups, each = last_of(keys, order, t["up"], rows=True)
     waits = pc.is_null(o.field("pos_hi").take(at))
     settled = pc.invert(waits)
     yield from _images(t.take(at.filter(settled)), ups.filter(settled), schema).to_batches()
@@ -229,7 +207,7 @@ def _settle(
     hi = pc.coalesce(p.field("pos_hi"), known)
     k = w["k"].combine_chunks()
     order = pa.table({"pos_hi": hi, "pos_lo": p.field("pos_lo"), "pos_n": p.field("pos_n")})
-    at, ups = _last([k.field(i) for i in range(k.type.num_fields)], order, w["has_upsert"])
+    at, ups = last_of([k.field(i) for i in range(k.type.num_fields)], order, w["has_upsert"])
     rows = w.take(at)
     placed = pa.StructArray.from_arrays(
         [hi.take(at), p.field("pos_lo").take(at), p.field("pos_n").take(at)],

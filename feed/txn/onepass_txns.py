@@ -22,7 +22,7 @@ the driver then requires that END's commit LSN to lie past the committed positio
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 
 from feed.sources.positions import DATA_OPS
 
-__all__ = ["MAX_OPEN", "Open", "at_commit", "complete", "open_transactions"]
+__all__ = ["MAX_OPEN", "Open", "at_commit", "complete", "last_of", "open_transactions"]
 
 #: a file leaving more transactions than this open is declined (the figures travel to
 #: the driver; a connector's files leave one or two)
@@ -62,9 +62,9 @@ def at_commit(t: pa.Table) -> pa.Table:
 
 
 def open_transactions(
-    t: pa.Table, kept: pa.ChunkedArray, committed_hi: int
+    t: pa.Table, events: pa.Table, committed_hi: int
 ) -> tuple[tuple[Open, ...], str | None]:
-    """The source transactions of ``t`` (placed by :func:`at_commit`; ``kept``: its
+    """The source transactions of ``t`` (placed by :func:`at_commit`; ``events``: its
     data events past the committed position) that the file cannot judge alone, or why
     the file is not taken (an END record twice, too many open)."""
     is_end = pc.fill_null(pc.equal(t["op"], "E"), False)
@@ -76,7 +76,6 @@ def open_transactions(
         return (), "a source transaction's END record read twice"
     # (an END at or below the committed position is done with, as the Spark path's)
     live = ends.filter(pc.greater(ends["pos_hi"], committed_hi))
-    events = t.filter(kept)
     counts = events.group_by("txn").aggregate([("pos_n", "count"), ("tx_meta", "any")])
     txns = counts["txn"]
     at = pc.index_in(txns, value_set=live["txn"].combine_chunks())
@@ -147,10 +146,32 @@ def _tops(events: pa.Table) -> dict[str, tuple[int, int]]:
     """The highest (``pos_lo``, ``pos_n``) of each source transaction's ``events``."""
     if events.num_rows == 0:
         return {}
-    by = [("txn", "ascending"), ("pos_lo", "ascending"), ("pos_n", "ascending")]
-    order = pc.sort_indices(events.select(["txn", "pos_lo", "pos_n"]), by)
-    ranked = pa.table({"txn": events["txn"].take(order), "_i": pa.array(np.arange(len(order)))})
-    last = ranked.group_by("txn").aggregate([("_i", "max")])
-    rows = events.take(order.take(last["_i_max"]))
+    at, _ = last_of([events["txn"]], events.select(["pos_lo", "pos_n"]))
+    rows = events.take(at)
     columns = (rows[c].to_pylist() for c in ("txn", "pos_lo", "pos_n"))
     return {txn: (lo, n) for txn, lo, n in zip(*columns, strict=True)}
+
+
+def last_of(keys: Sequence[Any], order: pa.Table, up: Any = None, rows: bool = False) -> Any:
+    """Which row is each key's last by ``order`` (its columns, ascending; a null sorts
+    after every number), and the highest ``up`` of each key's rows (None without ``up``):
+    the rows' indices and those highs; with ``rows``, each key's rows' indices too (a
+    list per key)."""
+    by = pc.sort_indices(order, [(c, "ascending") for c in order.column_names])
+    names = [f"k{i}" for i in range(len(keys))]
+    columns = {n: a.take(by) for n, a in zip(names, keys, strict=True)}
+    columns["_i"] = pa.array(np.arange(len(by), dtype=np.int64))
+    figures = [("_i", "max")]
+    if up is not None:
+        columns["up"] = up.take(by)
+        figures.append(("up", "max"))
+    if rows:
+        figures.append(("_i", "list"))
+    last = pa.table(columns).group_by(names).aggregate(figures)
+    at = by.take(last["_i_max"].combine_chunks())
+    ups = last["up_max"] if up is not None else None
+    if not rows:
+        return at, ups
+    each = last["_i_list"].combine_chunks()
+    listed = pa.ListArray.from_arrays(each.offsets, by.take(each.values))
+    return at, ups, listed

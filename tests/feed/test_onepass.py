@@ -23,7 +23,6 @@ from feed.txn.engine import ONEPASS, SPARK
 from feed.txn.onepass import partial_sums
 from feed.txn.onepass_figures import file_figures, highest, plain_figures
 from feed.txn.onepass_keyed import last_per_key
-from feed.txn.onepass_txns import at_commit
 from protocol.messages import record_key
 
 from ..e2e.helpers import write_parts
@@ -50,7 +49,7 @@ def test_partial_sums_cancel_within_a_file_and_keep_nulls():
     figures, kept = file_figures(t, (0, 0, 0), 1, 0)
     assert figures.why is None and figures.data == figures.kept == 3
     assert figures.last == (12, 12, 0)  # (a flat event's position: its LSN twice)
-    sums = partial_sums(t.filter(kept), RECORD).to_pylist()
+    sums = partial_sums(kept, RECORD).to_pylist()
     assert sorted(sums, key=lambda r: r["data"]["id"]) == [
         {"data": b, "diff": 1},
         {"data": {**a, "id": 2}, "diff": 1},
@@ -65,7 +64,7 @@ def test_events_at_or_below_the_committed_position_are_dropped():
     below = (top[0] - 2, top[1] - 2, 0)  # (the position of the third event)
     figures, kept = file_figures(t, below, 1, 0)
     assert (figures.data, figures.kept, figures.last) == (4, 2, top)
-    assert [r["data"]["id"] for r in partial_sums(t.filter(kept), RECORD).to_pylist()] == [2, 3]
+    assert [r["data"]["id"] for r in partial_sums(kept, RECORD).to_pylist()] == [2, 3]
 
 
 @pytest.mark.parametrize(
@@ -112,8 +111,7 @@ def test_source_transactions_straddling_files_are_judged_once_added_up():
     ]
     f0, kept = file_figures(_parsed(first, 0), (0, 0, 0), 1, 0)
     assert f0.why is None and f0.kept == 3 and f0.last == (12, 11, 2)
-    placed = at_commit(_parsed(first, 0)).filter(kept)
-    assert placed["pos_hi"].to_pylist() == [12, 12, None]  # (8's END is not in the file)
+    assert kept["pos_hi"].to_pylist() == [12, 12, None]  # (8's END is not in the file)
     assert [tuple(o) for o in f0.opened] == [("8", 1, None, None, (13, 1))]
     last = _tx("c", None, r[3], 14, 8, 2)
     f1, _ = file_figures(_parsed([last, _end(8, 15, 2)], 1), (0, 0, 0), 1, 1)
@@ -418,7 +416,7 @@ def test_a_key_changed_by_a_transaction_open_across_files_waits_for_its_commit_l
     schema = to_arrow_schema(out, timezone="UTC")
     t = _parsed(first, 0)
     _, kept = file_figures(t, (0, 0, 0), 1, 0)
-    rows = last_per_key(at_commit(t).filter(kept), ("id",), schema)
+    rows = last_per_key(kept, ("id",), schema)
     got = sorted(
         (r["k"]["id"], r["txn"] or "", r["o"]["pos_hi"], r["after"]) for r in rows.to_pylist()
     )
