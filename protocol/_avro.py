@@ -13,12 +13,13 @@ import orjson
 import pyarrow as pa
 
 from ._avro_columns import avro_long, encode_update_array
+from ._avro_read import decode_columns
 from .codecs import MAX_UPDATES_PER_MESSAGE, Codec, Decoder, Encoder
 from .errors import CodecError
 from .messages import Message, Progress, Updates, rows_to_table, wire_rows_problem
 from .schema import CDC_NAMESPACE, avro_to_arrow, cdcv2_schema, record_schema_of
 
-__all__ = ["AvroCodec"]
+__all__ = ["AvroCodec", "check_reader", "decode_rows"]
 
 
 #: an open block is written out once it holds this many bytes
@@ -127,6 +128,13 @@ def _check_cdcv2(schema: Any) -> None:
 #: block codecs a body may use (others, bzip2 and xz among them, inflate to far more than
 #: they weigh and cost more to undo than the body is worth)
 ALLOWED_CODECS = ("null", "deflate")
+
+
+def check_reader(reader: Any) -> None:
+    """Refuse a container whose writer schema is not CDCv2's, refers to itself or names
+    a block codec not accepted."""
+    _check_cdcv2(reader.writer_schema)
+    _check_safe(reader)
 
 
 def _check_safe(reader: Any) -> None:
@@ -328,22 +336,29 @@ class AvroCodec(Codec):
         return AvroDecoder(stream, schema=schema)
 
     def decode(self, body: bytes, *, schema: Any = None) -> list[Message]:
-        # a whole body: each update array becomes Arrow as soon as it is read, typed by the
-        # writer schema (one C pass, no inference), so few Python rows are alive at a time
+        # a whole body: column-wise when the record schema is flat (protocol._avro_read),
+        # else by fastavro, each update array becoming Arrow as soon as it is read
         check_container(body)
-        decoder = AvroDecoder(io.BytesIO(body), schema=schema)
-        data_type: pa.DataType | None = None
-        typed = True
-        messages: list[Message] = []
-        for m in decoder:
-            if isinstance(m, Updates) and typed:
-                if data_type is None:
-                    try:
-                        data_type = avro_to_arrow(decoder.record_schema)
-                    except CodecError:  # a schema Arrow cannot hold exactly: keep the rows
-                        typed = False
-                        messages.append(m)
-                        continue
-                m = Updates.from_arrow(rows_to_table(m.rows(), data_type))
-            messages.append(m)
-        return messages
+        fast = decode_columns(body, check_reader)
+        return fast if fast is not None else decode_rows(body, schema=schema)
+
+
+def decode_rows(body: bytes, *, schema: Any = None) -> list[Message]:
+    """A container read by fastavro, its update arrays typed by the writer schema (one C
+    pass, no inference), so few Python rows are alive at a time."""
+    decoder = AvroDecoder(io.BytesIO(body), schema=schema)
+    data_type: pa.DataType | None = None
+    typed = True
+    messages: list[Message] = []
+    for m in decoder:
+        if isinstance(m, Updates) and typed:
+            if data_type is None:
+                try:
+                    data_type = avro_to_arrow(decoder.record_schema)
+                except CodecError:  # a schema Arrow cannot hold exactly: keep the rows
+                    typed = False
+                    messages.append(m)
+                    continue
+            m = Updates.from_arrow(rows_to_table(m.rows(), data_type))
+        messages.append(m)
+    return messages
