@@ -147,6 +147,9 @@ class Publisher:
                     body.append(m.slice(start, size - start) if start else m)
                     in_body += size - start
                 n += size
+            if in_body >= self.body_limit():  # full: on its way now, not after the next read
+                await self._send(body, report)
+                body, in_body = [], 0
         if body:
             await self._send(body, report)
         return report
