@@ -141,10 +141,20 @@ def peak_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def push(serve: int, receive: int, feed: str, fmt: str, frontier: int) -> tuple[float, str, str]:
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU of a process so far, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def push(
+    serve: int, receive: int, feed: str, fmt: str, frontier: int
+) -> tuple[float, str, str, tuple[float, float]]:
     """Subscribe a new receiver feed and wait until it ACKs the frontier: seconds taken,
-    the receiver feed's name, and /healthz p99/worst meanwhile."""
+    the receiver feed's name, /healthz p99/worst meanwhile, and the CPU seconds the
+    server and the receiver spent (every thread; the probes' requests included)."""
     name = f"{feed}-{fmt}-{time.monotonic_ns()}"
+    cpu0 = [cpu_seconds(p) for p in PIDS]
     sub = {"url": f"http://127.0.0.1:{receive}/v1/push/{name}", "format": fmt}
     with HealthProbe(serve) as probe:
         t0 = time.monotonic()
@@ -166,7 +176,8 @@ def push(serve: int, receive: int, feed: str, fmt: str, frontier: int) -> tuple[
                 raise RuntimeError(f"subscription {name}: {status}")
             time.sleep(0.02)
         took = time.monotonic() - t0
-    return took, name, probe.p99_and_worst()
+    used = [cpu_seconds(p) - c for p, c in zip(PIDS, cpu0, strict=True)]
+    return took, name, probe.p99_and_worst(), (used[0], used[1])
 
 
 def collection(receive: int, name: str) -> tuple[float, int]:
@@ -269,6 +280,8 @@ async def under_load(
 
 
 SERVER_PID: list[int] = []
+#: the server's and the receiver's process ids, for their CPU time
+PIDS: list[int] = []
 
 
 def main() -> None:
@@ -322,6 +335,7 @@ def main() -> None:
     ]
     receiver_pid = procs[1].pid
     SERVER_PID.append(procs[0].pid)
+    PIDS[:] = [procs[0].pid, receiver_pid]
     try:
         for p in (sp, rp, raw):
             wait_up(p)
@@ -333,7 +347,8 @@ def main() -> None:
         print(
             f"{'feed':14} {'format':7} {'push median (target)':>22} {'first':>9} "
             f"{'/healthz p99/worst':>19} "
-            f"{'pull':>10} {'raw aiohttp':>12} {'GET collection':>15} {'rss growth':>11}"
+            f"{'pull':>10} {'raw aiohttp':>12} {'GET collection':>15} {'rss growth':>11} "
+            f"{'first: cpu serve+receive':>25}"
         )
         for feed, (times, per) in shapes.items():
             n = times * per
@@ -344,7 +359,8 @@ def main() -> None:
                 runs = [push(sp, rp, feed, fmt, frontier) for _ in range(args.repeats)]
                 first = runs[0][0]
                 took = statistics.median(r[0] for r in runs)
-                _, name, health = runs[-1]
+                _, name, health, _ = runs[-1]
+                cpu_s, cpu_r = runs[0][3]
                 rss0 = peak_rss_mb(receiver_pid)
                 coll_s, rows = collection(rp, name)
                 grew = peak_rss_mb(receiver_pid) - rss0
@@ -357,7 +373,8 @@ def main() -> None:
                     f"{label:14} {fmt:7} {n / took / 1e6:6.2f}M u/s ({TARGETS[fmt] / 1e6:.1f}M) "
                     f"{n / first / 1e6:6.2f}M/s {health:>19} "
                     f"{n / pull_s / 1e6:6.2f}M/s {n / raw_s / 1e6:8.2f}M/s "
-                    f"{coll_s:13.1f}s {grew:8.0f} MB",
+                    f"{coll_s:13.1f}s {grew:8.0f} MB "
+                    f"{cpu_s:9.2f}+{cpu_r:.2f}s in {first:.2f}s",
                     flush=True,
                 )
         if set(shapes) == {"one", "many"}:
