@@ -1,8 +1,9 @@
 """Vectorised 64-bit hashes of records held in Arrow, for the consumer's duplicate checks.
 
 :func:`row_hashes` hashes every record of a struct column with a few numpy passes per leaf
-column (no Python per row), so a receiver can tell that the records of a body are distinct
-from each other and from what is pending without building a Python object per update.
+column (strings and bytes by Polars; no Python per row), so a receiver can tell that the
+records of a body are distinct from each other and from what is pending without building a
+Python object per update.
 
 The hash is a *filter*, never an identity: **equal records always get equal hashes** (a
 record's fields are taken in name order, integers of any width and integral floats hash
@@ -17,6 +18,7 @@ sorted runs and look new ones up in them.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -28,11 +30,7 @@ __all__ = ["in_sorted", "merge_runs", "row_hashes"]
 
 _M64 = (1 << 64) - 1
 _SEED = 0x9E3779B97F4A7C15
-_P = 0x100000001B3  # odd, so it has an inverse modulo 2**64
-_P_INV = pow(_P, -1, 1 << 64)
-_LEN = 0xC2B2AE3D27D4EB4F
-#: string bytes hashed per numpy pass (bounds the cached power tables: 8 MiB each)
-_CHUNK = 1 << 20
+_P = 0x100000001B3
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -53,64 +51,27 @@ def _name_hash(name: str) -> int:
     return h
 
 
-class _Powers:
-    """``base**i mod 2**64`` for i = 0, 1, …, grown on demand."""
+@functools.cache
+def _polars() -> Any:
+    """Polars, imported on first use (~0.15 s): a server imports it at start-up (warm)."""
+    import polars
 
-    def __init__(self, base: int) -> None:
-        self.base = base
-        self.table = np.ones(1, dtype=np.uint64)
-
-    def upto(self, n: int) -> np.ndarray:
-        if len(self.table) < n:
-            size = max(n, 2 * len(self.table), 1024)
-            steps = np.full(size, self.base, dtype=np.uint64)
-            steps[0] = 1
-            self.table = np.cumprod(steps, dtype=np.uint64)
-        return self.table[:n]
-
-
-_POW = _Powers(_P)
-_INV = _Powers(_P_INV)
+    return polars
 
 
 def warm() -> None:
-    """Build the power tables to their full size now. Built on demand, they grow inside
-    the first large batch hashed: ~0.1 s of a server's first large request (more on a
-    busy machine), where a later request pays nothing."""
-    _POW.upto(_CHUNK)
-    _INV.upto(_CHUNK + 1)
+    """Import what hashing strings needs now, not inside the first request."""
+    _polars()
 
 
-def _bytes_hash(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
-    """A polynomial hash of every value of a variable-width binary column.
-
-    With ``S`` the prefix sums of ``(byte + 1) * P**i`` over the data buffer, value ``k``
-    hashes to ``(S[end] - S[start]) * P**-start``: the same bytes give the same number
-    wherever they sit in the buffer. The length is mixed in too.
-    """
-    n = len(offsets) - 1
-    out = np.empty(n, dtype=np.uint64)
-    i = 0
-    while i < n:
-        j = int(np.searchsorted(offsets, offsets[i] + _CHUNK, side="right")) - 1
-        j = min(max(j, i + 1), n)
-        lo, hi = int(offsets[i]), int(offsets[j])
-        # the prefix sums built in place in one buffer (its first slot the empty sum)
-        sums = np.empty(hi - lo + 1, dtype=np.uint64)
-        sums[0] = 0
-        terms = sums[1:]
-        np.add(data[lo:hi], np.uint64(1), out=terms, dtype=np.uint64, casting="unsafe")
-        np.multiply(terms, _POW.upto(hi - lo), out=terms)
-        np.cumsum(terms, out=terms)
-        start = offsets[i:j] - lo
-        h = sums[offsets[i + 1 : j + 1] - lo]
-        h -= sums[start]
-        h *= _INV.upto(hi - lo + 1)[start]
-        out[i:j] = h
-        i = j
-    lengths = (offsets[1:] - offsets[:-1]).astype(np.uint64)
-    out ^= lengths * np.uint64(_LEN)
-    return out
+def _plain_binary_leaf(col: pa.Array) -> np.ndarray:
+    """Every value of a string or binary column hashed by Polars (Rust, about five times
+    numpy's polynomial hash of the bytes that was here before), as binary whatever the
+    column's type, so the same bytes hash alike in a string and a binary column."""
+    wide = pa.types.is_large_string(col.type) or pa.types.is_large_binary(col.type)
+    as_binary = col.view(pa.large_binary() if wide else pa.binary())
+    hashed: np.ndarray = _polars().from_arrow(as_binary).hash(_SEED).to_numpy()
+    return hashed
 
 
 #: a string column is hashed through its dictionary when a sample of this many values
@@ -132,16 +93,6 @@ def _binary_leaf(col: pa.Array) -> np.ndarray:
             picked: np.ndarray = hashed[positions]
             return picked
     return _plain_binary_leaf(col)
-
-
-def _plain_binary_leaf(col: pa.Array) -> np.ndarray:
-    large = pa.types.is_large_string(col.type) or pa.types.is_large_binary(col.type)
-    width = np.dtype(np.int64 if large else np.int32)
-    bufs = col.buffers()
-    offsets = np.frombuffer(bufs[1], dtype=width)[col.offset : col.offset + len(col) + 1]
-    offsets = offsets.astype(np.int64)
-    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
-    return _bytes_hash(offsets, data)
 
 
 def _int_values(col: pa.Array) -> np.ndarray:

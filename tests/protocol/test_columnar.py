@@ -126,24 +126,21 @@ def test_low_cardinality_strings_hash_the_same_through_their_dictionary():
     assert len(np.unique(whole)) == n
 
 
-def test_string_hashes_do_not_depend_on_the_numpy_pass_size(monkeypatch):
-    """Strings are hashed in passes of at most ``_CHUNK`` bytes (one value longer than
-    that is a pass of its own); the power tables a server builds at start-up
-    (``rowhash.warm``) cover a whole pass."""
-    import protocol.rowhash as rowhash
-
+def test_the_same_bytes_hash_alike_alone_in_a_column_and_in_any_string_or_binary_type():
     rng = np.random.default_rng(5)
     words = ["".join(chr(97 + c) for c in rng.integers(0, 26, n)) for n in rng.integers(0, 40, 300)]
-    column = pa.array([{"s": w} for w in words])
-    whole = row_hashes(column)
-    monkeypatch.setattr(rowhash, "_CHUNK", 16)  # many passes, some values longer than one
-    assert np.array_equal(row_hashes(column), whole)
+    words += ["", "é" * 3, words[0]]
+    whole = row_hashes(pa.array([{"s": w} for w in words]))
     one_by_one = [row_hashes(pa.array([{"s": w}]))[0] for w in words]
     assert np.array_equal(np.array(one_by_one, dtype=np.uint64), whole)
-    monkeypatch.undo()
-    rowhash.warm()
-    assert len(rowhash._POW.table) >= rowhash._CHUNK
-    assert len(rowhash._INV.table) >= rowhash._CHUNK + 1
+    assert whole[-1] == whole[0]
+    assert len(np.unique(whole)) == len(set(words))
+    for t in (pa.large_string(), pa.binary(), pa.large_binary()):
+        column = pa.array([w.encode() for w in words], t if t != pa.large_string() else None)
+        if t == pa.large_string():
+            column = pa.array(words, t)
+        other = row_hashes(pa.StructArray.from_arrays([column], ["s"]))
+        assert np.array_equal(other, whole), t
 
 
 def _long_lines(records: list[dict]) -> bytes:
