@@ -257,7 +257,7 @@ async def under_load(
             await asyncio.sleep(1)  # the followers are connected and caught up
             t0 = time.monotonic()
             pushed = asyncio.to_thread(push, serve, receive, "one", "arrow", frontiers["one"])
-            (took, _, _), pulled = await asyncio.gather(pushed, big_pull(s))
+            (took, *_), pulled = await asyncio.gather(pushed, big_pull(s))
             whole = time.monotonic() - t0
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in reached)), 60)
             open_streams = sum(not t.done() for t in streams)
