@@ -227,7 +227,7 @@ def _read(
     from pyspark.sql.pandas.types import to_arrow_schema, to_arrow_type
 
     from feed.sources.cached import cached
-    from feed.sources.columnar import set_union
+    from feed.sources.columnar import parse_threads, set_union
     from feed.sources.inputs import spark_metadata_path
     from feed.txn.context import spillable
 
@@ -253,7 +253,8 @@ def _read(
         "path string, name string, i long"
     )
     pos = committed_position(ctx.cp.source.get("pos", [0, 0]))
-    task = _task(record, key, ctx.info.table, pos, (acc, read), reduce)
+    threads = parse_threads(spark, len(files))
+    task = _task(record, key, ctx.info.table, pos, (acc, read), reduce, threads)
     tasks = listing.mapInArrow(task, out)
     if key:
         across = onepass_keyed.lasts(tasks)
@@ -287,6 +288,7 @@ def _task(
     pos: Position,
     acc: tuple[Any, int],
     reduce: Callable[[pa.Table], pa.Table],
+    threads: bool,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from feed.sources.connect_json import Declined
@@ -297,7 +299,7 @@ def _task(
                 try:
                     with open(path, "rb") as f:
                         data = f.read()
-                    t = parse_flat(data, record, key, table, i, name)
+                    t = parse_flat(data, record, key, table, i, name, threads)
                 except (Declined, OSError) as e:  # (a file gone: the Spark path says so)
                     entry = FileFigures(acc[1], i, f"{name}: {e}", unparsed=True)
                     acc[0].add(frozenset([entry]))
