@@ -219,7 +219,9 @@ def _inflated_size(data: memoryview, cap: int, where: str) -> int:
     d = zlib.decompressobj(-15)
     total, pending = 0, bytes(data)
     try:
-        while pending:
+        while pending and not d.eof:
+            # (after the stream's end, bytes left (fastavro writes three of its checksum)
+            # stayed the unconsumed tail when the step ended there: the loop never ended)
             total += len(d.decompress(pending, _INFLATE_STEP))
             pending = d.unconsumed_tail
             if total > cap:

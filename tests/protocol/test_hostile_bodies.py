@@ -419,6 +419,28 @@ def test_avro_deflate_bomb_is_refused_before_it_is_inflated():
         get_codec("avro").decode(bytes(out))
 
 
+def test_a_deflated_block_of_more_than_one_inflate_step_is_read():
+    """fastavro writes a deflate block with three bytes of its checksum after the stream.
+    When the stream ended just as a 1 MiB step of the inflate count did, those bytes
+    stayed the decompressor's unconsumed tail and the count looped for ever: a receiver's
+    thread spun, holding the feed, on an honest body."""
+    import os
+
+    rows = [
+        {"data": {"id": i, "s": os.urandom(48).hex()}, "time": 1, "diff": 1} for i in range(20_000)
+    ]
+    record = {
+        "type": "record",
+        "name": "r",
+        "fields": [{"name": "id", "type": "long"}, {"name": "s", "type": "string"}],
+    }
+    out = io.BytesIO()
+    schema = fastavro.parse_schema(cdcv2_schema(record))
+    fastavro.writer(out, schema, [rows], codec="deflate", sync_interval=1 << 30)
+    (got,) = get_codec("avro").decode(out.getvalue())
+    assert got.table().to_pylist() == rows
+
+
 def test_avro_blocks_that_claim_more_than_they_hold_are_refused():
     from protocol._avro_columns import avro_long
 
