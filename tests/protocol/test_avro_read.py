@@ -5,6 +5,7 @@ same either way: the same messages or a CodecError."""
 from __future__ import annotations
 
 import io
+import os
 
 import fastavro
 import pyarrow as pa
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from protocol import CodecError, Progress, Updates, get_codec
 from protocol._avro import check_reader, decode_rows
+from protocol._avro_columns import avro_long
 from protocol._avro_read import decode_columns
 from protocol.schema import cdcv2_schema
 from tests.protocol.test_avro_columns import record_schemas
@@ -147,7 +149,7 @@ def test_what_it_is_not_sure_of_is_left_to_fastavro_which_words_it(why):
 
 
 def test_a_large_body_of_many_blocks_and_progress():
-    rows = [
+    rows = [  # (two datums of about 2.5 MB, a block each)
         {
             "data": {"id": i, "s": None if i % 7 == 0 else f"owner {i}" * (i % 30)},
             "time": 5,
@@ -161,3 +163,33 @@ def test_a_large_body_of_many_blocks_and_progress():
     assert [type(m) for m in got] == [Updates, Progress, Updates]
     assert got[0].table().to_pylist() + got[2].table().to_pylist() == rows
     assert pa.concat_tables([got[0].table(), got[2].table()]).num_rows == 60_000
+
+
+def _one_block(data: bytes, datums: int = 1) -> bytes:
+    """A container of SCHEMA holding one block of ``data`` (bytes written by hand)."""
+    valid = _body(SCHEMA, [])
+    sync = valid[-16:]
+    return valid + avro_long(datums) + avro_long(len(data)) + data + sync
+
+
+def test_an_array_claiming_more_updates_than_its_bytes_is_refused_at_once():
+    update = b"\x02\x02\x02\x02"  # id 1, s null (branch 1), time 1, diff 1
+    assert len(get_codec("avro").decode(_one_block(b"\x00\x02" + update + b"\x00"))) == 1
+    hostile = _one_block(b"\x00" + avro_long(2**62 - 1) + update + b"\x00")
+    assert decode_columns(hostile, check_reader) is None
+    with pytest.raises(CodecError):
+        get_codec("avro").decode(hostile)
+
+
+def test_a_block_larger_than_it_reads_is_left_to_fastavro():
+    rows = [
+        {"data": {"id": i, "s": os.urandom(48).hex()}, "time": 1, "diff": 1} for i in range(100_000)
+    ]
+    for codec in ("null", "deflate"):
+        out = io.BytesIO()
+        schema = fastavro.parse_schema(cdcv2_schema(SCHEMA))
+        fastavro.writer(out, schema, [rows], codec=codec, sync_interval=1 << 30)
+        body = out.getvalue()
+        assert decode_columns(body, check_reader) is None
+        (got,) = get_codec("avro").decode(body)
+        assert got.table().to_pylist() == rows
