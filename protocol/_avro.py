@@ -12,7 +12,7 @@ import fastavro
 import orjson
 import pyarrow as pa
 
-from ._avro_columns import avro_long, encode_update_array
+from ._avro_columns import avro_long, avro_long_at, encode_update_array
 from ._avro_read import decode_columns
 from .codecs import MAX_UPDATES_PER_MESSAGE, Codec, Decoder, Encoder
 from .errors import CodecError
@@ -198,21 +198,6 @@ INFLATION_SLACK = 1 << 20
 _INFLATE_STEP = 1 << 20
 
 
-def _long_at(buf: bytes, pos: int, where: str) -> tuple[int, int]:
-    """The Avro long at ``pos`` and the position after it; at most ten bytes."""
-    result = shift = 0
-    for _ in range(10):
-        if pos >= len(buf):
-            raise CodecError("the body ends inside a number", fmt="avro", position=where)
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return (result >> 1) ^ -(result & 1), pos
-        shift += 7
-    raise CodecError("a number longer than 10 bytes", fmt="avro", position=where)
-
-
 def _inflated_size(data: memoryview, cap: int, where: str) -> int:
     """How many bytes a raw deflate block inflates to, counted without keeping them, and
     refused as soon as it passes ``cap``."""
@@ -241,17 +226,17 @@ def check_container(body: bytes, *, factor: int = MAX_INFLATION) -> None:
     cap = factor * len(body) + INFLATION_SLACK
     pos, codec = 4, b"null"
     while True:  # the metadata map
-        n, pos = _long_at(body, pos, "header")
+        n, pos = avro_long_at(body, pos, "header")
         if n == 0:
             break
         if n < 0:
             n = -n
-            _, pos = _long_at(body, pos, "header")
+            _, pos = avro_long_at(body, pos, "header")
         for _ in range(n):
-            klen, pos = _long_at(body, pos, "header")
+            klen, pos = avro_long_at(body, pos, "header")
             key = body[pos : pos + max(klen, 0)]
             pos += max(klen, 0)
-            vlen, pos = _long_at(body, pos, "header")
+            vlen, pos = avro_long_at(body, pos, "header")
             if key == b"avro.codec":
                 codec = body[pos : pos + max(vlen, 0)]
             pos += max(vlen, 0)
@@ -260,8 +245,8 @@ def check_container(body: bytes, *, factor: int = MAX_INFLATION) -> None:
     total, index = 0, 0
     while pos < len(body):
         where = f"block {index}"
-        count, pos = _long_at(body, pos, where)
-        size, pos = _long_at(body, pos, where)
+        count, pos = avro_long_at(body, pos, where)
+        size, pos = avro_long_at(body, pos, where)
         if count < 0 or size < 0 or pos + size > len(body):
             raise CodecError(
                 f"a block of {count} datum(s) in {size} byte(s) does not fit the body",

@@ -29,7 +29,7 @@ import pyarrow as pa
 from .errors import CodecError
 from .schema import avro_to_arrow
 
-__all__ = ["avro_long", "encode_update_array"]
+__all__ = ["avro_long", "avro_long_at", "encode_update_array"]
 
 _INTS = {"int", "long"}
 _LOGICAL_OVER = {
@@ -218,6 +218,21 @@ def avro_long(v: int) -> bytes:
         z >>= 7
     out.append(z)
     return bytes(out)
+
+
+def avro_long_at(buf: bytes, pos: int, where: str) -> tuple[int, int]:
+    """The Avro long at ``pos`` and the position after it; at most ten bytes."""
+    result = shift = 0
+    for _ in range(10):
+        if pos >= len(buf):
+            raise CodecError("the body ends inside a number", fmt="avro", position=where)
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return (result >> 1) ^ -(result & 1), pos
+        shift += 7
+    raise CodecError("a number longer than 10 bytes", fmt="avro", position=where)
 
 
 def _long(values: np.ndarray, present: np.ndarray | None) -> _Piece:

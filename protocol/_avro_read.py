@@ -28,6 +28,7 @@ import fastavro
 import numpy as np
 import pyarrow as pa
 
+from ._avro_columns import avro_long_at
 from .messages import Message, Progress, Updates, update_schema
 from .schema import avro_to_arrow
 
@@ -177,18 +178,12 @@ class _Block:
 
 
 def _long(data: bytes, pos: int) -> tuple[int, int]:
-    """A long at ``pos``, read one byte at a time (block counts, progress), and the
-    position after it."""
-    value = shift = 0
-    for i in range(min(10, len(data) - pos)):
-        byte = data[pos + i]
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            if value >= 2**64:
-                raise _Decline
-            return (value >> 1) ^ -(value & 1), pos + i + 1
-    raise _Decline
+    """A long at ``pos`` (block counts, progress) and the position after it; one past
+    64 bits declines."""
+    value, pos = avro_long_at(data, pos, "")
+    if not -(2**63) <= value < 2**63:
+        raise _Decline
+    return value, pos
 
 
 def _varints(b: np.ndarray, p: np.ndarray, vend: np.ndarray) -> np.ndarray:
