@@ -167,7 +167,7 @@ def set_union() -> Any:
 
 def seen_positions(read: int, ord_file: int, t: pa.Table) -> _Seen:
     """File ``ord_file``'s entry for :class:`Positions`, from its parsed table ``t``."""
-    data = t.filter(pc.is_in(t["op"], pa.array(DATA_OPS)))
+    data = t.select(["pos_lo", "pos_n"]).filter(pc.is_in(t["op"], pa.array(DATA_OPS)))
     n = data.num_rows
     if n == 0:
         return (read, ord_file, 0, None, None)

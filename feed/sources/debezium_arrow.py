@@ -269,6 +269,7 @@ def _columns(
     is_end = pc.and_kleene(pc.equal(status, "END"), pc.is_null(skip))
     end = _false(is_end)
     data = pc.invert(pc.or_(skipped, end))
+    ends = pc.any(end).as_py()  # (a file without END records skips their columns' work)
     _check(data, end, op, before, after, lsn, tx_id, key)
     # positions (read_debezium's docstring)
     seq_hi = _sequence_hi(pc.struct_field(src, "sequence"))
@@ -278,17 +279,14 @@ def _columns(
         _false(pc.equal(op, "r")), pc.not_equal(pc.coalesce(snap, ""), "incremental")
     )
     pos_hi = pc.if_else(pc.and_(whole_read, pc.is_valid(lsn)), lsn, pos_hi)
-    end_lsn = _long_text(pc.if_else(end, _after_last(tx_id, ":"), None), "an END record's id")
-    pos_hi = pc.if_else(end, end_lsn, pos_hi)
-    pos_lo = pc.if_else(end, end_lsn, lsn)
+    pos_lo = lsn
+    if ends:
+        end_text = pc.if_else(end, _after_last(tx_id, ":"), None)
+        end_lsn = _long_text(end_text, "an END record's id")
+        pos_hi = pc.if_else(end, end_lsn, pos_hi)
+        pos_lo = pc.if_else(end, end_lsn, lsn)
     pos_n = pc.coalesce(pc.struct_field(tx, "total_order"), pa.scalar(0, pa.int64()))
-    lsn_text = pc.cast(lsn, pa.string())
-    txn = pc.coalesce(
-        _before_first(pc.struct_field(tx, "id"), ":"),
-        pc.cast(pc.struct_field(src, "txId"), pa.string()),
-        pc.binary_join_element_wise("lsn:", lsn_text, ""),
-    )
-    txn = pc.if_else(end, _before_first(tx_id, ":"), txn)
+    txn = _transaction(tx, src, lsn, pc.if_else(end, tx_id, None) if ends else None)
     tx_meta = pc.or_kleene(pc.is_valid(tx), is_end)
     tx_count = pc.if_else(end, _end_count(t, table), None)
     toast = _toast(after, record)
@@ -298,11 +296,14 @@ def _columns(
     raw: list[str | None] = [None] * n
     for i in pc.indices_nonzero(keep_raw).to_pylist():
         raw[i] = line(i).decode()
+    if pc.any(skipped).as_py():  # (else as they are: a choice copies every field)
+        before = pc.if_else(skipped, pa.nulls(n, before.type), before)
+        after = pc.if_else(skipped, pa.nulls(n, after.type), after)
     return pa.table(
         {
             "op": out_op,
-            "before": pc.if_else(skipped, pa.nulls(n, before.type), before),
-            "after": pc.if_else(skipped, pa.nulls(n, after.type), after),
+            "before": before,
+            "after": after,
             "pos_hi": pos_hi,
             "pos_lo": pos_lo,
             "pos_n": pos_n,
@@ -315,6 +316,21 @@ def _columns(
             "_snap": snap,
         }
     )
+
+
+def _transaction(tx: pa.Array, src: pa.Array, lsn: pa.Array, end_id: pa.Array | None) -> pa.Array:
+    """Each line's source transaction: an END record's (``end_id``, its id where the line
+    is one, else null; None: no END record) before the ``:``; an event's transaction
+    block id before the ``:``, else its ``source.txId``, else ``lsn:`` and its LSN (each
+    only worked out where the ones before leave it null)."""
+    tx_ids = pc.struct_field(tx, "id")
+    txn = _before_first(tx_ids if end_id is None else pc.coalesce(end_id, tx_ids), ":")
+    if txn.null_count:
+        txn = pc.coalesce(txn, pc.cast(pc.struct_field(src, "txId"), pa.string()))
+    if txn.null_count:
+        by_lsn = pc.binary_join_element_wise("lsn:", pc.cast(lsn, pa.string()), "")
+        txn = pc.coalesce(txn, by_lsn)
+    return txn
 
 
 def _skips(
@@ -358,11 +374,18 @@ def _check(
     if pc.any(pc.and_(end, pc.is_null(tx_id))).as_py():
         raise Declined("a transaction END record without an 'id'")
     known = _false(pc.is_in(op, pa.array(["c", "u", "d", "r"])))
-    image = pc.if_else(_false(pc.equal(op, "d")), before, after)
+    # (the image a row keys by, field by field: a choice between two struct arrays
+    # copies every field of both)
+    deleted = _false(pc.equal(op, "d"))
     bad = pc.or_(pc.invert(known), pc.is_null(lsn))
-    bad = pc.or_(bad, pc.is_null(image))
+    bad = pc.or_(bad, pc.if_else(deleted, pc.is_null(before), pc.is_null(after)))
     for k in key:
-        bad = pc.or_(bad, pc.is_null(pc.struct_field(image, k)))
+        missing = pc.if_else(
+            deleted,
+            pc.is_null(pc.struct_field(before, k)),
+            pc.is_null(pc.struct_field(after, k)),
+        )
+        bad = pc.or_(bad, missing)
     if not key:
         bad = pc.or_(bad, pc.and_(_false(pc.equal(op, "u")), pc.is_null(before)))
     if pc.any(pc.and_(data, bad)).as_py():

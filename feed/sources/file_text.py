@@ -113,6 +113,10 @@ def check_compressed(files: Sequence[str]) -> None:
                 )
 
 
+#: the bytes :class:`Lines` looks through at a time
+_STEP = 1 << 20
+
+
 class Lines(Sequence[bytes]):
     """The lines of ``data`` as ``data.split(b"\\n")`` gives them (no empty line after
     the last break), found by numpy: no bytes object per line unless one is asked for."""
@@ -121,7 +125,13 @@ class Lines(Sequence[bytes]):
         import numpy as np
 
         self.data = data
-        breaks = np.flatnonzero(np.frombuffer(data, np.uint8) == 10)
+        # (in steps: a mask of the whole file is as large as the file, and a task's fresh
+        # memory of that size costs more to touch than the search itself)
+        view = np.frombuffer(data, np.uint8)
+        found = [
+            np.flatnonzero(view[at : at + _STEP] == 10) + at for at in range(0, len(view), _STEP)
+        ]
+        breaks = np.concatenate(found) if found else np.zeros(0, np.int64)
         ends = breaks if data.endswith(b"\n") or not data else np.append(breaks, len(data))
         self.starts = np.concatenate([[0], breaks + 1])[: len(ends)]
         self.ends = ends

@@ -318,7 +318,9 @@ def partial_sums(kept: pa.Table, record: pa.StructType) -> pa.Table:
     names = [f"c{i}" for i in range(record.num_fields)]
     parts = []
     for column, sign in (("before", -1), ("after", 1)):
-        img = kept.filter(pc.is_valid(kept[column]))
+        img = kept.select([column, "weight"])
+        if kept[column].null_count:
+            img = img.filter(pc.is_valid(kept[column]))
         fields = img[column].combine_chunks().flatten() if img.num_rows else []
         if not img.num_rows:
             continue

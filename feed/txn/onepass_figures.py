@@ -65,12 +65,20 @@ def commit_lsns(figures: Sequence[FileFigures]) -> dict[str, int]:
     return {o.txn: o.commit for f in figures for o in f.opened if o.commit is not None}
 
 
+#: the columns of a file's kept events that the tasks use (:func:`file_figures`)
+KEPT_COLUMNS = (
+    *("op", "before", "after", "weight", "txn", "tx_meta"),
+    *("pos_hi", "pos_lo", "pos_n", "ord_file", "ord_row"),
+)
+
+
 def file_figures(
     t: pa.Table, pos: Position, read: int, ord_file: int
 ) -> tuple[FileFigures, pa.Table]:
     """One file's figures from its parsed rows ``t`` (the columns of
     :func:`~feed.sources.debezium_arrow.parse_flat`), and its data events past the
-    committed position ``pos`` (as :func:`~feed.sources.positions.position_filter`), each
+    committed position ``pos`` (as :func:`~feed.sources.positions.position_filter`; the
+    columns :data:`KEPT_COLUMNS`), each
     event of a transaction with metadata at its commit LSN (:func:`~feed.txn.
     onepass_txns.at_commit`; null where that END is in another file)."""
     from feed.sources.columnar import seen_positions
@@ -96,7 +104,8 @@ def file_figures(
         pc.equal(snap, "last"),
     )
     why = _why_not_plain(parsed, is_data, kept, snapshot)  # (an event's own position)
-    rows = t.filter(kept)
+    rows = t.select(list(KEPT_COLUMNS))
+    rows = rows if pc.all(kept).as_py() else rows.filter(kept)
     opened, why_open = open_transactions(t, rows, hi)
     why = why or (why_open and f"{_name(t)}: {why_open}")
     skips = (
@@ -113,7 +122,7 @@ def file_figures(
         data=pc.sum(is_data.cast(pa.int64())).as_py() or 0,
         kept=pc.sum(kept.cast(pa.int64())).as_py() or 0,
         last=_highest(rows),
-        shapes=tuple(sorted(set(t.filter(fresh)["_shape"].drop_null().to_pylist()))),
+        shapes=tuple(sorted(set(t["_shape"].filter(fresh).drop_null().to_pylist()))),
         positions=seen_positions(read, ord_file, t),
         opened=opened,
     )

@@ -139,7 +139,7 @@ def _meta_events(t: pa.Table) -> pa.Array:
 def _ends(t: pa.Table) -> pa.Table:
     """The file's END records: ``txn``, ``pos_hi`` (the commit LSN) and ``tx_count``."""
     is_end = pc.fill_null(pc.equal(t["op"], "E"), False)
-    return t.filter(is_end).select(["txn", "pos_hi", "tx_count"])
+    return t.select(["txn", "pos_hi", "tx_count"]).filter(is_end)
 
 
 def _tops(events: pa.Table) -> dict[str, tuple[int, int]]:
