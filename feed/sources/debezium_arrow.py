@@ -20,7 +20,6 @@ skipped line's images are null.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable, Sequence
 
 import pyarrow as pa
@@ -47,8 +46,6 @@ OUT = (
     "_shape",
 )  # fmt: skip
 NOT_NULL = ("weight", "pos_n", "ord_row", "_file")
-#: where a line may begin blank or with ``null`` (one pass over the file)
-_ODD_LINE = re.compile(rb"\n(?:[\n ]|null)")
 #: nesting Spark's JSON reader finds malformed (Jackson's limit; 999 levels read, 1 001
 #: are malformed): a line with this many brackets declines
 MAX_DEPTH = 1000
@@ -99,22 +96,6 @@ def _line_type(record: pa.StructType) -> pa.Schema:
     )
 
 
-def _objects(data: bytes, lines: Lines) -> tuple[list[int] | range, list[int]]:
-    """The numbers of ``data``'s ``lines`` holding a JSON value other than ``null``, and
-    those of the tombstones (``null``); blank lines are neither, as in Spark. (A line of
-    ``null`` must never reach pyarrow's reader, which crashes on it.)"""
-    if not data.startswith((b"\n", b" ", b"null")) and not _ODD_LINE.search(data):
-        return range(len(lines)), []  # (no blank line, none that may be null)
-    objs, tombs = [], []
-    for n, line in enumerate(lines):
-        s = line.strip(b" ")
-        if s == b"null":
-            tombs.append(n)
-        elif s:
-            objs.append(n)
-    return objs, tombs
-
-
 def parse_flat(
     data: bytes,
     record: pa.StructType,
@@ -148,7 +129,7 @@ def parse_flat(
         for n in lines.longer(2 * MAX_DEPTH)
     ):  # (Spark finds a line nested that deep malformed; pyarrow reads it)
         raise Declined(f"a line that may nest {MAX_DEPTH} levels deep or more")
-    objs, tombs = _objects(data, lines)
+    objs, tombs = lines.objects()
     text = data if len(objs) == len(lines) else b"\n".join(lines[n] for n in objs)
     options = pj.ParseOptions(
         explicit_schema=_line_type(record), unexpected_field_behavior="ignore"

@@ -113,6 +113,8 @@ def check_compressed(files: Sequence[str]) -> None:
                 )
 
 
+#: a line that may be blank or ``null`` (:meth:`Lines.objects`)
+_ODD_LINE = re.compile(rb"\n(?:[\n ]|null)")
 #: the bytes :class:`Lines` looks through at a time
 _STEP = 1 << 20
 
@@ -147,3 +149,18 @@ class Lines(Sequence[bytes]):
         import numpy as np
 
         return np.flatnonzero(self.ends - self.starts >= size).tolist()
+
+    def objects(self) -> tuple[list[int] | range, list[int]]:
+        """The numbers of the lines holding a JSON value other than ``null``, and those
+        of the tombstones (``null``); blank lines are neither, as in Spark."""
+        data = self.data
+        if not data.startswith((b"\n", b" ", b"null")) and not _ODD_LINE.search(data):
+            return range(len(self)), []  # (no blank line, none that may be null)
+        objs, tombs = [], []
+        for n, line in enumerate(self):
+            s = line.strip(b" ")
+            if s == b"null":
+                tombs.append(n)
+            elif s:
+                objs.append(n)
+        return objs, tombs

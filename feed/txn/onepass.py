@@ -3,16 +3,19 @@
 The Spark path (:mod:`feed.txn.spark`) parses a transaction's input into a cache of every
 change, takes the transaction figures over that cache in a second job, and only then
 diffs and consolidates. For a feed whose transaction is one time (``--granularity
-batch``) and whose input is plain, most of that can happen in the tasks that parse: each
-task reads one file with pyarrow (:func:`feed.sources.debezium_arrow.parse_flat`, as the
-Spark path's columnar read does) and takes that file's figures (:mod:`feed.txn.
-onepass_figures`). Without a key it turns each kept event into ``-before`` / ``+after``
-(as :func:`feed.txn.diffs.unkeyed_diffs`) and sums the diffs of each record within the
-file; with one it keeps each key's last event (:mod:`feed.txn.onepass_keyed`). Only that
-leaves the task; the same job combines it across files and caches the result, and the
-figures come to the driver through an accumulator. The driver then checks that the whole
-input was plain; a keyed transaction is diffed against the state buckets its keys touch;
-and the updates are written (:func:`feed.txn.segments.write_transaction`).
+batch``) and whose input is plain, most of that can happen in the tasks that parse: a
+task reads its files one by one with pyarrow (:func:`feed.sources.debezium_arrow.
+parse_flat`, as the Spark path's columnar read does) and takes each file's figures
+(:mod:`feed.txn.onepass_figures`). Without a key it turns each kept event into
+``-before`` / ``+after`` (as :func:`feed.txn.diffs.unkeyed_diffs`) and sums the diffs of
+each record (:mod:`feed.txn.onepass_sums`); with one it keeps each key's last event
+(:mod:`feed.txn.onepass_keyed`); a task of several files merges its files' results
+(:func:`task_files` spreads the files over as many tasks as Spark has cores, by their
+bytes). Only that leaves the task; the same job combines it across tasks and caches
+the result, and the figures come to the driver through an accumulator. The driver then
+checks that the whole input was plain; a keyed transaction is diffed against the state
+buckets its keys touch; and the updates are written
+(:func:`feed.txn.segments.write_transaction`).
 
 Plain here is what the Spark path's assembly releases whole, nothing held back: data
 events, skipped lines and END records, every source transaction with metadata complete
@@ -44,7 +47,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from feed.sources.positions import Position, committed_position
 from feed.txn import onepass_keyed
@@ -56,12 +58,13 @@ from feed.txn.onepass_figures import (
     highest,
     plain_figures,
 )
+from feed.txn.onepass_sums import merge_sums, partial_sums
 from feed.txn.segments import Written, write_transaction
 
 if TYPE_CHECKING:
     from feed.txn.engine import Job
 
-__all__ = ["partial_sums", "run"]
+__all__ = ["run", "task_files"]
 
 #: small input (in all) whose text is looked through before the job: one that shows an
 #: END record, a snapshot read or a placeholder is not plain, so no job parses it twice;
@@ -243,18 +246,23 @@ def _read(
         out = onepass_keyed.task_output(image, key)
         schema = to_arrow_schema(out, timezone="UTC")
         reduce = functools.partial(onepass_keyed.last_per_key, key=key, schema=schema)
+        merge = onepass_keyed.merge
     else:
         out = T.StructType(
             [T.StructField("data", image, False), T.StructField("diff", T.LongType())]
         )
         reduce = functools.partial(partial_sums, record=record)
-    rows = [(p, spark_metadata_path(p), i) for i, p in enumerate(files)]
-    listing = spark.sparkContext.parallelize(rows, max(1, len(rows))).toDF(
-        "path string, name string, i long"
+        merge = functools.partial(merge_sums, record=record)
+    groups = task_files(files, int(sc.defaultParallelism))
+    rows = [[(files[i], spark_metadata_path(files[i]), i) for i in g] for g in groups]
+    listing = (
+        sc.parallelize(rows, len(rows))
+        .flatMap(lambda group: group)
+        .toDF("path string, name string, i long")
     )
     pos = committed_position(ctx.cp.source.get("pos", [0, 0]))
-    threads = parse_threads(spark, len(files))
-    task = _task(record, key, ctx.info.table, pos, (acc, read), reduce, threads)
+    threads = parse_threads(spark, len(groups))
+    task = _task(record, key, ctx.info.table, pos, (acc, read), (reduce, merge), threads)
     tasks = listing.mapInArrow(task, out)
     if key:
         across = onepass_keyed.lasts(tasks)
@@ -287,10 +295,20 @@ def _task(
     table: str | None,
     pos: Position,
     acc: tuple[Any, int],
-    reduce: Callable[[pa.Table], pa.Table],
+    steps: tuple[Callable[[pa.Table], pa.Table], Callable[[list[pa.Table]], pa.Table]],
     threads: bool,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """A task's function: its files (rows of the listing) parsed one by one, each
+    file's kept events reduced (``steps[0]``), and the task's reductions merged into one
+    (``steps[1]``) before the shuffle."""
+    reduce, merge = steps
+
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        done = list(each(batches))
+        if done:
+            yield from (merge(done) if len(done) > 1 else done[0]).to_batches()
+
+    def each(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.Table]:
         from feed.sources.connect_json import Declined
         from feed.sources.debezium_arrow import parse_flat
 
@@ -307,32 +325,31 @@ def _task(
                 figures, kept = file_figures(t, pos, acc[1], i)
                 acc[0].add(frozenset([figures]))
                 if figures.why is None:
-                    yield from reduce(kept).to_batches()
+                    yield reduce(kept)
 
     return run
 
 
-def partial_sums(kept: pa.Table, record: pa.StructType) -> pa.Table:
-    """``-before`` and ``+after`` of the ``kept`` events (each times its weight), summed
-    per record, zero sums left out: columns ``data`` (the record) and ``diff``."""
-    names = [f"c{i}" for i in range(record.num_fields)]
-    parts = []
-    for column, sign in (("before", -1), ("after", 1)):
-        img = kept.select([column, "weight"])
-        if kept[column].null_count:
-            img = img.filter(pc.is_valid(kept[column]))
-        fields = img[column].combine_chunks().flatten() if img.num_rows else []
-        if not img.num_rows:
-            continue
-        weight = img["weight"] if sign > 0 else pc.negate(img["weight"])
-        parts.append(pa.table([*fields, weight], names=[*names, "diff"]))
-    if not parts:
-        return pa.table({"data": pa.array([], record), "diff": pa.array([], pa.int64())})
-    summed = pa.concat_tables(parts).group_by(names).aggregate([("diff", "sum")])
-    summed = summed.filter(pc.not_equal(summed["diff_sum"], 0))
-    columns = [summed[n].combine_chunks() for n in names]
-    data = pa.StructArray.from_arrays(columns, fields=list(record))
-    return pa.table({"data": data, "diff": summed["diff_sum"]})
+def task_files(files: Sequence[str], cores: int) -> list[list[int]]:
+    """The files' numbers spread over at most ``cores`` tasks, so that each task's files
+    come to about the same bytes (the largest first, each to the task with the fewest
+    bytes so far). A task merges its files' reductions before the shuffle: a key changed
+    in several of them crosses it once."""
+    import os
+
+    sizes = []
+    for f in files:
+        try:
+            sizes.append(os.path.getsize(f))
+        except OSError:  # (gone: its task says so)
+            sizes.append(0)
+    tasks: list[list[int]] = [[] for _ in range(max(1, min(cores, len(files))))]
+    load = [0] * len(tasks)
+    for i in sorted(range(len(files)), key=lambda i: -sizes[i]):
+        least = load.index(min(load))
+        tasks[least].append(i)
+        load[least] += sizes[i]
+    return [sorted(t) for t in tasks if t]
 
 
 def _timed(ctx: TxnContext, updates: Any) -> Computed:

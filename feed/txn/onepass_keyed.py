@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 from feed.txn.context import Computed, TxnContext
 from feed.txn.onepass_txns import last_of
 
-__all__ = ["Probe", "compute", "last_per_key", "lasts", "probe", "task_output"]
+__all__ = ["Probe", "compute", "last_per_key", "lasts", "merge", "probe", "task_output"]
 
 #: the order of a transaction's changes (:func:`feed.sources.positions.order_column`)
 _ORDER = ("pos_hi", "pos_lo", "pos_n", "ord_file", "ord_row")
@@ -99,6 +99,33 @@ def _last_rows(
     after = rows["after"].cast(schema.field("after").type)
     txn = rows["txn"] if also else pa.nulls(len(at), pa.string())
     return pa.table([k, o, rows["op"], after, ups, txn], schema=schema)
+
+
+def merge(parts: list[pa.Table]) -> pa.Table:
+    """Several files' :func:`last_per_key` rows as one task's: of the placed rows each
+    key's last, of the others each key's last in each source transaction, each with the
+    highest ``up`` of the rows it stands for (what :func:`lasts` takes of them is the
+    same)."""
+    t = pa.concat_tables(parts)
+    placed = pc.is_valid(t["o"].combine_chunks().field("pos_hi"))
+    if pc.all(placed).as_py():
+        return _merged(t, ())
+    return pa.concat_tables(
+        [_merged(t.filter(placed), ()), _merged(t.filter(pc.invert(placed)), ("txn",))]
+    )
+
+
+def _merged(t: pa.Table, also: tuple[str, ...]) -> pa.Table:
+    """:func:`merge` of ``t``, per key and the columns ``also``."""
+    if t.num_rows == 0:
+        return t
+    k, o = t["k"].combine_chunks(), t["o"].combine_chunks()
+    keys = [k.field(i) for i in range(k.type.num_fields)]
+    order = pa.table({c: o.field(c) for c in _ORDER})
+    at, ups = last_of([*keys, *(t[c] for c in also)], order, t["up"])
+    rows = t.take(at)
+    i = rows.schema.get_field_index("up")
+    return rows.set_column(i, rows.schema.field(i), ups.cast(rows.schema.field(i).type))
 
 
 def last_output(tasks: Any) -> Any:

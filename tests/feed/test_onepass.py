@@ -20,9 +20,9 @@ from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 from feed.log.reader import FeedReader
 from feed.sources.debezium_arrow import parse_flat
 from feed.txn.engine import ONEPASS, SPARK
-from feed.txn.onepass import partial_sums
 from feed.txn.onepass_figures import file_figures, highest, plain_figures
 from feed.txn.onepass_keyed import last_per_key
+from feed.txn.onepass_sums import partial_sums
 from protocol.messages import record_key
 
 from ..e2e.helpers import write_parts
@@ -430,6 +430,67 @@ def test_a_key_changed_by_a_transaction_open_across_files_waits_for_its_commit_l
     waiting = merged.filter(merged["pending"]).to_batches()
     settled = pa.Table.from_batches(list(_settle(iter(waiting), settled_schema, {"8": 15})))
     assert [(r["k"]["id"], r["img"], r["p"]["pos_hi"]) for r in settled.to_pylist()] == [(1, c, 15)]
+
+
+def test_a_tasks_files_merged_before_the_shuffle_give_what_they_give_apart():
+    """A task of two files merges their rows before the shuffle: key 1 changed by
+    transaction 7 and by 8, whose END is in the second file; key 2 by 7 and then by 9 in
+    the second file. What the job takes across tasks from the merged rows is what it
+    takes from each file's rows; the unkeyed partial sums merged are the sums of both
+    files' events."""
+    from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
+
+    from feed.txn.onepass_keyed import _lasts, last_output, merge, task_output
+    from feed.txn.onepass_sums import merge_sums
+
+    a, b, c = ({"id": 1, "x": v, "s": None} for v in (1.5, 2.5, 3.5))
+    two, later = {"id": 2, "x": 0.5, "s": None}, {"id": 2, "x": 0.75, "s": "z"}
+    files = [
+        [
+            *(_tx("c", None, a, 10, 7, 1), _tx("c", None, two, 11, 7, 2), _end(7, 12, 2)),
+            *(_tx("u", a, b, 13, 8, 1), _tx("u", b, c, 14, 8, 2)),
+        ],
+        [_end(8, 15, 2), _tx("u", two, later, 16, 9, 1), _end(9, 17, 1)],
+    ]
+    kept = [file_figures(_parsed(f, i), (0, 0, 0), 1, i)[1] for i, f in enumerate(files)]
+    out = task_output(from_arrow_type(RECORD), ("id",))
+    schema = to_arrow_schema(out, timezone="UTC")
+    rows = [last_per_key(k, ("id",), schema) for k in kept]
+    merged = merge(rows)
+    assert merged.schema == schema and merged.num_rows == 3
+    across = to_arrow_schema(last_output(out), timezone="UTC")
+
+    def taken(parts: list[pa.Table]) -> list[tuple]:
+        batches = [b for p in parts for b in p.to_batches()]
+        got = pa.Table.from_batches(list(_lasts(iter(batches), across))).to_pylist()
+        return sorted((r["k"]["id"], r["txn"] or "", r["pending"], r["img"]) for r in got)
+
+    assert (
+        taken([merged])
+        == taken(rows)
+        == [(1, "", True, a), (1, "8", True, c), (2, "", False, later)]
+    )
+    sums = [partial_sums(k, RECORD) for k in kept]
+    both = partial_sums(pa.concat_tables(kept), RECORD)
+    assert Counter(map(str, merge_sums(sums, RECORD).to_pylist())) == Counter(
+        map(str, both.to_pylist())
+    )
+    assert sorted(r["data"]["id"] for r in both.to_pylist()) == [1, 2]
+
+
+def test_files_are_spread_over_tasks_by_their_bytes(tmp_path):
+    from feed.txn.onepass import task_files
+
+    sizes = [900, 100, 500, 400, 300, 200]
+    paths = []
+    for i, n in enumerate(sizes):
+        paths.append(str(tmp_path / f"part-{i}"))
+        Path(paths[-1]).write_bytes(b"x" * n)
+    groups = task_files(paths, 2)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert sorted(sum(sizes[i] for i in g) for g in groups) == [1200, 1200]
+    assert task_files(paths, 8) == [[i] for i in (0, 2, 3, 4, 5, 1)]
+    assert task_files([*paths, str(tmp_path / "gone")], 1) == [list(range(7))]
 
 
 def test_a_keyed_history_gives_the_feed_the_spark_path_gives(spark, tmp_path):
