@@ -128,6 +128,39 @@ async def test_each_error_status_changes_no_state(receiver, body, kw, status, co
     assert ack == {"frontier": 4, "pending": 0}  # the pending updates survived
 
 
+async def test_a_body_cut_short_changes_nothing_and_a_chunked_one_is_read(receiver):
+    """A body read by its declared length whose client stops sending halfway: no answer,
+    nothing changed, and the receiver goes on; a chunked body (no length) is read whole."""
+    import asyncio
+
+    base = await receiver()
+    ok, ack, _ = await raw_post(base, NDJSON.encode(FEED[:3]), epoch="1")
+    assert ok == 200 and ack["frontier"] == 2
+    before = await state(base)
+    body = NDJSON.encode(FEED[3:5])
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = (
+        f"POST /v1/push/f HTTP/1.1\r\nHost: {host}\r\nContent-Type: {NDJSON.content_type}\r\n"
+        f"Tidefeed-Epoch: 1\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    writer.write(head.encode() + body[: len(body) // 2])
+    await writer.drain()
+    writer.write_eof()
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    writer.close()
+    assert await state(base) == before
+
+    async def chunks():
+        for i in range(0, len(body), 7):
+            yield body[i : i + 7]
+
+    headers = {"Content-Type": NDJSON.content_type, "Tidefeed-Epoch": "1"}
+    url = f"{base}/v1/push/f"
+    async with aiohttp.ClientSession() as s, s.post(url, data=chunks(), headers=headers) as r:
+        assert r.status == 200 and await r.json() == {"frontier": 4, "pending": 0}
+
+
 async def test_token_body_limit_and_high_watermark(receiver):
     base = await receiver(token="s3cret", max_body=2000, pending_high_watermark=2)
     body = NDJSON.encode(FEED[:2])
