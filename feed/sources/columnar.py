@@ -214,12 +214,12 @@ def read_debezium_columnar(
     )
     arrow_record = to_arrow_type(image, timezone="UTC")
     rows = [(p, spark_metadata_path(p), i) for i, p in enumerate(files)]
-    listing = spark.sparkContext.parallelize(rows, max(1, len(rows))).toDF(
-        "path string, name string, i long"
-    )
+    # (a task per file, by its number: the files go with the task's function, so no
+    # Python worker serves a listing of them to the tasks)
+    listing = spark.range(0, len(rows), 1, max(1, len(rows)))
     seen = None if positions is None else (positions._acc, positions.read)
     threads = parse_threads(spark, len(files))
-    return listing.mapInArrow(_task(arrow_record, tuple(key), table, seen, threads), out)
+    return listing.mapInArrow(_task(arrow_record, tuple(key), table, seen, threads, rows), out)
 
 
 def parse_threads(spark: Any, tasks: int) -> bool:
@@ -235,10 +235,11 @@ def _task(
     table: str | None,
     seen: tuple[Any, int] | None,
     threads: bool,
+    rows: list[tuple[str, str, int]],
 ) -> Callable[..., Any]:
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
-            for path, name, i in zip(*(batch.column(c).to_pylist() for c in range(3)), strict=True):
+            for path, name, i in (rows[k] for k in batch.column(0).to_pylist()):
                 with open(path, "rb") as f:
                     data = f.read()
                 try:

@@ -255,14 +255,12 @@ def _read(
         merge = functools.partial(merge_sums, record=record)
     groups = task_files(files, int(sc.defaultParallelism))
     rows = [[(files[i], spark_metadata_path(files[i]), i) for i in g] for g in groups]
-    listing = (
-        sc.parallelize(rows, len(rows))
-        .flatMap(lambda group: group)
-        .toDF("path string, name string, i long")
-    )
+    # (a task's number, one per partition: its files go with the task's function, so
+    # no Python worker of the job's first tasks serves a listing of them)
+    listing = spark.range(0, len(rows), 1, len(rows))
     pos = committed_position(ctx.cp.source.get("pos", [0, 0]))
     threads = parse_threads(spark, len(groups))
-    task = _task(record, key, ctx.info.table, pos, (acc, read), (reduce, merge), threads)
+    task = _task(record, key, ctx.info.table, pos, (acc, read), (reduce, merge), threads, rows)
     tasks = listing.mapInArrow(task, out)
     if key:
         across = onepass_keyed.lasts(tasks)
@@ -297,8 +295,10 @@ def _task(
     acc: tuple[Any, int],
     steps: tuple[Callable[[pa.Table], pa.Table], Callable[[list[pa.Table]], pa.Table]],
     threads: bool,
+    groups: list[list[tuple[str, str, int]]],
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """A task's function: its files (rows of the listing) parsed one by one, each
+    """A task's function: its files (``groups``' entry at the task's number, each a path,
+    the name Spark's ``_metadata`` gives it and its number) parsed one by one, each
     file's kept events reduced (``steps[0]``), and the task's reductions merged into one
     (``steps[1]``) before the shuffle."""
     reduce, merge = steps
@@ -313,7 +313,7 @@ def _task(
         from feed.sources.debezium_arrow import parse_flat
 
         for batch in batches:
-            for path, name, i in zip(*(batch.column(c).to_pylist() for c in range(3)), strict=True):
+            for path, name, i in (f for g in batch.column(0).to_pylist() for f in groups[g]):
                 try:
                     with open(path, "rb") as f:
                         data = f.read()
