@@ -330,11 +330,17 @@ def _task(
     return run
 
 
+#: the most files one task of the one-pass job reads: it holds each file's reduction
+#: until it merges them, so a long backlog is cut into more tasks than the cores
+FILES_PER_TASK = 8
+
+
 def task_files(files: Sequence[str], cores: int) -> list[list[int]]:
-    """The files' numbers spread over at most ``cores`` tasks, so that each task's files
-    come to about the same bytes (the largest first, each to the task with the fewest
-    bytes so far). A task merges its files' reductions before the shuffle: a key changed
-    in several of them crosses it once."""
+    """The files' numbers spread over as many tasks as ``cores`` (more where a task
+    would read more than :data:`FILES_PER_TASK`), so that each task's files come to about
+    the same bytes (the largest first, each to the task with the fewest bytes so far). A
+    task merges its files' reductions before the shuffle: a key changed in several of
+    them crosses it once."""
     import os
 
     sizes = []
@@ -343,12 +349,13 @@ def task_files(files: Sequence[str], cores: int) -> list[list[int]]:
             sizes.append(os.path.getsize(f))
         except OSError:  # (gone: its task says so)
             sizes.append(0)
-    tasks: list[list[int]] = [[] for _ in range(max(1, min(cores, len(files))))]
-    load = [0] * len(tasks)
+    n = max(1, min(cores, len(files)), -(-len(files) // FILES_PER_TASK))
+    tasks: list[list[int]] = [[] for _ in range(n)]
+    load = [(0, 0)] * n  # (bytes, files) of each task so far
     for i in sorted(range(len(files)), key=lambda i: -sizes[i]):
-        least = load.index(min(load))
+        least = min((k for k in range(n) if load[k][1] < FILES_PER_TASK), key=load.__getitem__)
         tasks[least].append(i)
-        load[least] += sizes[i]
+        load[least] = (load[least][0] + sizes[i], load[least][1] + 1)
     return [sorted(t) for t in tasks if t]
 
 

@@ -479,7 +479,7 @@ def test_a_tasks_files_merged_before_the_shuffle_give_what_they_give_apart():
 
 
 def test_files_are_spread_over_tasks_by_their_bytes(tmp_path):
-    from feed.txn.onepass import task_files
+    from feed.txn.onepass import FILES_PER_TASK, task_files
 
     sizes = [900, 100, 500, 400, 300, 200]
     paths = []
@@ -491,6 +491,10 @@ def test_files_are_spread_over_tasks_by_their_bytes(tmp_path):
     assert sorted(sum(sizes[i] for i in g) for g in groups) == [1200, 1200]
     assert task_files(paths, 8) == [[i] for i in (0, 2, 3, 4, 5, 1)]
     assert task_files([*paths, str(tmp_path / "gone")], 1) == [list(range(7))]
+    many = [*paths, *paths, *paths]  # (eighteen files: no task reads more than eight)
+    groups = task_files(many, 2)
+    assert len(groups) == 3 and all(len(g) <= FILES_PER_TASK for g in groups)
+    assert sorted(i for g in groups for i in g) == list(range(18))
 
 
 def test_a_keyed_history_gives_the_feed_the_spark_path_gives(spark, tmp_path):
