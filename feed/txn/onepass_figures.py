@@ -1,5 +1,5 @@
-"""What each file's task of the one-pass engine (:mod:`feed.txn.onepass`) saw, and
-whether all of them together show plain input (see that module's docstring)."""
+"""What the one-pass engine's tasks (:mod:`feed.txn.onepass`) saw of each file, and
+whether all of the files together show plain input (see that module's docstring)."""
 
 from __future__ import annotations
 

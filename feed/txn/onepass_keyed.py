@@ -2,9 +2,10 @@
 
 A keyed feed never trusts a before-image: each key's net change in a transaction of one
 time is "retract the state's row, add the last after-image" (:mod:`feed.txn.diffs`). Only
-each key's last event matters, so a file's task keeps, of its kept events, each key's
-last by position (:func:`last_per_key`) with whether any of them upserted it. The job
-then takes the last of those per key across files (:func:`lasts`: the keys hashed to
+each key's last event matters, so a task keeps, of each file's kept events, each key's
+last by position (:func:`last_per_key`) with whether any of them upserted it, and of
+those of its files the last again (:func:`merge`). The job then takes the last of those
+per key across tasks (:func:`lasts`: the keys hashed to
 partitions, pyarrow in each), which gives what the Spark path's
 :func:`~feed.txn.diffs.last_images` gives over all the events, and caches it (a key
 changed by a source transaction whose END is in another file waits, *pending*, until the
