@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
-from ._text_checks import nesting_check, number_check, utf8_check
+from ._text_checks import longest_line, nesting_check, number_check, utf8_check
 from .codecs import Codec, Decoder, Encoder, check_field_names
 from .errors import CodecError, Compacted
 from .jsontext import json_objects, span
@@ -351,11 +351,7 @@ def _decode_columnar(
     to use the line decoder. Raises :class:`CodecError` for a number no reader may take
     (:func:`number_check`), when a read with inferred types found a float (a typed read,
     or one that found none, rules them out)."""
-    raw = np.frombuffer(body, dtype=np.uint8)
-    ends = np.flatnonzero(raw == 10)
-    if not len(ends) or ends[-1] != len(raw) - 1:
-        ends = np.append(ends, len(raw))
-    longest = int(np.max(np.diff(ends, prepend=-1)))
+    longest = longest_line(body)
     options = pa_json.ReadOptions(block_size=max(longest + 1, _MIN_BLOCK), use_threads=True)
     table = None if record is None else _read_hinted(body, options, record)
     inferred = table is None

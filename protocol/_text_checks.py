@@ -15,7 +15,7 @@ import numpy as np
 from .errors import CodecError
 from .messages import INT64_MAX, INT64_MIN
 
-__all__ = ["MAX_DEPTH", "nesting_check", "number_check", "utf8_check"]
+__all__ = ["MAX_DEPTH", "longest_line", "nesting_check", "number_check", "utf8_check"]
 
 
 #: a run of this many digits may be an integer beyond 64 bits (2^63 has 19 digits)
@@ -64,6 +64,21 @@ def _int64(text: str) -> int:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON (a number must be finite)")
+
+
+def longest_line(body: bytes) -> int:
+    """The bytes of ``body``'s longest line, its newline counted (the last line's, if it
+    has none, as if it had). In steps of :data:`_CHUNK` bytes: a mask of the whole body
+    is as large as the body, and fresh memory of that size costs more to touch than the
+    search."""
+    raw = np.frombuffer(body, dtype=np.uint8)
+    longest, start = 0, 0  # (start: where the line under way began)
+    for at in range(0, len(raw), _CHUNK):
+        ends = np.flatnonzero(raw[at : at + _CHUNK] == 10) + at
+        if len(ends):
+            longest = max(longest, int(ends[0]) - start + 1, int(np.max(np.diff(ends), initial=0)))
+            start = int(ends[-1]) + 1
+    return max(longest, len(raw) - start + 1) if start < len(raw) else longest
 
 
 def _line_at(body: bytes, at: int) -> str:

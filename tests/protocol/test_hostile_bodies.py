@@ -199,6 +199,21 @@ def test_ndjson_nesting_scan_is_the_same_whatever_its_chunks(monkeypatch, chunk)
         _text_checks.nesting_check(tricky + b"\n" + tricky + b"\n[" + flat + b"]\n")
 
 
+@given(st.binary(min_size=1, max_size=60).map(lambda b: b.replace(b"\r", b"\n")), st.integers(1, 9))
+def test_the_longest_line_is_found_in_steps_as_whole(body, chunk):
+    """The longest line (its newline counted; a last line without one as if it had one),
+    which sizes pyarrow's blocks, is the same in steps of a few bytes as over the whole."""
+    from protocol import _text_checks
+
+    expected = max(len(line) + 1 for line in body.removesuffix(b"\n").split(b"\n"))
+    size = _text_checks._CHUNK
+    _text_checks._CHUNK = chunk
+    try:
+        assert _text_checks.longest_line(body) == expected
+    finally:
+        _text_checks._CHUNK = size
+
+
 def test_ndjson_without_escapes_brackets_in_strings_do_not_count():
     from protocol import _text_checks
 
