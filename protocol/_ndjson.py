@@ -102,14 +102,18 @@ def _row_texts(updates: Updates) -> pa.Array | None:
     data = json_objects(table.column("data"))
     if data is None:
         return None
-    low, high = pc.min_max(table.column("time")).values()
-    if low.is_valid and low == high:  # one time (the usual batch): its text once
-        time: list[Any] = [f',"time":{low.as_py()},"diff":']
-    else:
-        time = [',"time":', pc.cast(table.column("time"), pa.string()), ',"diff":']
-    rows = pc.binary_join_element_wise(
-        '{"data":', data, *time, pc.cast(table.column("diff"), pa.string()), "},", ""
-    )
+    pieces: list[Any] = ['{"data":', data]
+    text = ""  # (the literal text since the last column piece)
+    for name in ("time", "diff"):
+        column = table.column(name)
+        low, high = pc.min_max(column).values()
+        text += f',"{name}":'
+        if low.is_valid and low == high:  # one value (one time, inserts alone): its text once
+            text += str(low.as_py())
+        else:
+            pieces += [text, pc.cast(column, pa.string())]
+            text = ""
+    rows = pc.binary_join_element_wise(*pieces, text + "},", "")
     if isinstance(rows, pa.ChunkedArray):
         rows = rows.combine_chunks()
     return rows

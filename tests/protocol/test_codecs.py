@@ -349,11 +349,13 @@ def test_ndjson_read_with_the_last_record_type_equals_reading_with_inference(mon
 
 
 @pytest.mark.parametrize("times", [[1], [1, 2, 7]], ids=["one time", "several times"])
+@pytest.mark.parametrize("diffs", [[1], [1, 1, -2]], ids=["one diff", "several diffs"])
 def test_an_arrow_batch_larger_than_a_line_is_cut_into_full_lines_as_orjson_writes_them(
-    monkeypatch, times
+    monkeypatch, times, diffs
 ):
     """NDJSON builds the text of many updates at once and cuts it into lines: every
-    line holds ``max_updates`` (the last the rest), byte for byte what orjson writes."""
+    line holds ``max_updates`` (the last the rest), byte for byte what orjson writes
+    (a time or a diff that all the updates built at once share is written as one text)."""
     from protocol import _ndjson
 
     monkeypatch.setattr(_ndjson, "_TEXT_ROWS", 25)  # text built 20 updates at a time
@@ -365,7 +367,7 @@ def test_an_arrow_batch_larger_than_a_line_is_cut_into_full_lines_as_orjson_writ
         {
             "data": pa.array([r["data"] for r in rows]),
             "time": pa.array([r["time"] for r in rows], pa.int64()),
-            "diff": pa.array([1 if i % 3 else -2 for i in range(55)], pa.int64()),
+            "diff": pa.array([diffs[i % len(diffs)] for i in range(55)], pa.int64()),
         }
     )
     _assert_written_as_orjson_writes_it(table)
