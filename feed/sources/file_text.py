@@ -152,7 +152,8 @@ class Lines(Sequence[bytes]):
 
     def objects(self) -> tuple[list[int] | range, list[int]]:
         """The numbers of the lines holding a JSON value other than ``null``, and those
-        of the tombstones (``null``); blank lines are neither, as in Spark."""
+        of the tombstones (``null``); blank lines are neither, as in Spark. (A line of
+        ``null`` must never reach pyarrow's reader, which crashes on it.)"""
         data = self.data
         if not data.startswith((b"\n", b" ", b"null")) and not _ODD_LINE.search(data):
             return range(len(self)), []  # (no blank line, none that may be null)
