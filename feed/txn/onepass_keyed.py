@@ -120,13 +120,18 @@ def _merged(t: pa.Table, also: tuple[str, ...]) -> pa.Table:
     """:func:`merge` of ``t``, per key and the columns ``also``."""
     if t.num_rows == 0:
         return t
-    k, o = t["k"].combine_chunks(), t["o"].combine_chunks()
-    keys = [k.field(i) for i in range(k.type.num_fields)]
-    order = pa.table({c: o.field(c) for c in _ORDER})
+    keys, order = _keys_and_order(t)
     at, ups = last_of([*keys, *(t[c] for c in also)], order, t["up"])
     rows = t.take(at)
     i = rows.schema.get_field_index("up")
     return rows.set_column(i, rows.schema.field(i), ups.cast(rows.schema.field(i).type))
+
+
+def _keys_and_order(t: pa.Table) -> tuple[list[pa.Array], pa.Table]:
+    """The key columns of rows of :func:`task_output` (``t``) and their order's columns
+    (:data:`_ORDER`), as :func:`~feed.txn.onepass_txns.last_of` takes them."""
+    k, o = t["k"].combine_chunks(), t["o"].combine_chunks()
+    return [k.field(i) for i in range(k.type.num_fields)], pa.table({c: o.field(c) for c in _ORDER})
 
 
 def last_output(tasks: Any) -> Any:
@@ -172,15 +177,13 @@ def _lasts(batches: Iterator[pa.RecordBatch], schema: pa.Schema) -> Iterator[pa.
     if not got or not any(b.num_rows for b in got):
         return
     t = pa.Table.from_batches(got)
-    k, o = t["k"].combine_chunks(), t["o"].combine_chunks()
-    keys = [k.field(i) for i in range(k.type.num_fields)]
-    order = pa.table({c: o.field(c) for c in _ORDER})
-    if not o.field("pos_hi").null_count:
+    keys, order = _keys_and_order(t)
+    if not order["pos_hi"].null_count:
         at, ups = last_of(keys, order, t["up"])
         yield from _images(t.take(at), ups, schema).to_batches()
         return
     at, ups, each = last_of(keys, order, t["up"], rows=True)
-    waits = pc.is_null(o.field("pos_hi").take(at))
+    waits = pc.is_null(order["pos_hi"].take(at))
     settled = pc.invert(waits)
     yield from _images(t.take(at.filter(settled)), ups.filter(settled), schema).to_batches()
     mine = pc.list_flatten(each.filter(waits))
