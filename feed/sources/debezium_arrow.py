@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -147,8 +149,8 @@ def parse_flat(
         raise Declined("a line of more than one JSON value")
     if t.column("payload").null_count != t.num_rows or t.column("schema").null_count != t.num_rows:
         raise Declined("wrapped lines (a Connect schema and payload)")
-    rows = pa.array(objs, pa.int64())
-    out = _columns(t, record, key, table, lambda i: lines[objs[i]])
+    rows = pa.array(np.arange(len(objs)) if isinstance(objs, range) else np.asarray(objs, np.int64))
+    out = _columns(t, record, key, table, lambda at: lines.texts(rows.to_numpy()[at]))
     out = out.append_column("ord_row", rows)
     cols = _order(out, ord_file, name)
     if not tombs:
@@ -158,9 +160,9 @@ def parse_flat(
 
 def _order(t: pa.Table, ord_file: int, name: str) -> pa.Table:
     n = t.num_rows
-    t = t.append_column("ord_file", pa.array([ord_file] * n, pa.int64()))
-    t = t.append_column("_file", pa.array([name] * n, pa.string()))
-    t = t.append_column("weight", pa.array([1] * n, pa.int64()))
+    t = t.append_column("ord_file", pa.array(np.full(n, ord_file, np.int64)))
+    t = t.append_column("_file", pa.repeat(pa.scalar(name, pa.string()), n))
+    t = t.append_column("weight", pa.array(np.ones(n, np.int64)))
     t = t.append_column("_error", pa.nulls(n, pa.string()))
     t = t.append_column("_shape", pa.nulls(n, pa.int64()))
     return t.select(list(OUT))
@@ -235,10 +237,11 @@ def _columns(
     record: pa.StructType,
     key: Sequence[str],
     table: str | None,
-    line: Callable[[int], bytes],
+    lines: Callable[[Any], pa.Array],
 ) -> pa.Table:
     """The canonical columns of the parsed lines ``t`` but their place in the input
-    (:func:`feed.sources.debezium.read_debezium`, rule by rule)."""
+    (:func:`feed.sources.debezium.read_debezium`, rule by rule); ``lines`` gives the text
+    of the lines of ``t``'s rows numbered (numpy, ascending) as a string array."""
     n = t.num_rows
     op, status = t.column("op").combine_chunks(), t.column("status").combine_chunks()
     before, after = t.column("before").combine_chunks(), t.column("after").combine_chunks()
@@ -274,9 +277,8 @@ def _columns(
     out_op = pc.if_else(skipped, "x", pc.if_else(end, "E", op))
     # the line's text where a bad row found later may need it (as feed.txn.dataflow keeps it)
     keep_raw = pc.or_(_false(pc.equal(out_op, "d")), pc.is_valid(toast))
-    raw: list[str | None] = [None] * n
-    for i in pc.indices_nonzero(keep_raw).to_pylist():
-        raw[i] = line(i).decode()
+    keep = pc.indices_nonzero(keep_raw).to_numpy()
+    raw = _spread(lines(keep), keep, n) if len(keep) else pa.nulls(n, pa.string())
     if pc.any(skipped).as_py():  # (else as they are: a choice copies every field)
         before = pc.if_else(skipped, pa.nulls(n, before.type), before)
         after = pc.if_else(skipped, pa.nulls(n, after.type), after)
@@ -291,7 +293,7 @@ def _columns(
             "txn": txn,
             "tx_meta": tx_meta,
             "tx_count": pc.cast(tx_count, pa.int64()),
-            "_raw": pa.array(raw, pa.string()),
+            "_raw": raw,
             "_skip": skip,
             "_toast": toast,
             "_snap": snap,
@@ -314,6 +316,25 @@ def _transaction(tx: pa.Array, src: pa.Array, lsn: pa.Array, end_id: pa.Array | 
     return txn
 
 
+def _spread(texts: pa.Array, at: np.ndarray, n: int) -> pa.Array:
+    """``texts`` (a string array) at the rows ``at`` (ascending) of ``n``, null elsewhere:
+    the same text buffer under new offsets, no copy of the text."""
+    texts = texts.cast(pa.string())
+    offsets = np.frombuffer(texts.buffers()[1], np.int32)[
+        texts.offset : texts.offset + len(texts) + 1
+    ]
+    sizes = np.zeros(n, np.int32)
+    sizes[at] = np.diff(offsets)
+    spread = np.empty(n + 1, np.int32)
+    spread[0] = offsets[0]
+    np.cumsum(sizes, out=spread[1:])
+    spread[1:] += offsets[0]
+    valid = np.zeros(n, np.bool_)
+    valid[at] = True
+    bitmap = pa.array(valid).buffers()[1]
+    return pa.Array.from_buffers(pa.string(), n, [bitmap, pa.py_buffer(spread), texts.buffers()[2]])
+
+
 def _skips(
     op: pa.Array, status: pa.Array, after: pa.Array, src: pa.Array, table: str | None
 ) -> pa.Array:
@@ -323,16 +344,16 @@ def _skips(
     skip = pa.nulls(n, pa.string())
     if table:
         schema, name = pc.struct_field(src, "schema"), pc.struct_field(src, "table")
-        # (Spark's concat_ws: a null part is left out; pyarrow's "skip" drops whole rows)
-        where = pc.if_else(
-            pc.is_null(schema),
-            pc.coalesce(name, ""),
-            pc.if_else(pc.is_null(name), schema, pc.binary_join_element_wise(schema, name, ".")),
-        )
-        other = pc.and_(
-            pc.and_(pc.is_valid(op), pc.is_valid(pc.struct_field(src, "table"))),
-            pc.not_equal(where, table),
-        )
+        # Spark joins schema and table with a dot (a null schema left out) and compares
+        # that with ``table``; here each way of cutting ``table`` at a dot is compared
+        # with the two columns, which joins no text
+        same = pc.and_(pc.is_null(schema), _false(pc.equal(name, table)))
+        for i in (i for i, c in enumerate(table) if c == "."):
+            cut = pc.and_(
+                _false(pc.equal(schema, table[:i])), _false(pc.equal(name, table[i + 1 :]))
+            )
+            same = pc.or_(same, cut)
+        other = pc.and_(pc.and_(pc.is_valid(op), pc.is_valid(name)), pc.invert(same))
         skip = pc.if_else(_false(other), SKIP_OTHER_TABLE, skip)
     heartbeat = pc.and_(pc.and_(pc.is_null(op), pc.is_null(status)), pc.is_null(after))
     skip = pc.if_else(heartbeat, SKIP_HEARTBEAT, skip)
@@ -377,8 +398,6 @@ def _end_count(t: pa.Table, table: str | None) -> pa.Array:
     """On an END record: how many of the feed table's events its transaction has."""
     if not table:
         return t.column("event_count").combine_chunks()
-    import numpy as np
-
     tables = t.column("data_collections").combine_chunks()
     flat = pc.list_flatten(tables)
     parents = pc.list_parent_indices(tables)
@@ -399,10 +418,12 @@ def _toast(after: pa.Array, record: pa.StructType) -> pa.Array:
         for f in record
         if pa.types.is_string(f.type)
     }
-    out: list[str | None] = [None] * len(after)
     if not marks:
-        return pa.array(out, pa.string())
+        return pa.nulls(len(after), pa.string())
     hit = functools.reduce(pc.or_, marks.values())
+    if not pc.any(hit).as_py():
+        return pa.nulls(len(after), pa.string())
+    out: list[str | None] = [None] * len(after)
     for i in pc.indices_nonzero(hit).to_pylist():  # (few: a row with a placeholder)
         out[i] = ",".join(name for name, m in marks.items() if m[i].as_py())
     return pa.array(out, pa.string())

@@ -8,6 +8,7 @@ import logging
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import orjson
 import pyarrow as pa
 import pytest
@@ -25,7 +26,8 @@ from feed.sources.columnar import (
     why_not_columnar,
 )
 from feed.sources.connect_json import Declined
-from feed.sources.debezium_arrow import parse_flat
+from feed.sources.debezium_arrow import _spread, parse_flat
+from feed.sources.file_text import Lines
 from feed.sources.kinds import read_changes
 from feed.sources.rows import spark_record_type
 from feed.txn.engine import SPARK
@@ -79,6 +81,34 @@ def test_flat_lines_of_every_kind_parse_as_spark_parses_them(spark, tmp_path):
         assert len(ours) == 14
         assert 418 in {r["pos_hi"] for r in ours}  # (the spaced sequence's commit LSN)
         assert {r["op"] for r in ours} == {"r", "c", "u", "d", "x", "E"}
+
+
+def test_tables_named_with_dots_or_without_a_schema_are_told_apart_as_spark_does(spark, tmp_path):
+    """The columnar parse compares a line's schema and table with the feed's table
+    without joining them: every way of naming, dots inside a name and a missing schema
+    included, skips the same lines as Spark's join of the two."""
+    names = [
+        ("public", "accounts"),
+        (None, "accounts"),
+        (None, "public.accounts"),
+        ("pub.lic", "accounts"),
+        ("public", "acc.ounts"),
+        ("public.acc", "ounts"),
+        ("public", None),
+        (None, None),
+    ]
+    lines = []
+    for i, (schema, table) in enumerate(names):
+        e = event("c", {"id": i, "owner": "a", "doc": "d"}, 500 + i, xid=3)
+        e["source"]["schema"], e["source"]["table"] = schema, table
+        lines.append(e)
+    write(tmp_path / "in", "a.json", lines)
+    files = sorted((tmp_path / "in").glob("*.json"))
+    for table in ("public.accounts", "accounts", "pub.lic.accounts", "public.acc.ounts"):
+        ours, theirs = _both(spark, files, SCHEMA, ["id"], table)
+        assert ours == theirs, table
+        kept = sum(r["op"] == "c" for r in ours)
+        assert 0 < kept < len(names), table
 
 
 def test_a_generated_history_with_metadata_parses_as_spark_parses_it(spark, tmp_path):
@@ -172,6 +202,34 @@ def _seen(lines: list, ord_file: int = 0):
     record = to_arrow_type(spark_record_type(SCHEMA), timezone="UTC")
     data = b"\n".join(orjson.dumps(x) for x in lines) + b"\n"
     return seen_positions(7, ord_file, parse_flat(data, record, ["id"], None, ord_file, "f"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lines=st.lists(
+        st.sampled_from([b"", b" ", b"null", b'{"a":1}', '{"é":2}'.encode()]), max_size=12
+    ),
+    final=st.booleans(),
+    data=st.data(),
+)
+def test_the_lines_text_comes_out_at_the_rows_asked_as_split_gives_it(lines, final, data):
+    """A file's lines, blank ones and ``null`` included: which hold a JSON value and
+    which are tombstones, as a split of the text says; and the text of any of them put
+    back at their rows (the columnar ``_raw``), null at the others."""
+    text = b"\n".join(lines) + (b"\n" if final and lines else b"")
+    found = Lines(text)
+    split = text.split(b"\n")[: len(found)]
+    assert [found[i] for i in range(len(found))] == split
+    objs, tombs = found.objects()
+    assert list(objs) == [i for i, x in enumerate(split) if x.strip(b" ") not in (b"", b"null")]
+    assert tombs == [i for i, x in enumerate(split) if x.strip(b" ") == b"null"]
+    keep = sorted(data.draw(st.sets(st.integers(0, max(len(split) - 1, 0)))) if split else [])
+    at = np.array(keep, np.int64)
+    raw = _spread(found.texts(at), at, len(split)) if keep else None
+    if raw is not None:
+        raw.validate(full=True)
+        expected = [split[i].decode() if i in keep else None for i in range(len(split))]
+        assert raw.to_pylist() == expected
 
 
 def test_the_tasks_show_positions_distinct_only_where_they_are():
