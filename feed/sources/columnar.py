@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 
 from feed.sources.connect_json import Declined
 from feed.sources.debezium_arrow import DECLINED_OP, NOT_NULL, OUT, declined_batch, parse_flat
-from feed.sources.file_text import codec_of
+from feed.sources.file_text import codec_of, mapped
 from feed.sources.inputs import spark_metadata_path
 from feed.sources.positions import DATA_OPS
 from feed.sources.stores import is_remote
@@ -240,8 +240,7 @@ def _task(
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
             for path, name, i in (rows[k] for k in batch.column(0).to_pylist()):
-                with open(path, "rb") as f:
-                    data = f.read()
+                data = mapped(path)
                 try:
                     t = parse_flat(data, record, key, table, i, name, threads)
                 except Declined as e:  # (a row that says so; the caller reads with Spark)

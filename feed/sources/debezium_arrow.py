@@ -20,6 +20,7 @@ skipped line's images are null.
 from __future__ import annotations
 
 import functools
+import mmap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -99,7 +100,7 @@ def _line_type(record: pa.StructType) -> pa.Schema:
 
 
 def parse_flat(
-    data: bytes,
+    data: bytes | mmap.mmap,
     record: pa.StructType,
     key: Sequence[str],
     table: str | None,
@@ -114,11 +115,11 @@ def parse_flat(
     that has cores to itself."""
     import pyarrow.json as pj
 
-    if b"\r" in data:
+    if data.find(b"\r") >= 0:
         raise Declined("a line broken by a carriage return")
-    if b"\t" in data:  # (JSON's other blank: a line of a tab and null would crash pyarrow)
+    if data.find(b"\t") >= 0:  # (JSON's other blank: a line of a tab and null crash pyarrow)
         raise Declined("a tab between JSON's tokens")
-    if not data.isascii():  # (pyarrow's parse does not check the text: this does)
+    if not _ascii(data):  # (pyarrow's parse does not check the text: this does)
         offsets = pa.array([0, len(data)], pa.int64()).buffers()[1]
         try:
             text = pa.Array.from_buffers(pa.large_string(), 1, [None, offsets, pa.py_buffer(data)])
@@ -156,6 +157,14 @@ def parse_flat(
     if not tombs:
         return cols
     return pa.concat_tables([cols, _tombstones(record, tombs, ord_file, name, cols.schema)])
+
+
+def _ascii(data: bytes | mmap.mmap) -> bool:
+    """Whether every byte of ``data`` is ASCII (a mapping: looked at 1 MiB at a time)."""
+    if isinstance(data, bytes):
+        return data.isascii()
+    view = np.frombuffer(data, np.uint8)
+    return all(view[at : at + (1 << 20)].max() < 128 for at in range(0, len(view), 1 << 20))
 
 
 def _order(t: pa.Table, ord_file: int, name: str) -> pa.Table:

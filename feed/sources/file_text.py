@@ -3,6 +3,8 @@ file's name as Spark's reader does, within bounds a small compressed file cannot
 
 from __future__ import annotations
 
+import mmap
+import os
 import re
 from collections.abc import Generator, Sequence
 from typing import Any
@@ -120,11 +122,27 @@ _ODD_FIRST = (ord("\n"), ord(" "), ord("n"))
 _STEP = 1 << 20
 
 
+def mapped(path: str) -> bytes | mmap.mmap:
+    """A local file's bytes to parse, mapped rather than read (an empty file: ``b""``).
+
+    A read copies the file into fresh memory, and the kernel zeroes every page of it as it
+    is first touched: for a task that parses file after file, a fifth of its time went to
+    those pages. A mapping shares the page cache's pages, copies nothing, and is unmapped
+    when the last view of it goes. (A file cut short while mapped kills the task's worker
+    with SIGBUS; Spark runs the task again, which maps the file as it then is.)"""
+    import mmap
+
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
 class Lines(Sequence[bytes]):
     """The lines of ``data`` as ``data.split(b"\\n")`` gives them (no empty line after
     the last break), found by numpy: no bytes object per line unless one is asked for."""
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes | mmap.mmap) -> None:
         import numpy as np
 
         self.data = data
@@ -135,7 +153,7 @@ class Lines(Sequence[bytes]):
             np.flatnonzero(view[at : at + _STEP] == 10) + at for at in range(0, len(view), _STEP)
         ]
         breaks = np.concatenate(found) if found else np.zeros(0, np.int64)
-        ends = breaks if data.endswith(b"\n") or not data else np.append(breaks, len(data))
+        ends = breaks if not len(view) or view[-1] == 10 else np.append(breaks, len(data))
         self.starts = np.concatenate([[0], breaks + 1])[: len(ends)]
         self.ends = ends
 

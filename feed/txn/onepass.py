@@ -311,12 +311,12 @@ def _task(
     def each(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.Table]:
         from feed.sources.connect_json import Declined
         from feed.sources.debezium_arrow import parse_flat
+        from feed.sources.file_text import mapped
 
         for batch in batches:
             for path, name, i in (f for g in batch.column(0).to_pylist() for f in groups[g]):
                 try:
-                    with open(path, "rb") as f:
-                        data = f.read()
+                    data = mapped(path)
                     t = parse_flat(data, record, key, table, i, name, threads)
                 except (Declined, OSError) as e:  # (a file gone: the Spark path says so)
                     entry = FileFigures(acc[1], i, f"{name}: {e}", unparsed=True)
