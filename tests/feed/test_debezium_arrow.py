@@ -27,7 +27,7 @@ from feed.sources.columnar import (
 )
 from feed.sources.connect_json import Declined
 from feed.sources.debezium_arrow import _spread, parse_flat
-from feed.sources.file_text import Lines
+from feed.sources.file_text import Lines, mapped
 from feed.sources.kinds import read_changes
 from feed.sources.rows import spark_record_type
 from feed.txn.engine import SPARK
@@ -160,10 +160,17 @@ _GOOD = orjson.dumps(event("c", {"id": 1, "owner": "a"}, 5, xid=1))
         (orjson.dumps({**end(1, 5, {"accounts": 1}), "id": "1:5x"}), "END record's id"),
     ],
 )
-def test_input_the_parsers_may_read_differently_is_declined(body, why):
+def test_input_the_parsers_may_read_differently_is_declined(body, why, tmp_path):
     assert parse_flat(_GOOD + b"\n", _RECORD, ["id"], "public.accounts", 0, "f").num_rows == 1
     with pytest.raises(Declined, match=why):
         parse_flat(body + b"\n", _RECORD, ["id"], "public.accounts", 0, "f")
+    # (the same from a mapped file, as the tasks read theirs)
+    (tmp_path / "good.json").write_bytes(_GOOD + b"\n")
+    (tmp_path / "bad.json").write_bytes(body + b"\n")
+    good = mapped(str(tmp_path / "good.json"))
+    assert parse_flat(good, _RECORD, ["id"], "public.accounts", 0, "f").num_rows == 1
+    with pytest.raises(Declined, match=why):
+        parse_flat(mapped(str(tmp_path / "bad.json")), _RECORD, ["id"], "public.accounts", 0, "f")
 
 
 def _quarantined(tmp_path) -> list[dict]:
@@ -218,6 +225,12 @@ def test_the_lines_text_comes_out_at_the_rows_asked_as_split_gives_it(lines, fin
     back at their rows (the columnar ``_raw``), null at the others."""
     text = b"\n".join(lines) + (b"\n" if final and lines else b"")
     found = Lines(text)
+    with tempfile.TemporaryDirectory() as tmp:  # (the tasks map their files)
+        path = Path(tmp) / "f.json"
+        path.write_bytes(text)
+        from_file = Lines(mapped(str(path)))
+        assert [from_file[i] for i in range(len(from_file))] == list(found)
+        assert from_file.objects() == found.objects()
     split = text.split(b"\n")[: len(found)]
     assert [found[i] for i in range(len(found))] == split
     objs, tombs = found.objects()
