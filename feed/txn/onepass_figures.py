@@ -155,9 +155,13 @@ def _highest(kept: pa.Table) -> tuple[int, int, int] | None:
     """The highest (``pos_hi``, ``pos_lo``, ``pos_n``) of the kept events placed in the
     file (those of a transaction whose END is elsewhere are not: :data:`Open`'s ``top``),
     or None."""
-    kept = kept.filter(pc.is_valid(kept["pos_hi"]))
-    if kept.num_rows == 0:
+    rows = kept.select(["pos_hi", "pos_lo", "pos_n"])
+    rows = rows.filter(pc.is_valid(rows["pos_hi"]))
+    if rows.num_rows == 0:
         return None
-    by = [("pos_hi", "descending"), ("pos_lo", "descending"), ("pos_n", "descending")]
-    top = kept.select(["pos_hi", "pos_lo", "pos_n"]).take(pc.sort_indices(kept, by)[:1])
-    return tuple(int(top[c][0].as_py()) for c in ("pos_hi", "pos_lo", "pos_n"))  # type: ignore[return-value]
+    top: list[int] = []
+    for c in ("pos_hi", "pos_lo", "pos_n"):  # (the highest of each among the rows left:
+        high = pc.max(rows[c]).as_py()  # no sort; a placed event's are never null)
+        top.append(high)
+        rows = rows.filter(pc.equal(rows[c], high))
+    return (top[0], top[1], top[2])

@@ -15,12 +15,14 @@ from pathlib import Path
 import orjson
 import pyarrow as pa
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from feed.demo.data import ACCOUNTS_SCHEMA, generate_bank
 from feed.log.reader import FeedReader
 from feed.sources.debezium_arrow import parse_flat
 from feed.txn.engine import ONEPASS, SPARK
-from feed.txn.onepass_figures import file_figures, highest, plain_figures
+from feed.txn.onepass_figures import _highest, file_figures, highest, plain_figures
 from feed.txn.onepass_keyed import last_per_key
 from feed.txn.onepass_sums import partial_sums
 from protocol.messages import record_key
@@ -607,3 +609,21 @@ def test_a_history_with_transaction_metadata_gives_the_feed_the_spark_path_gives
     assert collection_of(FeedReader(str(tmp_path / "one"), "bank")) == as_multiset(
         bank.final.values()
     )
+
+
+_position = st.tuples(st.one_of(st.none(), st.integers(0, 3)), st.integers(0, 3), st.integers(0, 3))
+
+
+@given(st.lists(_position, max_size=20))
+def test_a_files_highest_position_is_the_greatest_placed_one(positions):
+    """A file's highest position (the commit's) is the greatest of its kept events that
+    have a commit LSN, those without one aside; None when none has."""
+    cols = list(zip(*positions, strict=True)) if positions else [(), (), ()]
+    kept = pa.table(
+        {
+            c: pa.array(v, pa.int64())
+            for c, v in zip(("pos_hi", "pos_lo", "pos_n"), cols, strict=True)
+        }
+    )
+    placed = [p for p in positions if p[0] is not None]
+    assert _highest(kept) == (max(placed) if placed else None)
