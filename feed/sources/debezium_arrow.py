@@ -36,7 +36,7 @@ from feed.sources.debezium import (
     SKIP_TOMBSTONE,
     SKIP_TX_METADATA,
 )
-from feed.sources.file_text import Lines
+from feed.sources.file_text import Lines, is_ascii
 
 __all__ = ["DECLINED_OP", "MAX_DEPTH", "NOT_NULL", "OUT", "declined_batch", "parse_flat"]
 
@@ -119,7 +119,7 @@ def parse_flat(
         raise Declined("a line broken by a carriage return")
     if data.find(b"\t") >= 0:  # (JSON's other blank: a line of a tab and null crash pyarrow)
         raise Declined("a tab between JSON's tokens")
-    if not _ascii(data):  # (pyarrow's parse does not check the text: this does)
+    if not is_ascii(data):  # (pyarrow's parse does not check the text: this does)
         offsets = pa.array([0, len(data)], pa.int64()).buffers()[1]
         try:
             text = pa.Array.from_buffers(pa.large_string(), 1, [None, offsets, pa.py_buffer(data)])
@@ -151,20 +151,12 @@ def parse_flat(
     if t.column("payload").null_count != t.num_rows or t.column("schema").null_count != t.num_rows:
         raise Declined("wrapped lines (a Connect schema and payload)")
     rows = pa.array(np.arange(len(objs)) if isinstance(objs, range) else np.asarray(objs, np.int64))
-    out = _columns(t, record, key, table, lambda at: lines.texts(rows.to_numpy()[at]))
+    out = _columns(t, record, key, table, lambda at, n: lines.texts(rows.to_numpy()[at], at, n))
     out = out.append_column("ord_row", rows)
     cols = _order(out, ord_file, name)
     if not tombs:
         return cols
     return pa.concat_tables([cols, _tombstones(record, tombs, ord_file, name, cols.schema)])
-
-
-def _ascii(data: bytes | mmap.mmap) -> bool:
-    """Whether every byte of ``data`` is ASCII (a mapping: looked at 1 MiB at a time)."""
-    if isinstance(data, bytes):
-        return data.isascii()
-    view = np.frombuffer(data, np.uint8)
-    return all(view[at : at + (1 << 20)].max() < 128 for at in range(0, len(view), 1 << 20))
 
 
 def _order(t: pa.Table, ord_file: int, name: str) -> pa.Table:
@@ -246,11 +238,12 @@ def _columns(
     record: pa.StructType,
     key: Sequence[str],
     table: str | None,
-    lines: Callable[[Any], pa.Array],
+    lines: Callable[[Any, int], pa.Array],
 ) -> pa.Table:
     """The canonical columns of the parsed lines ``t`` but their place in the input
-    (:func:`feed.sources.debezium.read_debezium`, rule by rule); ``lines`` gives the text
-    of the lines of ``t``'s rows numbered (numpy, ascending) as a string array."""
+    (:func:`feed.sources.debezium.read_debezium`, rule by rule); ``lines(at, n)`` gives
+    the text of the lines of ``t``'s rows ``at`` (numpy, ascending) as :meth:`~feed.sources.
+    file_text.Lines.texts` does."""
     n = t.num_rows
     op, status = t.column("op").combine_chunks(), t.column("status").combine_chunks()
     before, after = t.column("before").combine_chunks(), t.column("after").combine_chunks()
@@ -287,7 +280,7 @@ def _columns(
     # the line's text where a bad row found later may need it (as feed.txn.dataflow keeps it)
     keep_raw = pc.or_(_false(pc.equal(out_op, "d")), pc.is_valid(toast))
     keep = pc.indices_nonzero(keep_raw).to_numpy()
-    raw = _spread(lines(keep), keep, n) if len(keep) else pa.nulls(n, pa.string())
+    raw = lines(keep, n) if len(keep) else pa.nulls(n, pa.string())
     if pc.any(skipped).as_py():  # (else as they are: a choice copies every field)
         before = pc.if_else(skipped, pa.nulls(n, before.type), before)
         after = pc.if_else(skipped, pa.nulls(n, after.type), after)
@@ -323,25 +316,6 @@ def _transaction(tx: pa.Array, src: pa.Array, lsn: pa.Array, end_id: pa.Array | 
         by_lsn = pc.binary_join_element_wise("lsn:", pc.cast(lsn, pa.string()), "")
         txn = pc.coalesce(txn, by_lsn)
     return txn
-
-
-def _spread(texts: pa.Array, at: np.ndarray, n: int) -> pa.Array:
-    """``texts`` (a string array) at the rows ``at`` (ascending) of ``n``, null elsewhere:
-    the same text buffer under new offsets, no copy of the text."""
-    texts = texts.cast(pa.string())
-    offsets = np.frombuffer(texts.buffers()[1], np.int32)[
-        texts.offset : texts.offset + len(texts) + 1
-    ]
-    sizes = np.zeros(n, np.int32)
-    sizes[at] = np.diff(offsets)
-    spread = np.empty(n + 1, np.int32)
-    spread[0] = offsets[0]
-    np.cumsum(sizes, out=spread[1:])
-    spread[1:] += offsets[0]
-    valid = np.zeros(n, np.bool_)
-    valid[at] = True
-    bitmap = pa.array(valid).buffers()[1]
-    return pa.Array.from_buffers(pa.string(), n, [bitmap, pa.py_buffer(spread), texts.buffers()[2]])
 
 
 def _skips(

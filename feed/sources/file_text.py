@@ -21,6 +21,8 @@ __all__ = [
     "check_compressed",
     "codec_of",
     "input_lines",
+    "is_ascii",
+    "mapped",
     "search_text",
     "tail",
 ]
@@ -163,9 +165,10 @@ class Lines(Sequence[bytes]):
     def __getitem__(self, n: int) -> bytes:  # type: ignore[override]
         return self.data[self.starts[n] : self.ends[n]]
 
-    def texts(self, numbers: Any) -> pa.Array:
-        """The lines numbered ``numbers`` (ascending, numpy) as a string array, in one
-        copy: no bytes object per line. The text must be UTF-8 (the caller checked)."""
+    def texts(self, numbers: Any, at: Any, n: int) -> pa.Array:
+        """The lines numbered ``numbers`` (ascending, numpy) as ``n`` strings, each at its
+        row in ``at`` (ascending, as many), null at the others: one copy of their text,
+        no bytes object per line. The text must be UTF-8 (the caller checked)."""
         import numpy as np
 
         numbers = np.asarray(numbers, np.int64)
@@ -179,7 +182,8 @@ class Lines(Sequence[bytes]):
         both = pa.Array.from_buffers(
             pa.large_string(), 2 * len(numbers), [None, offsets, pa.py_buffer(self.data)]
         )
-        return both.take(np.arange(0, 2 * len(numbers), 2)).cast(pa.string())
+        texts = both.take(np.arange(0, 2 * len(numbers), 2)).cast(pa.string())
+        return _spread(texts, np.asarray(at, np.int64), n)
 
     def longer(self, size: int) -> list[int]:
         """The numbers of the lines of ``size`` bytes or more."""
@@ -208,3 +212,33 @@ class Lines(Sequence[bytes]):
             elif s:
                 objs.append(n)
         return objs, tombs
+
+
+def _spread(texts: pa.Array, at: Any, n: int) -> pa.Array:
+    """``texts`` (a string array) at the rows ``at`` (ascending) of ``n``, null elsewhere:
+    the same text buffer under new offsets, no copy of the text."""
+    import numpy as np
+
+    offsets = np.frombuffer(texts.buffers()[1], np.int32)[
+        texts.offset : texts.offset + len(texts) + 1
+    ]
+    sizes = np.zeros(n, np.int32)
+    sizes[at] = np.diff(offsets)
+    spread = np.empty(n + 1, np.int32)
+    spread[0] = offsets[0]
+    np.cumsum(sizes, out=spread[1:])
+    spread[1:] += offsets[0]
+    valid = np.zeros(n, np.bool_)
+    valid[at] = True
+    bitmap = pa.array(valid).buffers()[1]
+    return pa.Array.from_buffers(pa.string(), n, [bitmap, pa.py_buffer(spread), texts.buffers()[2]])
+
+
+def is_ascii(data: bytes | mmap.mmap) -> bool:
+    """Whether every byte of ``data`` is ASCII (a mapping: looked at 1 MiB at a time)."""
+    import numpy as np
+
+    if isinstance(data, bytes):
+        return data.isascii()
+    view = np.frombuffer(data, np.uint8)
+    return all(view[at : at + _STEP].max() < 128 for at in range(0, len(view), _STEP))

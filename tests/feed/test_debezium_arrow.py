@@ -26,7 +26,7 @@ from feed.sources.columnar import (
     why_not_columnar,
 )
 from feed.sources.connect_json import Declined
-from feed.sources.debezium_arrow import _spread, parse_flat
+from feed.sources.debezium_arrow import parse_flat
 from feed.sources.file_text import Lines, mapped
 from feed.sources.kinds import read_changes
 from feed.sources.rows import spark_record_type
@@ -238,7 +238,7 @@ def test_the_lines_text_comes_out_at_the_rows_asked_as_split_gives_it(lines, fin
     assert tombs == [i for i, x in enumerate(split) if x.strip(b" ") == b"null"]
     keep = sorted(data.draw(st.sets(st.integers(0, max(len(split) - 1, 0)))) if split else [])
     at = np.array(keep, np.int64)
-    raw = _spread(found.texts(at), at, len(split)) if keep else None
+    raw = found.texts(at, at, len(split)) if keep else None
     if raw is not None:
         raw.validate(full=True)
         expected = [split[i].decode() if i in keep else None for i in range(len(split))]
