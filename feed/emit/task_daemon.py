@@ -16,14 +16,24 @@ anything; the workers inherit that, which tidefeed's tasks do not notice (they c
 BLAS routine, and jemalloc then returns memory as it allocates rather than on a thread of
 its own). If a thread is running anyway
 once the imports are done, the daemon says so on its stderr and becomes PySpark's own
-daemon (an ``exec``: no thread survives it), so nothing is forked from it."""
+daemon (an ``exec``: no thread survives it), so nothing is forked from it.
+
+Spark starts its workers with archives first on their import path: PySpark's sources
+(``pyspark.zip``), py4j's, and the spark-core jar, which holds no Python at all. Python
+reads modules from an archive without keeping their bytecode, and PySpark's worker calls
+``importlib.invalidate_caches()`` before every task, which makes each archive's importer
+read the archive's whole directory again: about 0.1 s a task here (the jar alone lists
+some 6 000 files), paid by every task of every job. Where the same PySpark and py4j are
+installed (a pip install, as here), the daemon takes those archives off its path before
+importing anything (:func:`drop_archives`), and its workers import the installed
+packages."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-__all__ = ["ONE_THREAD_ENV", "TASK_MODULES", "preload", "threads"]
+__all__ = ["ONE_THREAD_ENV", "TASK_MODULES", "drop_archives", "preload", "threads"]
 
 #: the libraries' settings that keep them from starting threads as they load
 ONE_THREAD_ENV = {
@@ -45,6 +55,52 @@ TASK_MODULES = (
     "feed.txn.grouped",
     "feed.txn.packs",
 )
+
+
+def drop_archives(path: list[str]) -> list[str]:
+    """The entries of ``path`` (an import path) that are Spark's archives and can go:
+    PySpark's and py4j's sources when the same version of each is installed elsewhere on
+    the path, and jars that hold no Python. Nothing else is named (a user's ``--py-files``
+    stay), and nothing at all when an installed package differs from its archive."""
+    import importlib.machinery
+    import zipfile
+
+    spark = [p for p in path if _spark_archive(os.path.basename(p)) and os.path.isfile(p)]
+    rest = [p for p in path if p not in spark]
+    gone = []
+    for archive in spark:
+        try:
+            with zipfile.ZipFile(archive) as z:
+                names = z.namelist()
+                package = next((n.split("/")[0] for n in names if n.endswith("/version.py")), None)
+                if archive.endswith(".jar"):
+                    if not any(n.endswith(".py") for n in names):
+                        gone.append(archive)
+                    continue
+                if package is None:
+                    continue
+                mine = z.read(f"{package}/version.py")
+        except (OSError, zipfile.BadZipFile, KeyError):
+            continue
+        spec = importlib.machinery.PathFinder.find_spec(package, rest)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        installed = os.path.join(next(iter(spec.submodule_search_locations)), "version.py")
+        try:
+            with open(installed, "rb") as f:
+                if f.read() == mine:
+                    gone.append(archive)
+        except OSError:
+            continue
+    return gone
+
+
+def _spark_archive(name: str) -> bool:
+    return (
+        name == "pyspark.zip"
+        or (name.startswith("py4j-") and name.endswith(".zip"))
+        or (name.endswith(".jar"))
+    )
 
 
 def threads() -> int:
@@ -83,6 +139,11 @@ def preload(worker_module: str | None = None) -> bool:
 
 
 if __name__ == "__main__":
+    for archive in drop_archives(sys.path):
+        sys.path.remove(archive)
+        # (and the importers made for it as Python started, which invalidate_caches asks)
+        for entry in [e for e in sys.path_importer_cache if e.startswith(archive)]:
+            del sys.path_importer_cache[entry]
     if not preload(sys.argv[1] if len(sys.argv) > 1 else None):
         os.execv(sys.executable, [sys.executable, "-m", "pyspark.daemon", *sys.argv[1:]])
     from pyspark.daemon import manager

@@ -7,9 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
+import pyspark
 import pytest
+
+from feed.emit.task_daemon import drop_archives
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,16 +81,56 @@ def _seen_by_a_worker(batches):
     line = Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     threads = len(os.listdir(f"/proc/{parent}/task"))
     preloaded = all(m in sys.modules for m in ("pyarrow.parquet", "feed.txn.grouped"))
+    import pyspark
+
+    archives = [k for k, v in sys.path_importer_cache.items() if type(v).__name__ == "zipimporter"]
     for _ in batches:
         yield pa.RecordBatch.from_pydict(
-            {"daemon": [line], "threads": [threads], "preloaded": [preloaded]}
+            {
+                "daemon": [line],
+                "threads": [threads],
+                "preloaded": [preloaded],
+                "pyspark": [pyspark.__file__],
+                "archives": [len(archives)],
+            }
         )
 
 
 @pytest.mark.spark
 def test_the_workers_of_tidefeeds_tasks_are_forked_by_its_daemon_with_modules_loaded(spark):
     df = spark.range(4).repartition(2)
-    rows = df.mapInArrow(_seen_by_a_worker, "daemon string, threads long, preloaded boolean")
-    seen = rows.collect()
+    schema = "daemon string, threads long, preloaded boolean, pyspark string, archives long"
+    seen = df.mapInArrow(_seen_by_a_worker, schema).collect()
     assert seen and all("-m feed.emit.task_daemon pyspark.worker" in r.daemon for r in seen)
     assert all(r.threads == 1 and r.preloaded for r in seen), seen
+    # (PySpark as installed, not from Spark's archive: no importer of an archive is left
+    # for the invalidate_caches before each task to read again)
+    installed = str(Path(pyspark.__file__).parent)
+    assert all(r.pyspark.startswith(installed) and r.archives == 0 for r in seen), seen
+
+
+def _archive(path: Path, files: dict[str, bytes]) -> str:
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return str(path)
+
+
+def test_only_sparks_archives_of_what_is_installed_alike_leave_the_path(tmp_path):
+    """Spark's archives go from the daemon's path where the installed package is the same
+    (its version file, byte for byte) and jars that hold no Python; a user's archive, an
+    archive of another version, or one of a package installed nowhere else stay."""
+    lib = Path(pyspark.__file__).parent / "python" / "lib"
+    site = str(Path(pyspark.__file__).parent.parent)
+    theirs = sorted(str(p) for p in lib.glob("*.zip"))
+    jar = next(iter((Path(pyspark.__file__).parent / "jars").glob("spark-core_*.jar")))
+    assert {Path(p).name.split("-")[0] for p in theirs} == {"pyspark.zip", "py4j"}
+    assert sorted(drop_archives([*theirs, str(jar), site])) == sorted([*theirs, str(jar)])
+    # (without the installed packages on the path: nothing to import instead)
+    assert drop_archives([*theirs, str(jar)]) == [str(jar)]
+    other = tmp_path / "other"
+    other.mkdir()
+    older = _archive(other / "pyspark.zip", {"pyspark/version.py": b'__version__ = "3.0.0"\n'})
+    with_python = _archive(tmp_path / "tools.jar", {"tools/__init__.py": b""})
+    users = _archive(tmp_path / "deps.zip", {"deps/__init__.py": b"", "deps/version.py": b""})
+    assert drop_archives([older, with_python, users, site]) == []
