@@ -60,12 +60,19 @@ TASK_MODULES = (
 def drop_archives(path: list[str]) -> list[str]:
     """The entries of ``path`` (an import path) that are Spark's archives and can go:
     PySpark's and py4j's sources when the same version of each is installed elsewhere on
-    the path, and jars that hold no Python. Nothing else is named (a user's ``--py-files``
-    stay), and nothing at all when an installed package differs from its archive."""
+    the path, and jars that hold no Python. Nothing else is named: a user's ``--py-files``
+    stay, and so does an archive whose package is installed in another version, or
+    nowhere else on the path."""
     import importlib.machinery
     import zipfile
 
-    spark = [p for p in path if _spark_archive(os.path.basename(p)) and os.path.isfile(p)]
+    spark = [
+        p
+        for p in path
+        if p.endswith((".zip", ".jar"))
+        and _spark_archive(os.path.basename(p))
+        and os.path.isfile(p)
+    ]
     rest = [p for p in path if p not in spark]
     gone = []
     for archive in spark:
@@ -96,11 +103,8 @@ def drop_archives(path: list[str]) -> list[str]:
 
 
 def _spark_archive(name: str) -> bool:
-    return (
-        name == "pyspark.zip"
-        or (name.startswith("py4j-") and name.endswith(".zip"))
-        or (name.endswith(".jar"))
-    )
+    """Whether an archive on the path is, by its name, one Spark put there."""
+    return name == "pyspark.zip" or name.endswith(".jar") or name.startswith("py4j-")
 
 
 def threads() -> int:

@@ -132,8 +132,6 @@ def mapped(path: str) -> bytes | mmap.mmap:
     those pages. A mapping shares the page cache's pages, copies nothing, and is unmapped
     when the last view of it goes. (A file cut short while mapped kills the task's worker
     with SIGBUS; Spark runs the task again, which maps the file as it then is.)"""
-    import mmap
-
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return b""
