@@ -130,8 +130,10 @@ def mapped(path: str) -> bytes | mmap.mmap:
     A read copies the file into fresh memory, and the kernel zeroes every page of it as it
     is first touched: for a task that parses file after file, a fifth of its time went to
     those pages. A mapping shares the page cache's pages, copies nothing, and is unmapped
-    when the last view of it goes. (A file cut short while mapped kills the task's worker
-    with SIGBUS; Spark runs the task again, which maps the file as it then is.)"""
+    when the last view of it goes. (A file cut short while it is read: the parse finds
+    the cut line and declines, and the Spark path reads the file as it then is; a page
+    past the new end, if touched, kills the task's worker with SIGBUS, and the task fails
+    as any task whose worker dies does.)"""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return b""
