@@ -206,29 +206,42 @@ def _images(rows: pa.Table, ups: Any, schema: pa.Schema, pending: bool = False) 
     return pa.table(columns, schema=schema)
 
 
-def settle(last: Any, commits: dict[str, int]) -> Any:
+#: pending rows settled on the driver at most; more go through a Spark job
+DRIVER_PENDING = 50_000
+
+
+def settle(last: Any, commits: dict[str, int], pending: int | None = None) -> Any:
     """``last`` (:func:`lasts`, cached) with each pending key settled now that the
     ``commits`` (source transaction: commit LSN) of the transactions open in the files
-    are known: the columns of :func:`~feed.txn.diffs.last_images`. Only the pending rows
-    (a few keys) pass through pyarrow again, in the partitions that hold them; the rest
-    is a projection of the cache."""
+    are known: the columns of :func:`~feed.txn.diffs.last_images`. The rest is a
+    projection of the cache. The pending rows (``pending`` of them, :class:`Probe`; a few
+    keys at each file's ends) are fetched once and settled on the driver, so the writes
+    that read the result scan the cache once each; more than :data:`DRIVER_PENDING` of
+    them (or an unknown number) are settled in the partitions that hold them."""
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
     from pyspark.sql.pandas.types import to_arrow_schema
 
     settled = last.where(~F.col("pending")).select(*LAST_COLUMNS)
-    if not commits:  # (no source transaction open across files: no key is pending)
+    if not commits or pending == 0:  # (no key waits for a commit LSN)
         return settled
     out = T.StructType([last.schema[c] for c in LAST_COLUMNS])
-    fn = functools.partial(_settle, schema=to_arrow_schema(out, timezone="UTC"), commits=commits)
-    return settled.unionByName(last.where(F.col("pending")).mapInArrow(fn, out))
+    schema = to_arrow_schema(out, timezone="UTC")
+    waiting = last.where(F.col("pending"))
+    if pending is None or pending > DRIVER_PENDING:
+        fn = functools.partial(_settle, schema=schema, commits=commits)
+        return settled.unionByName(waiting.mapInArrow(fn, out))
+    rows = waiting.toArrow()
+    done = pa.Table.from_batches(list(_settle(iter(rows.to_batches()), schema, commits)), schema)
+    return settled.unionByName(last.sparkSession.createDataFrame(done, schema=out))
 
 
 def _settle(
     batches: Iterator[pa.RecordBatch], schema: pa.Schema, commits: dict[str, int]
 ) -> Iterator[pa.RecordBatch]:
-    """One partition's part of :func:`settle`: its pending rows (a key's rows are all in
-    one partition: :func:`lasts`), each key's last of them by commit order."""
+    """:func:`settle` of pending rows that hold all the rows of their keys (a partition's:
+    a key's rows are all in one, :func:`lasts`; or every pending row, on the driver): each
+    key's last of them by commit order."""
     got = list(batches)
     if not got or not any(b.num_rows for b in got):
         return
@@ -258,6 +271,8 @@ class Probe(NamedTuple):
     deletes_only: bool
     #: the rows of the cache: the keys changed, and a pending key's rows each
     keys: int = 0
+    #: the rows of keys that wait for a commit LSN (:func:`settle`)
+    pending: int = 0
 
 
 def probe(ctx: TxnContext, last: Any) -> Probe:
@@ -271,12 +286,14 @@ def probe(ctx: TxnContext, last: Any) -> Probe:
     committed = ctx.state.committed(ctx.cp.state)
     b = bucket_of(F.col("k"), ctx.info.key, committed.buckets) if committed else F.lit(-1)
     only = (F.col("img").isNull() & (F.col("has_upsert") == 0)).cast("int")
-    figures = [F.max(only).alias("only"), F.count(F.lit(1)).alias("n")]
+    waits = F.sum(F.col("pending").cast("long")).alias("waits")
+    figures = [F.max(only).alias("only"), F.count(F.lit(1)).alias("n"), waits]
     rows = last.groupBy(b.alias("b")).agg(*figures).collect()
     return Probe(
         frozenset(r["b"] for r in rows) if committed else None,
         any(r["only"] for r in rows),
         sum(r["n"] for r in rows),
+        sum(r["waits"] for r in rows),
     )
 
 
@@ -298,7 +315,7 @@ def compute(
     )
 
     cp, key, record_t = ctx.cp, ctx.info.key, ctx.record_type
-    last = settle(lasts, commits)
+    last = settle(lasts, commits, found.pending)
     # (a first state is sized by the keys it may hold, not by the events read: the
     # Spark path knows only the latter)
     rows = min(input_rows, found.keys)

@@ -586,15 +586,31 @@ def _metadata_history(src: Path, seed: int) -> list[bytes]:
     return lines
 
 
-@pytest.mark.parametrize("key", [(), ("id",)])
+@pytest.mark.parametrize(
+    ("key", "settled_in"), [((), None), (("id",), "driver"), (("id",), "tasks")]
+)
 def test_a_history_with_transaction_metadata_gives_the_feed_the_spark_path_gives(
-    spark, tmp_path, key
+    spark, tmp_path, monkeypatch, key, settled_in
 ):
     """Source transactions straddling files, two files a transaction: the one pass takes
     a transaction whose source transactions are all complete (adding up each one's
     events and its END across files), declines one that ends inside a source transaction
     (nothing written: the Spark path holds it back and reads its file again), and takes
-    the next, which completes it. Feed, progress and figures are the Spark path's."""
+    the next, which completes it. Feed, progress and figures are the Spark path's. Keyed,
+    the keys that waited for a commit LSN are settled on the driver, or (more of them
+    than it takes) in Spark's tasks."""
+    from feed.txn import onepass_keyed
+
+    waiting: list[int | None] = []
+    settle = onepass_keyed.settle
+
+    def counted(last, commits, pending=None):
+        waiting.append(pending)
+        return settle(last, commits, pending)
+
+    monkeypatch.setattr(onepass_keyed, "settle", counted)
+    if settled_in == "tasks":
+        monkeypatch.setattr(onepass_keyed, "DRIVER_PENDING", 0)
     src = tmp_path / "in"
     _metadata_history(src, seed=41)
     bank = generate_bank(transactions=24, seed=41, wrapped_every=0)
@@ -609,6 +625,8 @@ def test_a_history_with_transaction_metadata_gives_the_feed_the_spark_path_gives
     assert collection_of(FeedReader(str(tmp_path / "one"), "bank")) == as_multiset(
         bank.final.values()
     )
+    if key:  # (the history has keys that wait: the settling was put to the test)
+        assert any(n for n in waiting), waiting
 
 
 _position = st.tuples(st.one_of(st.none(), st.integers(0, 3)), st.integers(0, 3), st.integers(0, 3))
