@@ -150,9 +150,9 @@ def parse_flat(
         raise Declined("a line of more than one JSON value")
     if t.column("payload").null_count != t.num_rows or t.column("schema").null_count != t.num_rows:
         raise Declined("wrapped lines (a Connect schema and payload)")
-    rows = pa.array(np.arange(len(objs)) if isinstance(objs, range) else np.asarray(objs, np.int64))
-    out = _columns(t, record, key, table, lambda at, n: lines.texts(rows.to_numpy()[at], at, n))
-    out = out.append_column("ord_row", rows)
+    numbers = np.arange(len(objs)) if isinstance(objs, range) else np.asarray(objs, np.int64)
+    out = _columns(t, record, key, table, lambda at, n: lines.texts(numbers[at], at, n))
+    out = out.append_column("ord_row", pa.array(numbers))
     cols = _order(out, ord_file, name)
     if not tombs:
         return cols
