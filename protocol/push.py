@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp import payload
 
 from .codecs import get_codec
 from .destinations import AllowedResolver, Destinations
@@ -43,6 +44,35 @@ EPOCH_HEADER = "Tidefeed-Epoch"
 MAX_ANSWER_BYTES = 1 << 16
 _CODE = re.compile(r"[a-z][a-z0-9_]{0,39}")
 _REASONS = {3: "redirects are not followed", 4: "refused", 5: "receiver error"}
+
+
+#: bytes handed to the connection at a time: between two slices the event loop serves
+#: other requests, and no slice is copied (a memoryview of the body)
+SEND_SLICE = 1 << 20
+
+
+class _Body(payload.Payload):
+    """A request body written as memoryview slices of itself. aiohttp writes ``bytes`` in
+    one call (and warns over 1 MiB), and an ``io.BytesIO`` in 64 KiB copies after copying
+    the whole body once more to size it: a 10 MB body took 16-17 ms to send that way,
+    4.5-5 ms this way (loopback, the push bench's bodies)."""
+
+    def __init__(self, value: bytes, content_type: str) -> None:
+        super().__init__(value, content_type=content_type)
+        self._size = len(value)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return bytes(self._value).decode(encoding, errors)
+
+    async def write(self, writer: Any) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+        view = memoryview(self._value)
+        if content_length is not None:
+            view = view[:content_length]
+        for at in range(0, len(view), SEND_SLICE):
+            await writer.write(view[at : at + SEND_SLICE])
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +184,7 @@ class PushClient:
             headers["Content-Type"] = self.codec.content_type
             headers[EPOCH_HEADER] = str(epoch)
         try:
-            # a file-like body is streamed in chunks; bytes would be written in one go
-            data = io.BytesIO(body) if body is not None else None
+            data = _Body(body, self.codec.content_type) if body is not None else None
             # redirects are not followed: a push goes where its URL says, nowhere else
             async with self.session.request(
                 method, self.url, data=data, headers=headers, allow_redirects=False

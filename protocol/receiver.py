@@ -42,6 +42,7 @@ from ._http import (
     error_middleware,
     json_response,
     outcome_of,
+    read_body,
     settle,
     token_middleware,
 )
@@ -187,7 +188,7 @@ async def _post_push(request: web.Request, feed: str) -> web.Response:
             f"header {EPOCH_HEADER} must be an integer in [0, 2**63), got {raw_epoch!r}",
         )
     request.app[LAST_PUSH][feed] = time.monotonic()  # background folds wait for a pause
-    body = await request.read()
+    body = await read_body(request)
     request[BODY_BYTES] = len(body)
     async with _lock(request.app, feed):
         consumer = await asyncio.to_thread(_consumer, request.app, feed)

@@ -161,6 +161,46 @@ async def test_a_body_cut_short_changes_nothing_and_a_chunked_one_is_read(receiv
         assert r.status == 200 and await r.json() == {"frontier": 4, "pending": 0}
 
 
+@pytest.mark.parametrize("fmt", ["ndjson", "arrow"])
+async def test_a_body_sent_in_many_slices_arrives_whole(receiver, fmt, monkeypatch):
+    """The push client writes a body as slices of itself: with slices of 7 bytes, every
+    body goes in many writes, and the receiver gets each whole (the ACK and the
+    collection say so)."""
+    import protocol.push
+
+    monkeypatch.setattr(protocol.push, "SEND_SLICE", 7)
+    base = await receiver()
+    rows = [{"id": i, "name": f"n{i}" * 50, "tags": []} for i in range(300)]
+    async with PushClient(f"{base}/v1/push/f", fmt=fmt) as c:
+        ups = Updates.of([Update(r, 1, 1) for r in rows])
+        ack = await c.push([announcement(0), ups, Progress(0, 2, ((1, 300),))], epoch=1)
+        assert (ack.frontier, ack.pending) == (2, 0)
+        assert c.bytes_sent > 300 * 50 * 2  # (many slices of 7 bytes)
+    async with aiohttp.ClientSession() as s, s.get(f"{base}/v1/collections/f") as r:
+        got = sorted(orjson.loads(x)["data"]["id"] for x in (await r.read()).splitlines())
+    assert got == list(range(300))
+
+
+async def test_a_chunked_body_over_the_bound_is_413_and_changes_nothing(receiver):
+    """A body with no declared length is refused once the bytes read pass the bound, with
+    the same answer as a declared one; the receiver's state is as before."""
+    base = await receiver(max_body=2000)
+    ok, _, _ = await raw_post(base, NDJSON.encode(FEED[:3]), epoch="1")
+    assert ok == 200
+    before = await state(base)
+
+    async def chunks():
+        for _ in range(100):
+            yield b"x" * 100
+
+    headers = {"Content-Type": NDJSON.content_type, "Tidefeed-Epoch": "1"}
+    url = f"{base}/v1/push/f"
+    async with aiohttp.ClientSession() as s, s.post(url, data=chunks(), headers=headers) as r:
+        assert r.status == 413
+        assert (await r.json())["error"] == "body_too_large"
+    assert await state(base) == before
+
+
 async def test_token_body_limit_and_high_watermark(receiver):
     base = await receiver(token="s3cret", max_body=2000, pending_high_watermark=2)
     body = NDJSON.encode(FEED[:2])
