@@ -293,6 +293,36 @@ def test_ndjson_nesting_shortcut_is_exact_on_brackets_and_quotes(tokens, depth, 
         _text_checks.MAX_DEPTH, _text_checks._CHUNK = limit, size
 
 
+@given(
+    st.lists(st.sampled_from([b"{", b"}", b"[", b"]", b'"', b'""']), max_size=200),
+    st.sampled_from([1, 2, 3, 7, 1 << 22]),
+)
+def test_ndjson_even_quote_runs_mean_no_bracket_in_a_string(tokens, chunk):
+    """The first shortcut: among brackets and quotes, every run of quotes is even exactly
+    when no bracket stands inside a string; then the brackets alone give the depth (in
+    chunks too), as a walk one mark at a time finds it."""
+    from protocol import _text_checks
+
+    marks = b"".join(tokens)
+    inside, level, deepest, in_string = False, 0, 0, False
+    for c in marks:
+        if c == 0x22:
+            inside = not inside
+        elif inside:
+            in_string = True
+        else:
+            level += 1 if c in b"[{" else -1
+            deepest = max(deepest, level)
+    assert (2 * marks.count(b'""') == marks.count(b'"')) is (not in_string and not inside)
+    if not in_string:
+        size = _text_checks._CHUNK
+        _text_checks._CHUNK = chunk
+        try:
+            assert _text_checks._deepest(marks.translate(None, b'"')) == deepest
+        finally:
+            _text_checks._CHUNK = size
+
+
 @pytest.mark.parametrize(
     ("value", "says"),
     [
