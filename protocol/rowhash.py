@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 
 from .messages import record_keys
 
-__all__ = ["in_sorted", "merge_runs", "row_hashes"]
+__all__ = ["in_sorted", "meets", "merge_runs", "row_hashes"]
 
 _M64 = (1 << 64) - 1
 _SEED = 0x9E3779B97F4A7C15
@@ -188,3 +188,13 @@ def in_sorted(sorted_hashes: np.ndarray, order: np.ndarray, needles: np.ndarray)
     found = np.empty(len(needles), dtype=bool)
     found[order] = sorted_hashes[at] == needles
     return found
+
+
+def meets(sorted_hashes: np.ndarray, needles: np.ndarray) -> bool:
+    """Whether any of ``needles`` (sorted) is in ``sorted_hashes``: :func:`in_sorted` without
+    the mask, for the usual batch that meets nothing."""
+    if not len(sorted_hashes) or not len(needles):
+        return False
+    at = np.searchsorted(sorted_hashes, needles)
+    np.minimum(at, len(sorted_hashes) - 1, out=at)
+    return bool(np.any(sorted_hashes[at] == needles))

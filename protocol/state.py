@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 from ._consolidate import by_time
 from .errors import Conflict, CountMismatch, Gap, ProtocolError, StaleEpoch
 from .messages import UPDATE_COLUMNS, Message, Progress, Updates, WireRow, record_key
-from .rowhash import in_sorted, merge_runs, row_hashes
+from .rowhash import in_sorted, meets, merge_runs, row_hashes
 from .stores import Store
 
 __all__ = ["ApplyResult", "Consumer"]
@@ -240,18 +240,23 @@ class _Txn:
         """Stage ``table`` (updates at time ``t``, whose records hash to ``hashes``)."""
         # sorted once: for the lookups, for the repeats within the batch (neighbours) and
         # for the consumer's sorted hashes of the time (merged in by finish())
-        order = np.argsort(hashes)
-        ordered = hashes[order]
+        ordered = np.sort(hashes)
         pieces = self._pieces(t)
-        found = np.zeros(len(hashes), dtype=bool)
-        if self._base(t):
-            for run in self.c._sorted[t]:
-                found |= in_sorted(run, order, ordered)
+        runs = self.c._sorted[t] if self._base(t) else []
         staged = self.added.get(t, [])
-        if staged:  # this body's earlier batches at t: few, looked up directly
-            found |= np.isin(hashes, np.concatenate([p.hashes for p in staged]))
+        # (the usual batch meets nothing: only then is it worth knowing which rows did)
+        met = any(meets(run, ordered) for run in runs) or bool(
+            staged and np.isin(ordered, np.concatenate([p.hashes for p in staged])).any()
+        )
         repeated = bool(np.any(ordered[1:] == ordered[:-1]))
-        if repeated or found.any():
+        if repeated or met:
+            found = np.zeros(len(hashes), dtype=bool)
+            if met:
+                order = np.argsort(hashes)
+                for run in runs:
+                    found |= in_sorted(run, order, ordered)
+                if staged:  # this body's earlier batches at t: few, looked up directly
+                    found |= np.isin(hashes, np.concatenate([p.hashes for p in staged]))
             hv = pa.array(hashes)
             table, kept = self._exact(t, table, hashes, hv, pieces, hashes[found], repeated)
             if not len(kept):

@@ -216,7 +216,7 @@ def test_ndjson_stream_long_line_nested_past_the_body_limit_reads_as_before():
 
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=60), st.randoms())
 def test_sorted_runs_hold_every_hash_in_few_runs_and_find_each(sizes, rnd):
-    from protocol.rowhash import in_sorted, merge_runs
+    from protocol.rowhash import in_sorted, meets, merge_runs
 
     runs: list[np.ndarray] = []
     added: list[np.ndarray] = []
@@ -232,10 +232,14 @@ def test_sorted_runs_hold_every_hash_in_few_runs_and_find_each(sizes, rnd):
         for run in runs:
             before |= in_sorted(run, order, new[order])
         assert not before.any()
+        assert not any(meets(run, np.sort(new)) for run in runs)
         if added:
             old = added[rnd.randrange(len(added))]
             o = np.argsort(old)
             assert all(np.logical_or.reduce([in_sorted(run, o, old[o]) for run in runs]).tolist())
+            # one old hash among new ones is met, wherever it sorts
+            mixed = np.sort(np.append(new, old[rnd.randrange(len(old))]))
+            assert any(meets(run, mixed) for run in runs)
         runs = merge_runs([*runs, np.sort(new)])
         added.append(new)
         assert all(np.all(r[:-1] <= r[1:]) for r in runs)
