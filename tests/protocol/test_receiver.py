@@ -477,3 +477,39 @@ async def test_a_record_is_the_same_whatever_nested_fields_the_body_around_it_ha
         got = [orjson.loads(x) for x in (await r.read()).splitlines()]
     assert all(x["count"] == 1 for x in got), [x for x in got if x["count"] != 1]
     assert sorted(x["data"]["id"] for x in got) == sorted([0, *(r["id"] for r in zipped)])
+
+
+_REUSE = """
+import resource, sys
+from protocol._http import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+faults = []
+for _ in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    body = bytes(bytearray(20 << 20))  # a 20 MB body, every page touched
+    del body
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(kept, *faults)
+"""
+
+
+def test_servers_keep_freed_memory_for_the_next_bodies():
+    """Told to keep freed memory, a process takes its pages' faults for the first 20 MB
+    body only; the next ones reuse them. Left as glibc starts, every body faults again
+    (which is what the setting is for)."""
+    import subprocess
+    import sys
+
+    def run(mode):
+        out = subprocess.run(
+            [sys.executable, "-c", _REUSE, mode], capture_output=True, text=True, check=True
+        ).stdout.split()
+        return out[0], [int(x) for x in out[1:]]
+
+    kept, faults = run("keep")
+    if kept != "True":
+        pytest.skip("not glibc: no mallopt")
+    assert faults[0] > 4000  # 20 MB is 5 120 pages
+    assert max(faults[1:]) < faults[0] // 20
+    _, plain = run("plain")
+    assert min(plain[1:]) > plain[0] // 2
