@@ -32,7 +32,7 @@ import pyarrow.json as pa_json
 from ._text_checks import longest_line, nesting_check, number_check, utf8_check
 from .codecs import Codec, Decoder, Encoder, check_field_names
 from .errors import CodecError, Compacted
-from .jsontext import json_objects, span
+from .jsontext import joined, json_pieces, span
 from .messages import (
     Message,
     Progress,
@@ -99,10 +99,10 @@ def _row_texts(updates: Updates) -> pa.Array | None:
     each, built column-wise (see :mod:`.jsontext`); None when its record type is left to
     orjson."""
     table = updates.table()
-    data = json_objects(table.column("data"))
+    data = json_pieces(table.column("data"))
     if data is None:
         return None
-    pieces: list[Any] = ['{"data":', data]
+    pieces: list[Any] = ['{"data":', *data]
     text = ""  # (the literal text since the last column piece)
     for name in ("time", "diff"):
         column = table.column(name)
@@ -113,7 +113,7 @@ def _row_texts(updates: Updates) -> pa.Array | None:
         else:
             pieces += [text, pc.cast(column, pa.string())]
             text = ""
-    rows = pc.binary_join_element_wise(*pieces, text + "},", "")
+    rows = joined([*pieces, text + "},"], table.num_rows)
     if isinstance(rows, pa.ChunkedArray):
         rows = rows.combine_chunks()
     return rows

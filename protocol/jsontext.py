@@ -19,7 +19,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["json_objects", "span"]
+__all__ = ["joined", "json_objects", "json_pieces", "span"]
 
 
 def _text(arr: pa.Array, *, sort_keys: bool, skip_nulls: bool = False) -> pa.Array | None:
@@ -31,14 +31,9 @@ def _text(arr: pa.Array, *, sort_keys: bool, skip_nulls: bool = False) -> pa.Arr
     elif pa.types.is_boolean(t):
         text = pc.if_else(arr, "true", "false")
     elif pa.types.is_string(t) or pa.types.is_large_string(t):
-        # one scan of the values' bytes (a null's bytes too: at worst a needless
-        # fallback or replacement) instead of a regex and two replacements per value
-        raw = _value_bytes(arr)
-        if np.any(raw < 0x20):
-            return None  # orjson writes \n, \t, \u0001 ...: left to it
-        escaped = arr
-        if np.any((raw == 0x5C) | (raw == 0x22)):  # a backslash or a double quote
-            escaped = pc.replace_substring(pc.replace_substring(arr, "\\", "\\\\"), '"', '\\"')
+        escaped = _escaped(arr)
+        if escaped is None:
+            return None
         text = pc.binary_join_element_wise('"', escaped, '"', "")
     elif pa.types.is_decimal(t) and t.scale >= 0:
         text = pc.binary_join_element_wise('"', pc.cast(arr, pa.string()), '"', "")
@@ -51,6 +46,19 @@ def _text(arr: pa.Array, *, sort_keys: bool, skip_nulls: bool = False) -> pa.Arr
     if pa.types.is_large_string(text.type):
         text = text.cast(pa.string())
     return pc.fill_null(text, "null") if arr.null_count else text
+
+
+def _escaped(arr: pa.Array) -> pa.Array | None:
+    """A string column's values as they stand between quotes in JSON, or None for a
+    control character (orjson writes \\n, \\t, \\u0001 ...: left to it). One scan of the
+    values' bytes (a null's bytes too: at worst a needless fallback or replacement)
+    instead of a regex and two replacements per value."""
+    raw = _value_bytes(arr)
+    if np.any(raw < 0x20):
+        return None
+    if np.any((raw == 0x5C) | (raw == 0x22)):  # a backslash or a double quote
+        return pc.replace_substring(pc.replace_substring(arr, "\\", "\\\\"), '"', '\\"')
+    return arr
 
 
 def _value_bytes(arr: pa.Array) -> np.ndarray:
@@ -73,27 +81,81 @@ def json_objects(
     record identity of :func:`protocol.messages.record_key`)."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    if skip_nulls:
+        fields = list(arr.type)
+        order = sorted(range(len(fields)), key=lambda i: fields[i].name) if sort_keys else None
+        return _without_nulls(arr, fields, arr.flatten(), order, sort_keys=sort_keys)
+    pieces = json_pieces(arr, sort_keys=sort_keys)
+    return None if pieces is None else joined(pieces, len(arr))
+
+
+def json_pieces(arr: pa.Array, *, sort_keys: bool = False) -> list[pa.Array | str] | None:
+    """:func:`json_objects`' text (without ``skip_nulls``) as pieces, text columns and
+    constants, whose row-wise join is the text: a caller adds its own pieces around them
+    and joins once. Each join copies every row's text, and a record's quotes, braces and
+    names are pieces of one join here, not joins of their own (a 200 000-row body of
+    three columns: 37 ms in three joins, 21 ms in one). None for a type not taken."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    if arr.null_count:  # a null record is the word null: the whole text is one piece
+        obj = _object(arr, sort_keys=sort_keys)
+        return None if obj is None else [pc.if_else(pc.is_valid(arr), obj, "null")]
     fields = list(arr.type)
     order = sorted(range(len(fields)), key=lambda i: fields[i].name) if sort_keys else None
-    children = arr.flatten()  # the parent's nulls folded into each child
-    if skip_nulls:
-        return _without_nulls(arr, fields, children, order, sort_keys=sort_keys)
+    children = arr.flatten()
     pieces: list[pa.Array | str] = []
     sep = "{"
     for i in order if order is not None else range(len(fields)):
-        text = _text(children[i], sort_keys=sort_keys)
-        if text is None:
+        inner = _value_pieces(children[i], sort_keys=sort_keys)
+        if inner is None:
             return None
-        pieces.append(sep + orjson.dumps(fields[i].name).decode() + ":")
-        pieces.append(text)
+        pieces += [sep + orjson.dumps(fields[i].name).decode() + ":", *inner]
         sep = ","
-    if not pieces:
-        obj = pa.array(["{}"] * len(arr), pa.string())
-    else:
-        obj = pc.binary_join_element_wise(*pieces, "}", "")
-    if arr.null_count:
-        obj = pc.if_else(pc.is_valid(arr), obj, "null")
-    return obj
+    pieces.append("{}" if not fields else "}")
+    return _merged(pieces)
+
+
+def _object(arr: pa.Array, *, sort_keys: bool) -> pa.Array | None:
+    """The records' text as if none were null (a null record's children are nulls)."""
+    pieces = json_pieces(
+        pa.StructArray.from_arrays(arr.flatten(), fields=list(arr.type)), sort_keys=sort_keys
+    )
+    return None if pieces is None else joined(pieces, len(arr))
+
+
+def _value_pieces(child: pa.Array, *, sort_keys: bool) -> list[pa.Array | str] | None:
+    """One field's values as pieces: a string column without nulls is its quotes and its
+    escaped text, a record column without nulls its own pieces, others one text column."""
+    t = child.type
+    if not child.null_count and (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        escaped = _escaped(child)
+        if escaped is None:
+            return None
+        return ['"', escaped.cast(pa.string()) if pa.types.is_large_string(t) else escaped, '"']
+    if not child.null_count and pa.types.is_struct(t):
+        return json_pieces(child, sort_keys=sort_keys)
+    text = _text(child, sort_keys=sort_keys)
+    return None if text is None else [text]
+
+
+def _merged(pieces: list[pa.Array | str]) -> list[pa.Array | str]:
+    """Adjacent constants as one."""
+    out: list[pa.Array | str] = []
+    for p in pieces:
+        if isinstance(p, str) and out and isinstance(out[-1], str):
+            out[-1] += p
+        else:
+            out.append(p)
+    return out
+
+
+def joined(pieces: list[pa.Array | str], n: int) -> pa.Array:
+    """The row-wise join of ``pieces`` (text columns of ``n`` rows and constants)."""
+    pieces = _merged(pieces)
+    if all(isinstance(p, str) for p in pieces):
+        return pa.array(["".join(p for p in pieces if isinstance(p, str))] * n, pa.string())
+    out = pc.binary_join_element_wise(*pieces, "")
+    return out.cast(pa.string()) if pa.types.is_large_string(out.type) else out
 
 
 def _without_nulls(
