@@ -180,7 +180,7 @@ class Publisher:
         if task is not None:
             await task
 
-    async def _post(self, data: bytes, report: SessionReport, updates: int) -> None:
+    async def _post(self, data: bytes | memoryview, report: SessionReport, updates: int) -> None:
         ack = await self.client.post(data, epoch=self.epoch)
         maybe_die("during_publish")  # the receiver kept it; this process never learns
         if self.on_sent is not None:
