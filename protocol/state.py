@@ -116,7 +116,8 @@ class Consumer:
 
     def apply(self, messages: Iterable[Message], *, epoch: int | None = None) -> ApplyResult:
         """Apply one body of messages atomically; raise a ProtocolError and change nothing."""
-        tx = _Txn(self)
+        messages = list(messages)
+        tx = _Txn(self, _body_hashes(messages))
         if epoch is not None:
             tx.adopt_epoch(epoch)
         run: list[Updates] = []  # consecutive update batches are judged as one
@@ -145,6 +146,27 @@ class Consumer:
         return tx.finish()
 
 
+def _body_hashes(messages: list[Message]) -> dict[int, np.ndarray]:
+    """The record hashes of every update batch of a body (by the batch's ``id``), from
+    one :func:`row_hashes` call over all of them. A body of many small times (a feed
+    server's 20 times of 10 000 updates) otherwise paid a call's fixed cost per time:
+    82 ms of a 1M-update push's 230 ms apply, against 31 ms for five batches of 200 000.
+    Empty when the batches' record types differ or one is held as Python rows: each is
+    then hashed on its own, where the body reaches it."""
+    batches = [m for m in messages if isinstance(m, Updates) and len(m)]
+    if len(batches) < 2 or not all(b.has_table() for b in batches):
+        return {}
+    columns = [b.table().column("data") for b in batches]
+    if any(c.type != columns[0].type for c in columns):
+        return {}
+    every = row_hashes(pa.chunked_array([k for c in columns for k in c.chunks], columns[0].type))
+    out, at = {}, 0
+    for b in batches:
+        out[id(b)] = every[at : at + len(b)]
+        at += len(b)
+    return out
+
+
 def _examples(table: pa.Table) -> list[WireRow]:
     rows: list[WireRow] = table.slice(0, EXAMPLES_KEPT).to_pylist(maps_as_pydicts="strict")
     return rows
@@ -153,8 +175,10 @@ def _examples(table: pa.Table) -> list[WireRow]:
 class _Txn:
     """Staged changes of one :meth:`Consumer.apply`, merged only when all of it succeeded."""
 
-    def __init__(self, consumer: Consumer) -> None:
+    def __init__(self, consumer: Consumer, hashes: dict[int, np.ndarray] | None = None) -> None:
         self.c = consumer
+        #: record hashes of the body's update batches, by batch (see _body_hashes)
+        self.hashes = hashes or {}
         self.frontier = consumer._frontier
         self.epoch = consumer._epoch
         self.cleared = False  # a rollback happened: the consumer's pending no longer counts
@@ -189,15 +213,19 @@ class _Txn:
         return self._base(t) + self.added.get(t, [])
 
     def updates(self, batches: list[Updates]) -> None:
-        tables = [b.table().select(list(UPDATE_COLUMNS)) for b in batches if len(b)]
+        batches = [b for b in batches if len(b)]
+        tables = [b.table().select(list(UPDATE_COLUMNS)) for b in batches]
+        hashes = [self.hashes.get(id(b)) for b in batches]
         if len(tables) > 1:
             # record types may differ between batches: then they go one at a time
             with contextlib.suppress(pa.ArrowInvalid):
                 tables = [pa.concat_tables(tables)]
-        for table in tables:
-            self._updates(table)
+                known = [h for h in hashes if h is not None]
+                hashes = [np.concatenate(known) if len(known) == len(batches) else None]
+        for table, h in zip(tables, hashes, strict=True):
+            self._updates(table, h)
 
-    def _updates(self, table: pa.Table) -> None:
+    def _updates(self, table: pa.Table, hashes: np.ndarray | None = None) -> None:
         for name in ("time", "diff"):
             if table.schema.field(name).type != _INT64:
                 table = table.set_column(
@@ -209,14 +237,15 @@ class _Txn:
         if pc.any(zero).as_py():
             # the updates before the first zero diff are judged first, as if one at a time
             first = int(pc.index(zero, True).as_py())
-            self._accept(table.slice(0, first))
+            self._accept(table.slice(0, first), None if hashes is None else hashes[:first])
             row = _examples(table.slice(first))[0]
             raise ProtocolError(
                 f"{self._where(row['time'])}update with diff 0 for {row['data']!r:.200}"
             )
-        self._accept(table)
+        self._accept(table, hashes)
 
-    def _accept(self, table: pa.Table) -> None:
+    def _accept(self, table: pa.Table, hashes: np.ndarray | None = None) -> None:
+        """Stage the updates of ``table`` (whose records hash to ``hashes``, when known)."""
         if not table.num_rows:
             return
         if self.frontier is not None:
@@ -228,11 +257,15 @@ class _Txn:
                 if len(res.late) < EXAMPLES_KEPT:
                     res.late.extend(_examples(table.filter(late))[: EXAMPLES_KEPT - len(res.late)])
                 table = table.filter(pc.invert(late))
+                if hashes is not None:
+                    hashes = hashes[~np.asarray(late.to_numpy(zero_copy_only=False))]
                 if not table.num_rows:
                     return
         # (the records hashed once for the batch, whatever its times: a call per time
         # costs its own overhead, a tenth of a 100-time push's apply)
-        table = table.append_column(_HASHES, pa.array(row_hashes(table.column("data"))))
+        if hashes is None:
+            hashes = row_hashes(table.column("data"))
+        table = table.append_column(_HASHES, pa.array(hashes))
         for t, part in by_time(table):
             self._add(t, part.drop_columns([_HASHES]), part.column(_HASHES).to_numpy())
 

@@ -122,6 +122,26 @@ def test_state_machine_equals_naive_model_when_every_hash_collides(bodies):
         _check_against_model(bodies)
 
 
+def _as_arrow(bodies):
+    """The same bodies with every update batch held as Arrow, as a decoded body's are: a
+    body's batches are then hashed together, in one call."""
+    return [
+        ([Updates.from_arrow(m.table()) if isinstance(m, Updates) else m for m in ms], e)
+        for ms, e in bodies
+    ]
+
+
+@given(st.lists(BODY, max_size=25))
+def test_state_machine_equals_naive_model_with_arrow_batches(bodies):
+    _check_against_model(_as_arrow(bodies))
+
+
+@given(st.lists(BODY, max_size=25))
+def test_arrow_batches_when_every_hash_collides(bodies):
+    with mock.patch.object(state, "row_hashes", lambda data: np.zeros(len(data), np.uint64)):
+        _check_against_model(_as_arrow(bodies))
+
+
 def _check_against_model(bodies):
     store = MemoryStore()
     real = Consumer(store)
