@@ -181,20 +181,22 @@ def in_sorted(sorted_hashes: np.ndarray, order: np.ndarray, needles: np.ndarray)
     """Which hashes are in ``sorted_hashes`` (a binary search each), given as ``needles``
     (the hashes sorted: they walk the haystack in order, cache-friendly) and ``order``
     (where each needle stands among the hashes)."""
-    if not len(sorted_hashes):
-        return np.zeros(len(needles), dtype=bool)
-    at = np.searchsorted(sorted_hashes, needles)
-    at[at == len(sorted_hashes)] = 0
     found = np.empty(len(needles), dtype=bool)
-    found[order] = sorted_hashes[at] == needles
+    found[order] = _hits(sorted_hashes, needles)
     return found
 
 
 def meets(sorted_hashes: np.ndarray, needles: np.ndarray) -> bool:
     """Whether any of ``needles`` (sorted) is in ``sorted_hashes``: :func:`in_sorted` without
     the mask, for the usual batch that meets nothing."""
-    if not len(sorted_hashes) or not len(needles):
-        return False
+    return bool(np.any(_hits(sorted_hashes, needles)))
+
+
+def _hits(sorted_hashes: np.ndarray, needles: np.ndarray) -> np.ndarray:
+    """For each of ``needles`` (sorted), whether it is in ``sorted_hashes``."""
+    if not len(sorted_hashes):
+        return np.zeros(len(needles), dtype=bool)
     at = np.searchsorted(sorted_hashes, needles)
-    np.minimum(at, len(sorted_hashes) - 1, out=at)
-    return bool(np.any(sorted_hashes[at] == needles))
+    at[at == len(sorted_hashes)] = 0
+    hit: np.ndarray = sorted_hashes[at] == needles
+    return hit
