@@ -117,9 +117,10 @@ class Consumer:
     def apply(self, messages: Iterable[Message], *, epoch: int | None = None) -> ApplyResult:
         """Apply one body of messages atomically; raise a ProtocolError and change nothing."""
         messages = list(messages)
-        tx = _Txn(self, _body_hashes(messages))
+        tx = _Txn(self)
         if epoch is not None:
             tx.adopt_epoch(epoch)
+        tx.hashes = _body_hashes(messages)  # (after the epoch: a stale body is not hashed)
         run: list[Updates] = []  # consecutive update batches are judged as one
         for message in messages:
             match message:
@@ -175,10 +176,10 @@ def _examples(table: pa.Table) -> list[WireRow]:
 class _Txn:
     """Staged changes of one :meth:`Consumer.apply`, merged only when all of it succeeded."""
 
-    def __init__(self, consumer: Consumer, hashes: dict[int, np.ndarray] | None = None) -> None:
+    def __init__(self, consumer: Consumer) -> None:
         self.c = consumer
         #: record hashes of the body's update batches, by batch (see _body_hashes)
-        self.hashes = hashes or {}
+        self.hashes: dict[int, np.ndarray] = {}
         self.frontier = consumer._frontier
         self.epoch = consumer._epoch
         self.cleared = False  # a rollback happened: the consumer's pending no longer counts
