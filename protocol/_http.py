@@ -210,11 +210,18 @@ async def read_body(request: web.Request) -> bytes:
     limit = request.client_max_size
     chunks: list[bytes] = []
     size = 0
-    while chunk := await request.content.readany():
-        size += len(chunk)
-        if limit and size > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
-        chunks.append(chunk)
+    try:
+        while chunk := await request.content.readany():
+            size += len(chunk)
+            if limit and size > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+            chunks.append(chunk)
+    except ConnectionResetError:
+        # the client went away before its declared length arrived: a refusal like any
+        # other (one rate-limited line), not aiohttp's traceback of a server error
+        raise HttpError(
+            400, "body_cut_short", f"the connection closed after {size} bytes of the body"
+        ) from None
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 

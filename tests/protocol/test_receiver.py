@@ -128,9 +128,10 @@ async def test_each_error_status_changes_no_state(receiver, body, kw, status, co
     assert ack == {"frontier": 4, "pending": 0}  # the pending updates survived
 
 
-async def test_a_body_cut_short_changes_nothing_and_a_chunked_one_is_read(receiver):
+async def test_a_body_cut_short_changes_nothing_and_a_chunked_one_is_read(receiver, caplog):
     """A body read by its declared length whose client stops sending halfway: no answer,
-    nothing changed, and the receiver goes on; a chunked body (no length) is read whole."""
+    nothing changed, no server error logged (a refusal, not a traceback), and the
+    receiver goes on; a chunked body (no length) is read whole."""
     import asyncio
 
     base = await receiver()
@@ -150,6 +151,7 @@ async def test_a_body_cut_short_changes_nothing_and_a_chunked_one_is_read(receiv
     assert await asyncio.wait_for(reader.read(), 10) == b""
     writer.close()
     assert await state(base) == before
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
     async def chunks():
         for i in range(0, len(body), 7):
