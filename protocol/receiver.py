@@ -46,6 +46,7 @@ from ._http import (
     settle,
     token_middleware,
 )
+from ._warm import warm_up
 from .codecs import codec_for_content_type
 from .errors import CodecError, ProtocolError, TidefeedError
 from .messages import Updates, _json_default
@@ -78,6 +79,8 @@ class ReceiverConfig:
     #: a connection that sends no whole request (its headers unfinished, or nothing after
     #: the last answer) for this many seconds is closed
     idle_timeout: float = IDLE_TIMEOUT
+    #: apply a made-up large time in memory before listening (:mod:`protocol._warm`)
+    warm_up: bool = True
 
 
 DB = web.AppKey("db", SqliteDatabase)
@@ -413,9 +416,15 @@ def make_receiver_app(config: ReceiverConfig) -> web.Application:
     return app
 
 
+async def _warm_up(_app: web.Application) -> None:
+    await warm_up()
+
+
 def run_receiver(config: ReceiverConfig) -> None:
     app = make_receiver_app(config)
     app.on_startup.append(settle)
+    if config.warm_up:
+        app.on_startup.append(_warm_up)
     web.run_app(
         app,
         host=config.host,

@@ -97,6 +97,7 @@ def cmd_receive(args: argparse.Namespace) -> int:
         port=args.port,
         token=checked_token(args.token, "receive"),
         idle_timeout=args.idle_timeout,
+        warm_up=not args.no_warm_up,
     )
     return _listening("receive", args.host, args.port, lambda: run_receiver(config))
 

@@ -342,6 +342,12 @@ def _receive(command: Callable[..., OptionParser]) -> None:
         default=IDLE_TIMEOUT,
         help="close a connection that sends no whole request for this many seconds",
     )
+    p.option(
+        "--no-warm-up",
+        action="store_true",
+        help="listen at once, without first applying a made-up time of 400k updates in memory "
+        "(~0.2 s of CPU, ~70 MB kept; without it the first large push pays that growth)",
+    )
 
     p = command(
         "status", help="every feed of a log: frontier, last commit, emitter, subscriptions and lag"

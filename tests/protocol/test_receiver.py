@@ -515,3 +515,20 @@ def test_servers_keep_freed_memory_for_the_next_bodies():
     assert max(faults[1:]) < faults[0] // 20
     _, plain = run("plain")
     assert min(plain[1:]) > plain[0] // 2
+
+
+async def test_the_warm_up_applies_a_made_up_time_and_says_so(caplog):
+    from protocol._warm import warm_up
+
+    caplog.set_level(logging.DEBUG, "tidefeed.receive")
+    assert await warm_up(10_000, 3_000) == 10_000  # four bodies, the last one short
+    assert "warmed up: 10000 updates applied" in caplog.text
+
+
+async def test_a_warm_up_that_commits_less_than_it_made_fails_loudly(monkeypatch):
+    from protocol import _warm
+
+    made = _warm._bodies
+    monkeypatch.setattr(_warm, "_bodies", lambda n, per: made(n, per)[:-1])  # no progress
+    with pytest.raises(AssertionError, match="committed 0 of 10000"):
+        await _warm.warm_up(10_000, 3_000)
