@@ -68,6 +68,8 @@ def make_server_app(config: ServerConfig) -> web.Application:
                 await task
         for store in st.subs.values():
             await asyncio.to_thread(store.flush, force=True)
+        for watch in st.watches.values():
+            await watch.close()
 
     app.cleanup_ctx.append(subscriptions)
 

@@ -13,9 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from feed.log.checkpoint import CheckpointStore
 from feed.log.reader import FeedReader
-from feed.log.store import feed_names, valid_feed_name
+from feed.log.store import FeedLog, feed_names, valid_feed_name
 from feed.log.subscriptions import SubscriptionStore
 from feed.serve.limits import COMPACT_SECONDS, MAX_STREAMS, MAX_STREAMS_PER_CLIENT, STALL_SECONDS
+from feed.serve.watch import FeedWatch
 from protocol import CheckpointError
 from protocol._http import IDLE_TIMEOUT, HttpError
 from protocol.destinations import DEFAULT_PUSH_ALLOW, Destinations
@@ -122,6 +123,8 @@ class ServerState:
         self.metrics = Metrics()
         self.readers: dict[str, FeedReader] = {}
         self.subs: dict[str, SubscriptionStore] = {}
+        #: per feed, the one poll of its commits that its followers wait on
+        self.watches: dict[str, FeedWatch] = {}
         self.tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._quarantine: dict[str, dict[int, int]] = {}  # feed -> quarantine folder -> rows
         #: set when the server shuts down: following streams end at once (aiohttp waits
@@ -168,6 +171,14 @@ class ServerState:
                             rows += f.read().count(b"\n")
                 seen[n] = rows
             self.metrics.quarantined.labels(feed).set(sum(seen.values()))
+
+    def watch(self, feed: str) -> FeedWatch:
+        """The watch of ``feed``'s commits (a valid feed name: a reader of it exists)."""
+        w = self.watches.get(feed)
+        if w is None:
+            commits = CheckpointStore(FeedLog(self.config.log, feed))
+            w = self.watches[feed] = FeedWatch(commits, self.config.poll_seconds)
+        return w
 
     def sub_store(self, feed: str) -> SubscriptionStore:
         if feed not in self.subs:

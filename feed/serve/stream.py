@@ -18,6 +18,7 @@ from aiohttp import web
 
 from feed.log.reader import FeedReader
 from feed.serve.state import ServerState
+from feed.serve.watch import UNSEEN
 from protocol import (
     CheckpointError,
     Compacted,
@@ -315,9 +316,12 @@ async def _follow(
     from there)."""
     idle_since = time.monotonic()
     stopping = st.stopping
+    watch = st.watch(reader.name)
+    seen: int | None = UNSEEN  # (the times sent so far were read before any listing)
     while follow:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stopping.wait(), st.config.poll_seconds)
+        # wakes on a new commit of the feed, when a heartbeat is due, or at a stop
+        due = st.config.heartbeat_seconds - (time.monotonic() - idle_since)
+        seen = await watch.changed(seen, max(due, 0.0), stop=stopping)
         if stopping.is_set():
             return
         before = position()

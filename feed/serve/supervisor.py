@@ -29,6 +29,9 @@ __all__ = [
 
 log = logging.getLogger("tidefeed.serve")
 
+#: an idle subscription looks at its feed at least this often, whatever the watch says
+WATCH_TIMEOUT_SECONDS = 60.0
+
 
 def start_push(app: web.Application, sub: Subscription) -> None:
     st = app[STATE]
@@ -109,6 +112,8 @@ async def _push_sessions(app: web.Application, store: SubscriptionStore, sub: Su
         token=sub.token,
         allow=st.config.push_allow,
     ) as client:
+        watch = st.watch(sub.feed)
+        seen = watch.seen
         while True:
             await asyncio.to_thread(reader.refresh)
             lag()
@@ -127,7 +132,8 @@ async def _push_sessions(app: web.Application, store: SubscriptionStore, sub: Su
                     return
                 await asyncio.to_thread(store.flush)
             lag()
-            await asyncio.sleep(st.config.poll_seconds)
+            # (taken before the next look at the feed: a commit in between is not missed)
+            seen = await watch.changed(seen, WATCH_TIMEOUT_SECONDS)
 
 
 async def put_subscription(request: web.Request) -> web.Response:
