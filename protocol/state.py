@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 from ._consolidate import by_time
 from .errors import Conflict, CountMismatch, Gap, ProtocolError, StaleEpoch
 from .messages import UPDATE_COLUMNS, Message, Progress, Updates, WireRow, record_key
-from .rowhash import in_sorted, meets, merge_runs, row_hashes
+from .rowhash import PendingHashes, row_hashes
 from .stores import Store
 
 __all__ = ["ApplyResult", "Consumer"]
@@ -96,11 +96,11 @@ class Consumer:
         self._frontier = state.frontier
         self._epoch = state.epoch
         self._pending: _Pending = {}
-        #: per pending time, the hashes of all its pieces in a few sorted runs
-        #: (:func:`~protocol.rowhash.merge_runs`): a new body's records are looked up in
-        #: each, a binary search per record (one set or one array, rebuilt per body, was
-        #: quadratic in a time spread over many bodies: a stream's lines of 2 000 updates)
-        self._sorted: dict[int, list[np.ndarray]] = {}
+        #: per pending time, the hashes of all its pieces in a few sorted runs behind a
+        #: bitmap (:class:`~protocol.rowhash.PendingHashes`): a new body's records are
+        #: looked up in them (one set or one array, rebuilt per body, was quadratic in a
+        #: time spread over many bodies: a stream's lines of 2 000 updates)
+        self._sorted: dict[int, PendingHashes] = {}
 
     @property
     def frontier(self) -> int | None:
@@ -276,19 +276,18 @@ class _Txn:
         # for the consumer's sorted hashes of the time (merged in by finish())
         ordered = np.sort(hashes)
         pieces = self._pieces(t)
-        runs = self.c._sorted[t] if self._base(t) else []
+        held = self.c._sorted.get(t) if self._base(t) else None
         staged = self.added.get(t, [])
         # (the usual batch meets nothing: only then is it worth knowing which rows did)
-        met = any(meets(run, ordered) for run in runs) or bool(
+        met = bool(held is not None and held.meets(ordered)) or bool(
             staged and np.isin(ordered, np.concatenate([p.hashes for p in staged])).any()
         )
         repeated = bool(np.any(ordered[1:] == ordered[:-1]))
         if repeated or met:
             found = np.zeros(len(hashes), dtype=bool)
             if met:
-                order = np.argsort(hashes)
-                for run in runs:
-                    found |= in_sorted(run, order, ordered)
+                if held is not None:
+                    found |= held.found(np.argsort(hashes), ordered)
                 if staged:  # this body's earlier batches at t: few, looked up directly
                     found |= np.isin(hashes, np.concatenate([p.hashes for p in staged]))
             hv = pa.array(hashes)
@@ -439,7 +438,7 @@ class _Txn:
             c._pending[t] = c._pending.get(t, []) + pieces
             runs = [p.ordered for p in pieces]
             new = np.sort(np.concatenate(runs), kind="stable") if len(runs) > 1 else runs[0]
-            c._sorted[t] = merge_runs([*c._sorted.get(t, []), new])
+            c._sorted.setdefault(t, PendingHashes()).add(new)
         c._frontier, c._epoch = self.frontier, self.epoch
         self.result.frontier = self.frontier
         self.result.pending = c.pending

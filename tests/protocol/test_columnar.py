@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import itertools
+from unittest import mock
 
 import numpy as np
 import pyarrow as pa
@@ -214,37 +215,53 @@ def test_ndjson_stream_long_line_nested_past_the_body_limit_reads_as_before():
     assert first.rows()[3]["data"]["deep"] == deep
 
 
-@given(st.lists(st.integers(1, 300), min_size=1, max_size=60), st.randoms())
-def test_sorted_runs_hold_every_hash_in_few_runs_and_find_each(sizes, rnd):
-    from protocol.rowhash import in_sorted, meets, merge_runs
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=60),
+    st.randoms(),
+    # (when the map starts, its largest size): never, from 64 hashes, and held at 1 024
+    # slots, where most new hashes find their slot taken by another and are searched for
+    st.sampled_from([(1 << 40, 27), (64, 27), (64, 10)]),
+)
+def test_pending_hashes_hold_every_hash_in_few_runs_and_find_each(sizes, rnd, marks):
+    from protocol import rowhash
 
-    runs: list[np.ndarray] = []
-    added: list[np.ndarray] = []
-    first = 0
-    for n in sizes:
-        # distinct hashes, in no order: consecutive numbers times an odd number (mod 2**64)
-        new = np.arange(first, first + n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        new = new[np.array(rnd.sample(range(n), n))]
-        first += n
-        order = np.argsort(new)
-        # every hash added before is found, a new one is not
-        before = np.zeros(n, dtype=bool)
-        for run in runs:
-            before |= in_sorted(run, order, new[order])
-        assert not before.any()
-        assert not any(meets(run, np.sort(new)) for run in runs)
-        if added:
-            old = added[rnd.randrange(len(added))]
-            o = np.argsort(old)
-            assert all(np.logical_or.reduce([in_sorted(run, o, old[o]) for run in runs]).tolist())
-            # one old hash among new ones is met, wherever it sorts
-            mixed = np.sort(np.append(new, old[rnd.randrange(len(old))]))
-            assert any(meets(run, mixed) for run in runs)
-        runs = merge_runs([*runs, np.sort(new)])
-        added.append(new)
-        assert all(np.all(r[:-1] <= r[1:]) for r in runs)
-        assert all(len(a) >= 2 * len(b) for a, b in itertools.pairwise(runs))
-        assert np.array_equal(np.sort(np.concatenate(runs)), np.sort(np.concatenate(added)))
+    with (
+        mock.patch.object(rowhash, "MARK_FROM", marks[0]),
+        mock.patch.object(rowhash, "_MAX_SLOTS_LOG2", marks[1]),
+    ):
+        held = rowhash.PendingHashes()
+        added: list[np.ndarray] = []
+        first = 0
+        for n in sizes:
+            # distinct hashes, in no order: consecutive numbers times an odd number (mod 2**64)
+            new = np.arange(first, first + n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+            new = new[np.array(rnd.sample(range(n), n))]
+            first += n
+            order = np.argsort(new)
+            # every hash added before is found, a new one is not
+            assert not held.found(order, new[order]).any()
+            assert not held.meets(np.sort(new))
+            if added:
+                old = added[rnd.randrange(len(added))]
+                o = np.argsort(old)
+                assert held.found(o, old[o]).all()
+                # one old hash among new ones is met and found where it stands
+                at = rnd.randrange(n + 1)
+                mixed = np.insert(new, at, old[rnd.randrange(len(old))])
+                m = np.argsort(mixed)
+                assert held.meets(mixed[m])
+                assert np.flatnonzero(held.found(m, mixed[m])).tolist() == [at]
+            held.add(np.sort(new))
+            added.append(new)
+            runs = held.runs
+            assert all(np.all(r[:-1] <= r[1:]) for r in runs)
+            # few runs: merged as they come (each at least twice the next), or, behind a
+            # map, only past 8 runs; either way O(log n) of them
+            if held.size < rowhash.MARK_FROM:
+                assert all(len(a) >= 2 * len(b) for a, b in itertools.pairwise(runs))
+            assert len(runs) <= rowhash._MAX_RUNS + held.size.bit_length()
+            assert np.array_equal(np.sort(np.concatenate(runs)), np.sort(np.concatenate(added)))
+            assert held.size == first
 
 
 def test_a_nested_null_field_hashes_and_keys_as_an_absent_one():
