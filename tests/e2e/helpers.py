@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 import subprocess
@@ -116,6 +117,13 @@ def wait_up(port: int, timeout: float = 30) -> None:
         except OSError:
             time.sleep(0.1)
     raise TimeoutError(f"nothing answers on 127.0.0.1:{port}")
+
+
+def receiver_frontier(port: int, feed: str = "bank") -> int | None:
+    """The frontier a tidefeed receiver on 127.0.0.1:port holds for ``feed`` (None: new)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/push/{feed}", timeout=30) as r:
+        frontier: int | None = json.loads(r.read())["frontier"]
+    return frontier
 
 
 def bank_emit_args(src: Path, log: Path, *extra: str) -> list[str]:

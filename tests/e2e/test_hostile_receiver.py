@@ -17,7 +17,7 @@ import pytest
 from protocol import cdcv2_schema
 
 from ..corpus.make_corpus import avro_container, deflate
-from .helpers import free_port, start, wait_up
+from .helpers import free_port, receiver_frontier, start, wait_up
 
 RECORD = {"type": "record", "name": "data", "fields": [{"name": "id", "type": "long"}]}
 AVRO = "application/vnd.tidefeed.cdcv2+avro"
@@ -149,10 +149,7 @@ def test_unfinished_headers_are_closed_after_the_idle_timeout(tmp_path):
         took = _closed_within(port, 20)
         assert took < 10, took
         assert proc.poll() is None
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        conn.request("GET", "/v1/push/bank")
-        assert orjson.loads(conn.getresponse().read())["frontier"] is None
-        conn.close()
+        assert receiver_frontier(port) is None
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

@@ -3,14 +3,12 @@ applied in memory, and nothing of it reaches the database or any feed."""
 
 from __future__ import annotations
 
-import http.client
 import signal
 import sqlite3
 
-import orjson
 import pytest
 
-from .helpers import free_port, start, wait_up
+from .helpers import free_port, receiver_frontier, start, wait_up
 
 
 @pytest.mark.parametrize("flag", ["", "--no-warm-up"])
@@ -25,10 +23,7 @@ def test_the_receiver_warms_up_before_listening_and_keeps_nothing_of_it(tmp_path
         assert warmed == (not flag), text[-2000:]
         if warmed:  # before the server listened
             assert text.index("warmed up") < text.index("Running on")
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        conn.request("GET", "/v1/push/bank")
-        assert orjson.loads(conn.getresponse().read())["frontier"] is None
-        conn.close()
+        assert receiver_frontier(port) is None
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0

@@ -282,6 +282,34 @@ async def test_follow_streams_new_commits(feed_log):
         await runner.cleanup()
 
 
+async def test_an_idle_followed_stream_gets_its_heartbeats(feed_log):
+    """Nothing committed: the stream still says where it is every heartbeat (it waits on
+    the feed's watch, which wakes it for a commit, a heartbeat or a stop)."""
+    log, _ = feed_log
+    base, runner = await serve(
+        make_server_app(ServerConfig(log=str(log), poll_seconds=0.1, heartbeat_seconds=0.3))
+    )
+    try:
+        url = f"{base}/v1/feeds/bank/changes?follow=true"
+        async with aiohttp.ClientSession() as s, s.get(url) as r:
+            buf = io.BytesIO()
+            loop = asyncio.get_running_loop()
+            caught_up = None
+            while loop.time() < (caught_up or loop.time()) + 1.6:
+                buf.write(await asyncio.wait_for(r.content.readline(), 10))
+                msgs = get_codec("ndjson").decode(buf.getvalue())
+                if caught_up is None and accumulate(msgs) == as_multiset(TRUTH_2.values()):
+                    caught_up, first = loop.time(), len(msgs)
+        # (the progress that completes the catch-up has counts; a heartbeat has none)
+        beats = [m for m in msgs[first:] if isinstance(m, Progress) and not m.counts]
+        # about five in 1.6 s; a stream that waited for commits alone would send none
+        assert 3 <= len(beats) <= 8, beats
+        frontier = max(m.upper for m in msgs if isinstance(m, Progress))
+        assert {(b.lower, b.upper) for b in beats} == {(frontier, frontier)}
+    finally:
+        await runner.cleanup()
+
+
 async def test_push_subscription_into_a_receiver_and_pull_acks(feed_log, tmp_path):
     log, more = feed_log
     rbase, rrunner = await serve(make_receiver_app(ReceiverConfig(db=str(tmp_path / "r.db"))))
