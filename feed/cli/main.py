@@ -39,9 +39,20 @@ __all__ = ["build_parser", "main"]
 
 
 def _listening(command: str, host: str, port: int, run: Callable[[], None]) -> int:
-    """Run a server; a port in use (or any other failure to listen) is one line."""
+    """Run a server; a port in use (or any other failure to listen) is one line, and so is
+    a second SIGINT/SIGTERM that arrives while the first one's shutdown is under way."""
+    from aiohttp.web_runner import GracefulExit
+
     try:
         run()
+    except GracefulExit:
+        # aiohttp raises it for each signal; the second escapes its shutdown (a SystemExit
+        # of code 1, silent). What was kept is kept: a commit is atomic, and a push
+        # subscription's position is checked with its receiver at the next start.
+        print(
+            f"tidefeed {command}: stopped by a second signal before shutting down", file=sys.stderr
+        )
+        return EXIT_OK
     except TidefeedError:
         raise  # (a storage error is an OSError too, but not a failure to listen)
     except OSError as e:

@@ -549,3 +549,21 @@ def test_a_python_workers_error_is_named_from_the_line_after_sparks_heading():
     )
     error.java_exception = _JavaError("SparkException", "Job aborted", _JavaError("EOF", ""))
     assert _spark_reason(error) == "SparkException: Job aborted"  # (the cause said nothing)
+
+
+def test_a_second_signal_during_a_servers_shutdown_is_one_line_and_exit_0(capsys):
+    """aiohttp raises GracefulExit (a SystemExit of code 1) for each SIGINT/SIGTERM; the
+    second one, raised while the first one's shutdown runs, used to end serve and receive
+    with code 1 and not a word (two quick Ctrl-C, or `timeout -s INT`, which signals the
+    process and its group)."""
+    from aiohttp.web_runner import GracefulExit
+
+    from feed.cli.main import _listening
+
+    def interrupted() -> None:
+        raise GracefulExit()
+
+    assert _listening("serve", "127.0.0.1", 8080, interrupted) == 0
+    assert capsys.readouterr().err == (
+        "tidefeed serve: stopped by a second signal before shutting down\n"
+    )
