@@ -97,9 +97,9 @@ class Consumer:
         self._epoch = state.epoch
         self._pending: _Pending = {}
         #: per pending time, the hashes of all its pieces in a few sorted runs behind a
-        #: bitmap (:class:`~protocol.rowhash.PendingHashes`): a new body's records are
-        #: looked up in them (one set or one array, rebuilt per body, was quadratic in a
-        #: time spread over many bodies: a stream's lines of 2 000 updates)
+        #: map of their top bits (:class:`~protocol.rowhash.PendingHashes`): a new body's
+        #: records are looked up in them (one set or one array, rebuilt per body, was
+        #: quadratic in a time spread over many bodies: a stream's lines of 2 000 updates)
         self._sorted: dict[int, PendingHashes] = {}
 
     @property
