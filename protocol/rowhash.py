@@ -249,10 +249,11 @@ class PendingHashes:
     def _slots(self, ordered: np.ndarray) -> np.ndarray:
         return (ordered >> np.uint64(64 - self._log2)).astype(np.intp)
 
-    def _candidates(self, ordered: np.ndarray) -> np.ndarray:
-        """Positions in ``ordered`` (sorted) of the hashes that may be held."""
+    def _candidates(self, ordered: np.ndarray) -> slice | np.ndarray:
+        """Where in ``ordered`` (sorted) the hashes that may be held are: every one (a
+        slice, no copy) without a map."""
         if self._map is None:
-            return np.arange(len(ordered))
+            return slice(None)
         return np.flatnonzero(self._map[self._slots(ordered)])
 
     def meets(self, ordered: np.ndarray) -> bool:
@@ -264,9 +265,9 @@ class PendingHashes:
         """Which hashes are held, given sorted (``ordered``, walked in the runs' order) and
         where each stands among them (``order``): a mask in the hashes' order."""
         at = self._candidates(ordered)
+        some = ordered[at]
         hit = np.zeros(len(ordered), dtype=bool)
-        if len(at):
-            some = ordered[at]
+        if len(some):
             for run in self.runs:
                 hit[at] |= _hits(run, some)
         found = np.empty(len(ordered), dtype=bool)
